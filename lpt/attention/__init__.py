@@ -1,0 +1,1 @@
+"""lpt.attention (under construction)."""

@@ -1,0 +1,1 @@
+"""lpt.data (under construction)."""

@@ -1,0 +1,1 @@
+"""lpt.fp8 (under construction)."""

@@ -1,0 +1,1 @@
+"""lpt.kernels (under construction)."""

@@ -1,0 +1,1 @@
+"""lpt.lab (under construction)."""

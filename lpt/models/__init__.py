@@ -1,0 +1,1 @@
+"""lpt.models (under construction)."""

@@ -1,0 +1,1 @@
+"""lpt.optim (under construction)."""

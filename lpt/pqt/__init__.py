@@ -1,0 +1,1 @@
+"""lpt.pqt (under construction)."""

@@ -1,0 +1,1 @@
+"""lpt.train (under construction)."""
