@@ -44,11 +44,7 @@ class FloatFormat:
 
 def _make(dtype) -> FloatFormat:
     dt = np.dtype(dtype)
-    fi = (
-        ml_dtypes.finfo(dt)
-        if dt.kind == "V" or dt.name not in ("float16", "float32", "float64")
-        else np.finfo(dt)
-    )
+    fi = ml_dtypes.finfo(dt) if dt.kind == "V" or dt.name not in ("float16", "float32", "float64") else np.finfo(dt)
     p = int(fi.nmant)
     sub = float(fi.smallest_subnormal)
     normal = float(fi.smallest_normal)

@@ -85,8 +85,9 @@ def round_nearest(x, dtype, *, saturate: bool | None = None, out_dtype=None) -> 
       dtype: target format: bfloat16, float16, float8_e4m3fn, float8_e5m2, float6_e2m3fn, float6_e3m2fn,
         float4_e2m1fn (float32 returns x as f32).
       saturate: overflow policy (see module docstring); None = saturate iff the format has no inf.
-      out_dtype: dtype of the returned array; default ``dtype`` (f32 for the fp6 formats, which XLA cannot store). Pass ``jnp.float32`` to get the rounded values
-        as f32 (exactly on ``dtype``'s grid), which is what update rules need to form exact deltas.
+      out_dtype: dtype of the returned array; default ``dtype`` (f32 for the fp6 formats, which XLA cannot
+        store). Pass ``jnp.float32`` to get the rounded values as f32 (exactly on ``dtype``'s grid), which is
+        what update rules need to form exact deltas.
     """
     fmt = get_format(dtype)
     x32 = _as_f32(x)
