@@ -1,0 +1,167 @@
+"""Fine-grained FP8 quantization: 1 x B tiles (activations, gradients), B x B blocks (weights), one scale per tile.
+
+For a tile ``t`` (B consecutive elements along one axis, or a B x B block) and FP8 format with largest finite value
+``F`` (448 for float8_e4m3fn, 57344 for float8_e5m2)::
+
+    amax  = max |t|
+    scale = amax / F                          (scale_format="f32")
+    scale = 2 ** ceil(log2(amax / F))         (scale_format="pow2": dividing by it is exact, amax/scale <= F)
+    scale = 1                                 if amax == 0
+    q     = round_nearest(t / scale, fp8)     (saturating, so f32 round-off in t/scale can never give inf)
+    t     ~ q * scale                         (dequantize)
+
+Design decision — shapes: the tiled axis (and both axes of a weight) must be a multiple of the block size; anything
+else raises ``ValueError``. We do not pad silently, because a padded weight would change the layer's shape.
+(``lpt.fp8.blockwise_dot`` zero-pads only the *token* axis of its dW GEMM, which is exact: zeros add nothing to the
+sum and never raise a tile's amax.) Non-finite inputs make their tile's scale non-finite and its values NaN, so
+they surface instead of being clipped away.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lpt.numerics import exponent_of, get_format, pow2, round_nearest
+
+__all__ = [
+    "FP8_DTYPES",
+    "SCALE_FORMATS",
+    "QuantStats",
+    "check_fp8_dtype",
+    "compute_scale",
+    "dequantize_blocks",
+    "dequantize_tiles",
+    "quantize_blocks",
+    "quantize_tensor",
+    "quantize_tiles",
+    "quantization_stats",
+]
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+SCALE_FORMATS = ("f32", "pow2")
+
+
+def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"{what} must be float8_e4m3fn or float8_e5m2, got {dtype!r}") from e
+    if d not in FP8_DTYPES:
+        raise ValueError(f"{what} must be float8_e4m3fn or float8_e5m2, got {d}")
+    return d
+
+
+def _check_scale_format(scale_format: str) -> None:
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+
+
+def _check_float(x, what: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{what} must be a floating-point array, got dtype {x.dtype}")
+    return x
+
+
+def compute_scale(amax_f32: jax.Array, dtype, scale_format: str = "f32") -> jax.Array:
+    """f32 scale with ``amax / scale <= max(dtype)``; 1 where amax == 0 (see module docstring)."""
+    fmax = jnp.float32(get_format(dtype).max)
+    _check_scale_format(scale_format)
+    ratio = amax_f32 / fmax
+    if scale_format == "pow2":
+        e = exponent_of(ratio)  # floor(log2 ratio) from the f32 bits
+        e = e + (ratio > pow2(e)).astype(jnp.int32)  # bool -> int32: ceil(log2 ratio)
+        ratio = jnp.where(jnp.isfinite(ratio), pow2(e), ratio)
+    return jnp.where(amax_f32 > 0, ratio, jnp.float32(1.0))
+
+
+def _quantize_grouped(x_f32: jax.Array, dtype, scale_format: str, reduce_axes: tuple[int, ...]):
+    amax = jnp.max(jnp.abs(x_f32), axis=reduce_axes, keepdims=True)
+    scale = compute_scale(amax, dtype, scale_format)
+    q = round_nearest(x_f32 / scale, dtype, saturate=True)  # f32 -> fp8, RNE, saturating
+    return q, scale
+
+
+def quantize_tiles(x, dtype=jnp.float8_e4m3fn, *, axis: int = -1, block: int = 128, scale_format: str = "f32"):
+    """Quantize ``x`` in 1 x ``block`` tiles along ``axis``.
+
+    Returns ``(q, scale)``: ``q`` has x's shape in ``dtype``; ``scale`` is f32 with ``x.shape[axis] // block`` in
+    place of ``axis``. Raises ValueError if ``x.shape[axis]`` is not a multiple of ``block``.
+    """
+    dtype = check_fp8_dtype(dtype)
+    x = _check_float(x, "x")
+    axis = axis % x.ndim
+    size = x.shape[axis]
+    if block <= 0 or size % block:
+        raise ValueError(
+            f"x.shape[{axis}]={size} (shape {x.shape}) must be a multiple of the tile size {block}; "
+            "pad the tensor or choose a block size that divides it"
+        )
+    x32 = x.astype(jnp.float32)  # any float -> f32
+    shape_g = x.shape[:axis] + (size // block, block) + x.shape[axis + 1 :]
+    q, scale = _quantize_grouped(x32.reshape(shape_g), dtype, scale_format, (axis + 1,))
+    return q.reshape(x.shape), jnp.squeeze(scale, axis + 1)
+
+
+def dequantize_tiles(q, scale, *, axis: int = -1, block: int = 128, dtype=jnp.float32) -> jax.Array:
+    """Inverse of :func:`quantize_tiles`: ``q * scale`` (each scale repeated over its tile), cast to ``dtype``."""
+    axis = axis % q.ndim
+    s = jnp.repeat(scale, block, axis=axis)
+    return (q.astype(jnp.float32) * s).astype(dtype)  # fp8 -> f32 exact; product f32 -> dtype
+
+
+def quantize_blocks(w, dtype=jnp.float8_e4m3fn, *, block: int = 128, scale_format: str = "f32"):
+    """Quantize a 2-D weight ``w[K, N]`` in ``block`` x ``block`` blocks; returns ``(q[K, N], scale[K/b, N/b])``."""
+    dtype = check_fp8_dtype(dtype)
+    w = _check_float(w, "w")
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [K, N], got shape {w.shape}")
+    k, n = w.shape
+    if block <= 0 or k % block or n % block:
+        raise ValueError(f"weight shape {w.shape} must have both dims multiples of the block size {block}")
+    w32 = w.astype(jnp.float32).reshape(k // block, block, n // block, block)  # any float -> f32
+    q, scale = _quantize_grouped(w32, dtype, scale_format, (1, 3))
+    return q.reshape(k, n), scale[:, 0, :, 0]
+
+
+def dequantize_blocks(q, scale, *, block: int = 128, dtype=jnp.float32) -> jax.Array:
+    """Inverse of :func:`quantize_blocks`."""
+    s = jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)
+    return (q.astype(jnp.float32) * s).astype(dtype)  # fp8 -> f32 exact; product f32 -> dtype
+
+
+def quantize_tensor(x, dtype=jnp.float8_e4m3fn, *, scale_format: str = "f32"):
+    """Per-tensor baseline: one scale for the whole tensor; returns ``(q, scale[])``."""
+    dtype = check_fp8_dtype(dtype)
+    x = _check_float(x, "x")
+    q, scale = _quantize_grouped(x.astype(jnp.float32), dtype, scale_format, tuple(range(x.ndim)))
+    return q, scale.reshape(())
+
+
+class QuantStats(NamedTuple):
+    """Counts of what quantization lost: values clipped at the format max, and nonzeros flushed to zero."""
+
+    saturated: jax.Array  # int32: |x / scale| > max(dtype) before rounding
+    underflowed: jax.Array  # int32: x != 0 but q == 0
+    total: jax.Array  # int32: number of elements
+
+
+def quantization_stats(x, q, scale, *, axis: int | None = -1, block: int = 128) -> QuantStats:
+    """Saturation / underflow counts for ``q, scale = quantize_*(x)``.
+
+    ``axis=None`` means ``scale`` is per-block of a 2-D weight (``quantize_blocks``) or a scalar (per-tensor).
+    """
+    x32 = _check_float(x, "x").astype(jnp.float32)  # any float -> f32
+    if scale.ndim == 0:
+        s = scale
+    elif axis is None:
+        s = jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)
+    else:
+        s = jnp.repeat(scale, block, axis=axis % x32.ndim)
+    fmax = jnp.float32(get_format(q.dtype).max)
+    saturated = jnp.sum((jnp.abs(x32 / s) > fmax).astype(jnp.int32))  # bool -> int32
+    underflowed = jnp.sum(((x32 != 0) & (q.astype(jnp.float32) == 0)).astype(jnp.int32))  # bool -> int32
+    return QuantStats(saturated, underflowed, jnp.int32(x32.size))

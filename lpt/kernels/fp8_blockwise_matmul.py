@@ -1,0 +1,168 @@
+"""Blockwise-scaled FP8 matmul with promoted f32 accumulation: a portable Pallas kernel and its XLA twin.
+
+Both functions compute, for quantized operands ``a[M, K]`` and ``b[K, N]`` (float8 or any float) with one scale per
+(row, K-chunk) of ``a`` and per (K-chunk, column) of ``b``::
+
+    out[m, n] = sum_{c=0}^{K/Nc - 1}  ( a[m, cNc:(c+1)Nc] @ b[cNc:(c+1)Nc, n] ) * sa[m, c] * sb[c, n]
+
+with the chunk sum inside the parentheses computed as one f32-accumulating dot (FP8 x FP8 products are exact in
+f32) and the chunks added into an f32 accumulator in increasing ``c`` (the DeepSeek-V3 "promotion every Nc = 128").
+The scale expression is evaluated as ``(partial * sa) * sb`` in both implementations, so they agree to f32
+round-off (only the summation order inside one chunk's dot may differ).
+
+This one primitive covers all three GEMMs of a linear layer: forward (1x128 activation tiles, 128x128 weight blocks
+with ``sb`` repeated over each block's 128 columns), dX (gradient tiles along N, the same weight blocks transposed)
+and dW (activation and gradient tiles along the token dimension). ``lpt.fp8.blockwise_dot`` builds them.
+
+* :func:`fp8_blockwise_matmul_reference` (XLA): a ``lax.scan`` over K-chunks carrying the (M, N) f32
+  accumulator; it never materializes a (K/Nc, M, N) tensor.
+* :func:`fp8_blockwise_matmul` (Pallas): grid over (M/bm, N/bn) output tiles; each program holds its rows of ``a``
+  and columns of ``b`` and loops over the K-chunks with ``fori_loop``. On CPU it runs interpreted; on CUDA it lowers
+  through the Triton backend (``__gpu$xla.gpu.triton``); on TPU through Mosaic (``tpu_custom_call``). The platform is
+  chosen with ``jax.lax.platform_dependent`` (or ``interpret=True`` forces the interpreter everywhere).
+  Triton cannot multiply mixed FP8 formats (e4m3 x e5m2, which the backward GEMMs use), so when the operand dtypes
+  differ both chunks are upcast to bf16 inside the kernel: exact for e4m3 and e5m2, so the result is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["fp8_blockwise_matmul", "fp8_blockwise_matmul_reference"]
+
+
+def _check(a, sa, b, sb, chunk: int) -> tuple[int, int, int]:
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"a and b must be 2-D, got shapes {a.shape} and {b.shape}")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise ValueError(f"contracting dims differ: a is {a.shape}, b is {b.shape}")
+    if chunk <= 0 or k % chunk:
+        raise ValueError(f"K={k} must be a positive multiple of the chunk size {chunk}")
+    if sa.shape != (m, k // chunk) or sb.shape != (k // chunk, n):
+        raise ValueError(
+            f"scales must have shapes sa={(m, k // chunk)}, sb={(k // chunk, n)}; got {sa.shape}, {sb.shape}"
+        )
+    if sa.dtype != jnp.float32 or sb.dtype != jnp.float32:
+        raise ValueError(f"scales must be float32, got {sa.dtype} and {sb.dtype}")
+    return m, k, n
+
+
+def fp8_blockwise_matmul_reference(a, sa, b, sb, *, chunk: int = 128) -> jax.Array:
+    """XLA twin of the kernel: scan over K-chunks, ``acc += (a_c @ b_c) * sa[:, c] * sb[c, :]`` in f32."""
+    m, k, n = _check(a, sa, b, sb, chunk)
+    nk = k // chunk
+    a_c = jnp.transpose(a.reshape(m, nk, chunk), (1, 0, 2))  # [nk, M, Nc], dtype unchanged
+    b_c = b.reshape(nk, chunk, n)  # [nk, Nc, N]
+
+    def step(acc, xs):
+        a_i, b_i, sa_i, sb_i = xs
+        a32 = a_i.astype(jnp.float32)  # fp8 -> f32, exact
+        b32 = b_i.astype(jnp.float32)  # fp8 -> f32, exact
+        partial = jnp.dot(a32, b32, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return acc + partial * sa_i[:, None] * sb_i[None, :], None
+
+    acc0 = jnp.zeros((m, n), jnp.float32)
+    acc, _ = lax.scan(step, acc0, (a_c, b_c, sa.T, sb))
+    return acc
+
+
+def _kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, chunk: int, nk: int, upcast: bool):
+    bm, bn = o_ref.shape
+    sa_all = sa_ref[...]  # [bm, nk_pad] f32
+    sb_all = sb_ref[...]  # [nk_pad, bn] f32
+
+    def body(c, acc):
+        start = pl.multiple_of(c * chunk, chunk)
+        a = a_ref[:, pl.ds(start, chunk)]
+        b = b_ref[pl.ds(start, chunk), :]
+        if upcast:
+            a = a.astype(jnp.bfloat16)  # fp8 -> bf16, exact (mixed fp8 formats cannot feed one MMA)
+            b = b.astype(jnp.bfloat16)  # fp8 -> bf16, exact
+        partial = jnp.dot(a, b, preferred_element_type=jnp.float32)
+        # Pick column c of sa and row c of sb with a masked sum (dynamic lane slicing is not portable).
+        sa_c = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, sa_all.shape, 1) == c, sa_all, 0.0), axis=1)
+        sb_c = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, sb_all.shape, 0) == c, sb_all, 0.0), axis=0)
+        return acc + partial * sa_c[:, None] * sb_c[None, :]
+
+    o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _pallas(a, sa, b, sb, *, chunk, block_m, block_n, interpret, compiler_params):
+    m, k = a.shape
+    n = b.shape[1]
+    nk = k // chunk
+    kernel = functools.partial(_kernel, chunk=chunk, nk=nk, upcast=a.dtype != b.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(m // block_m, n // block_n),
+        in_specs=[
+            pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((block_m, sa.shape[1]), lambda i, j: (i, 0)),
+            pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+            pl.BlockSpec((sb.shape[0], block_n), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )(a, sa, b, sb)
+
+
+def fp8_blockwise_matmul(
+    a, sa, b, sb, *, chunk: int = 128, block_m: int = 128, block_n: int = 128, interpret: bool | None = None
+) -> jax.Array:
+    """Pallas kernel for the sum in the module docstring; returns f32 ``[M, N]``.
+
+    Args:
+      a, sa, b, sb: operands ``a[M, K]``, ``b[K, N]`` and f32 scales ``sa[M, K/chunk]``, ``sb[K/chunk, N]``.
+      chunk: promotion interval Nc along K.
+      block_m, block_n: output tile. ``N`` must be a multiple of ``block_n`` (a power of two, >= 16); ``M`` is
+        zero-padded to a multiple of ``block_m`` (the tile shrinks to the next power of two >= max(M, 16)).
+      interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` (default) picks per platform
+        with ``lax.platform_dependent``: interpreter on CPU, Triton on CUDA, Mosaic on TPU.
+    """
+    m, k, n = _check(a, sa, b, sb, chunk)
+    for name, v in (("block_m", block_m), ("block_n", block_n)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if n % block_n:
+        raise ValueError(f"N={n} must be a multiple of block_n={block_n}")
+    if interpret not in (None, True):
+        raise ValueError(f"interpret must be None (choose per platform) or True, got {interpret!r}")
+    block_m = min(block_m, _next_pow2(max(m, 16)))
+    m_pad = -(-m // block_m) * block_m
+    nk = k // chunk
+    nk_pad = _next_pow2(nk)  # Triton needs power-of-two array shapes; padded scales are never selected
+    a_p = jnp.pad(a, ((0, m_pad - m), (0, 0)))  # zero rows contribute zero output rows, sliced off below
+    sa_p = jnp.pad(sa, ((0, m_pad - m), (0, nk_pad - nk)))
+    sb_p = jnp.pad(sb, ((0, nk_pad - nk), (0, 0)))
+    run = functools.partial(_pallas, chunk=chunk, block_m=block_m, block_n=block_n)
+    if interpret:
+        out = run(a_p, sa_p, b, sb_p, interpret=True, compiler_params=None)
+    else:
+        out = lax.platform_dependent(
+            a_p,
+            sa_p,
+            b,
+            sb_p,
+            cpu=functools.partial(run, interpret=True, compiler_params=None),
+            cuda=functools.partial(run, interpret=False, compiler_params=pltriton.CompilerParams()),
+            tpu=functools.partial(
+                run,
+                interpret=False,
+                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+            ),
+        )
+    return out[:m]
