@@ -1,1 +1,64 @@
-"""lpt.optim (under construction)."""
+"""lpt.optim: optax GradientTransformations for low-precision weight updates.
+
+Each update rule goes **last** in an optax chain and emits ``new_param.astype(f32) - param.astype(f32)``, so that
+``optax.apply_updates`` and ``nnx.Optimizer`` reproduce the rounded new parameters bit for bit::
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4), lpt.optim.kahan_summation())
+    params = optax.apply_updates(params, tx.update(grads, state, params)[0])   # params stay bf16
+
+For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit fp8 + f32 promotion that
+``optax.apply_updates`` relies on).
+
+Rules: :func:`kahan_summation` (seed 000 Alg. 1), :func:`stochastic_rounding` (seed 000), :func:`nearest_rounding`
+(the baseline), :func:`norm_preserving_update` (seed 003). Helpers: compensated gradient accumulation, diagnostics,
+f32-checkpoint conversion, and recipes (:func:`adamw`, :func:`kahan_adamw`, :func:`update_rule`).
+"""
+
+from lpt.optim.accumulation import (
+    CompensatedSum,
+    compensated_sum_add,
+    compensated_sum_init,
+    compensated_sum_mean,
+    compensated_sum_value,
+)
+from lpt.optim.apply import apply_updates
+from lpt.optim.diagnostics import find_compensation, get_diagnostics, replace_compensation
+from lpt.optim.kahan import KahanSummationState, compensation_from_f32, kahan_step, kahan_summation, to_f32
+from lpt.optim.leaves import UpdateDiagnostics
+from lpt.optim.norm_preserving import NormPreservingState, norm_preserving_step, norm_preserving_update
+from lpt.optim.recipes import UPDATE_RULES, adamw, kahan_adamw, update_rule
+from lpt.optim.rounding_rules import (
+    NearestRoundingState,
+    StochasticRoundingState,
+    nearest_rounding,
+    stochastic_rounding,
+)
+
+__all__ = [
+    "UPDATE_RULES",
+    "CompensatedSum",
+    "KahanSummationState",
+    "NearestRoundingState",
+    "NormPreservingState",
+    "StochasticRoundingState",
+    "UpdateDiagnostics",
+    "adamw",
+    "apply_updates",
+    "compensated_sum_add",
+    "compensated_sum_init",
+    "compensated_sum_mean",
+    "compensated_sum_value",
+    "compensation_from_f32",
+    "find_compensation",
+    "get_diagnostics",
+    "kahan_adamw",
+    "kahan_step",
+    "kahan_summation",
+    "nearest_rounding",
+    "norm_preserving_step",
+    "norm_preserving_update",
+    "replace_compensation",
+    "stochastic_rounding",
+    "to_f32",
+    "update_rule",
+]

@@ -1,0 +1,146 @@
+"""Per-leaf plumbing shared by the update rules that go last in an optax chain.
+
+An update rule turns the incoming update ``u`` of every parameter leaf ``p`` into the change its rounding actually
+makes, ``delta = new_p.astype(f32) - p.astype(f32)``, so that ``optax.apply_updates`` (which adds in f32 and casts back)
+reproduces ``new_p`` bit for bit. This module validates the trees, walks them with their paths, and sums the
+diagnostics; the rules themselves only say how one leaf is rounded.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lpt.numerics import FORMATS
+
+# Leaf dtypes an update rule rounds into; wider floats (f32, f64) pass through unchanged.
+ROUNDED_DTYPES = tuple(sorted(n for n, f in FORMATS.items() if n != "float32" and f.xla_storable))
+PASS_THROUGH_DTYPES = ("float32", "float64")
+
+
+class UpdateDiagnostics(NamedTuple):
+    """Scalars a user can log, summed over every parameter leaf of one step.
+
+    cancelled_fraction: among elements whose intended update is nonzero, the fraction whose parameter did not change
+      (for Kahan: deferred into the compensation; for nearest rounding: lost).
+    intended_norm: global L2 norm of the incoming updates ``u``.
+    applied_norm: global L2 norm of the changes actually made to the parameters.
+    """
+
+    cancelled_fraction: jax.Array
+    intended_norm: jax.Array
+    applied_norm: jax.Array
+
+
+def empty_diagnostics() -> UpdateDiagnostics:
+    z = jnp.zeros((), jnp.float32)
+    return UpdateDiagnostics(z, z, z)
+
+
+def leaf_id(path: str) -> int:
+    """A stable 31-bit id of a leaf path (same in every process; used with ``jax.random.fold_in``)."""
+    return zlib.crc32(path.encode()) & 0x7FFFFFFF
+
+
+def needs_rounding(dtype) -> bool:
+    """True if ``dtype`` is a low-precision float an update rule rounds into; raises for unsupported dtypes."""
+    name = np.dtype(dtype).name
+    if name in ROUNDED_DTYPES:
+        return True
+    if name in PASS_THROUGH_DTYPES:
+        return False
+    raise ValueError(
+        f"unsupported parameter dtype {name!r}; lpt.optim update rules support {list(ROUNDED_DTYPES)} "
+        f"(rounded) and {list(PASS_THROUGH_DTYPES)} (passed through unchanged)"
+    )
+
+
+def _check(rule: str, updates, params) -> None:
+    if params is None:
+        raise ValueError(f"{rule} needs the parameters: call update(updates, state, params)")
+    su, sp = jax.tree.structure(updates), jax.tree.structure(params)
+    if su != sp:
+        raise ValueError(f"{rule}: updates and params trees differ:\n  updates: {su}\n  params:  {sp}")
+
+
+def map_leaves(
+    rule: str,
+    fn: Callable[..., tuple],
+    updates: Any,
+    params: Any,
+    *states: Any,
+    diagnostics: bool = False,
+) -> tuple[Any, tuple[Any, ...], UpdateDiagnostics | None]:
+    """Apply ``fn(path, p, u_f32, *state_leaves) -> (new_p_f32, *new_state_leaves)`` to every leaf.
+
+    ``fn`` is only called for leaves whose dtype needs rounding; f32/f64 leaves get ``delta = u`` and keep their
+    state leaves. Returns ``(deltas, new_states, diagnostics_or_None)`` where deltas are f32
+    ``new_p - p`` (the pass-through leaves keep their update dtype).
+    """
+    _check(rule, updates, params)
+    flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
+    flat_u = treedef.flatten_up_to(updates)
+    flat_s = [treedef.flatten_up_to(s) for s in states]
+    deltas, new_states = [], [[] for _ in states]
+    sq_u, sq_d, n_cancel, n_nonzero = [], [], [], []
+    for i, ((path, p), u) in enumerate(zip(flat_p, flat_u, strict=True)):
+        name = jax.tree_util.keystr(path)
+        p, u = jnp.asarray(p), jnp.asarray(u)
+        if not jnp.issubdtype(u.dtype, jnp.floating):
+            raise ValueError(f"{rule}: update at {name} has dtype {u.dtype}; updates must be floating point")
+        if p.shape != u.shape:
+            raise ValueError(f"{rule}: update at {name} has shape {u.shape} but the param has shape {p.shape}")
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            raise ValueError(f"{rule}: param at {name} has dtype {p.dtype}; only floating-point params are supported")
+        leaf_states = [fs[i] for fs in flat_s]
+        if needs_rounding(p.dtype):
+            u32 = u.astype(jnp.float32)  # update dtype -> f32
+            p32 = p.astype(jnp.float32)  # low precision -> f32 (exact)
+            new_p32, *new_leaf_states = fn(name, p, u32, *leaf_states)
+            delta = new_p32 - p32  # exact in f32: both on p's grid
+        else:
+            u32 = delta = u
+            new_leaf_states = leaf_states
+        deltas.append(delta)
+        for j, s in enumerate(new_leaf_states):
+            new_states[j].append(s)
+        if diagnostics:
+            u32 = u32.astype(jnp.float32)  # (pass-through leaves) any float -> f32 for the statistics
+            d32 = delta.astype(jnp.float32)
+            nz = u32 != 0
+            sq_u.append(jnp.sum(u32 * u32))
+            sq_d.append(jnp.sum(d32 * d32))
+            n_cancel.append(jnp.sum(nz & (d32 == 0), dtype=jnp.float32))
+            n_nonzero.append(jnp.sum(nz, dtype=jnp.float32))
+    out = treedef.unflatten(deltas)
+    outs = tuple(treedef.unflatten(s) for s in new_states)
+    diag = None
+    if diagnostics:
+        if not deltas:
+            diag = empty_diagnostics()
+        else:
+            nnz = sum(n_nonzero)
+            diag = UpdateDiagnostics(
+                cancelled_fraction=sum(n_cancel) / jnp.maximum(nnz, 1.0),
+                intended_norm=jnp.sqrt(sum(sq_u)),
+                applied_norm=jnp.sqrt(sum(sq_d)),
+            )
+    return out, outs, diag
+
+
+def zeros_like_rounded(params: Any, dtype_fn: Callable[[jnp.dtype], Any]) -> Any:
+    """A tree like ``params``: zeros of ``dtype_fn(p.dtype)`` for rounded leaves, an f32 scalar 0 placeholder for
+    pass-through leaves (they need no state; the scalar keeps the tree structure equal to the params')."""
+
+    def one(p):
+        p = jnp.asarray(p)
+        if needs_rounding(p.dtype):
+            return jnp.zeros(p.shape, dtype_fn(p.dtype))
+        return jnp.zeros((), jnp.float32)
+
+    return jax.tree.map(one, params)

@@ -1,0 +1,79 @@
+"""Stateless update rules: round ``p + u`` to nearest or stochastically. Each goes last in an optax chain."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpt.numerics import round_nearest, round_stochastic
+from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, leaf_id, map_leaves
+
+
+class NearestRoundingState(NamedTuple):
+    diagnostics: UpdateDiagnostics | None
+
+
+class StochasticRoundingState(NamedTuple):
+    """``count`` is the step number that keys the randomness; no per-parameter state is needed."""
+
+    count: jax.Array
+    diagnostics: UpdateDiagnostics | None
+
+
+def nearest_rounding(*, diagnostics: bool = False) -> optax.GradientTransformation:
+    """``new_p = round_nearest(p + u)`` in p's dtype: what ``optax.apply_updates`` does to bf16 params anyway.
+
+    It exists as the baseline of the other rules: it emits the exact f32 change (so ``apply_updates`` is bit-exact)
+    and, with ``diagnostics=True``, reports how many elements' updates were cancelled (seed 000, Theorem 1: every
+    |u| below half an ulp of p is lost). f32/f64 leaves pass through unchanged.
+    """
+
+    def init_fn(params):
+        del params
+        return NearestRoundingState(empty_diagnostics() if diagnostics else None)
+
+    def update_fn(updates, state, params=None):
+        def leaf(_, p, u32):
+            p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
+            return (round_nearest(p32 + u32, p.dtype, out_dtype=jnp.float32),)
+
+        deltas, _, diag = map_leaves("nearest_rounding", leaf, updates, params, diagnostics=diagnostics)
+        del state
+        return deltas, NearestRoundingState(diag)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def stochastic_rounding(seed: int = 0, *, diagnostics: bool = False) -> optax.GradientTransformation:
+    """``new_p = round_stochastic(p + u)`` in p's dtype, so that E[new_p] = p + u. Put it **last** in a chain.
+
+    The random bits of a leaf come from ``fold_in(fold_in(key(seed), step), crc32(leaf path))``: the same in every
+    process and for every sharding (JAX's partitionable threefry makes ``random.bits`` sharding-invariant), and
+    different for every step and leaf. f32/f64 leaves pass through unchanged.
+
+    Args:
+      seed: integer seed of the rounding noise.
+      diagnostics: keep an :class:`UpdateDiagnostics` of the last step in the state.
+    """
+    if not isinstance(seed, int):
+        raise ValueError(f"seed must be a Python int, got {seed!r}")
+
+    def init_fn(params):
+        del params
+        return StochasticRoundingState(jnp.zeros((), jnp.int32), empty_diagnostics() if diagnostics else None)
+
+    def update_fn(updates, state, params=None):
+        step_key = jax.random.fold_in(jax.random.key(seed), state.count)
+
+        def leaf(path, p, u32):
+            key = jax.random.fold_in(step_key, leaf_id(path))
+            p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
+            return (round_stochastic(p32 + u32, p.dtype, key, out_dtype=jnp.float32),)
+
+        deltas, _, diag = map_leaves("stochastic_rounding", leaf, updates, params, diagnostics=diagnostics)
+        return deltas, StochasticRoundingState(optax.safe_increment(state.count), diag)
+
+    return optax.GradientTransformation(init_fn, update_fn)
