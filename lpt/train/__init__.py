@@ -1,1 +1,20 @@
-"""lpt.train (under construction)."""
+"""lpt.train: the trainer behind ``python -m lpt.train --config configs/<name>.py --workdir DIR``.
+
+Modules, in the order the recipe (``lpt/train/__main__.py``) uses them:
+
+* ``config``: load a config file (``get_config()``), apply ``--config.a.b=value`` overrides, validate against
+  ``SCHEMA`` (unknown keys rejected with the valid ones listed).
+* ``distributed``: ``jax.distributed`` start-up (explicit, SLURM, TPU pod) and the SIGTERM flag.
+* ``mesh``: the ("data", "fsdp", "tensor") mesh and the logical-axis rules -> shardings.
+* ``optimizer``: ``clip -> adamw(schedule) -> lpt.optim update rule`` from the config.
+* ``state``: ``TrainState`` (params / other variables as plain dicts + optimizer state), sharded init.
+* ``step``: jitted train step (donated state, explicit shardings, microbatching) and eval step.
+* ``checkpoint``: orbax CheckpointManager (state + grain iterator + JSON metadata), fallback on corrupt latest.
+* ``metrics``: JSONL + TensorBoard, loss-curve PNG, MFU.
+
+``from lpt.train.__main__ import train`` runs the recipe on a ConfigDict. See docs/training.md.
+"""
+
+from lpt.train.config import SCHEMA, apply_overrides, load_config_file, parse_args, validate
+
+__all__ = ["SCHEMA", "apply_overrides", "load_config_file", "parse_args", "validate"]

@@ -1,0 +1,206 @@
+"""Config files, command-line overrides and validation for ``python -m lpt.train``.
+
+A config file is a Python file with ``get_config() -> ml_collections.ConfigDict`` (see ``configs/``). The loader
+puts the file's directory on ``sys.path`` while it runs, so a recipe config can start from another one
+(``from tiny_cpu import get_config as base``). The loaded config is checked against ``SCHEMA`` (every key, its type,
+its allowed values): a missing key, an unknown key or a value outside the allowed set raises ``ValueError`` naming
+the key and listing what is valid. ``--config.a.b=value`` overrides are parsed with the type recorded in the schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+MATMUL_KINDS = ("qkv", "out", "up", "down", "lm_head")
+
+# key path -> (type, allowed values or None). tuple[str] values are written "a,b" on the command line.
+SCHEMA: dict[str, tuple[type, tuple | None]] = {
+    "model.kind": (str, ("llama", "gpt2")),
+    "model.vocab_size": (int, None),
+    "model.d_model": (int, None),
+    "model.n_layers": (int, None),
+    "model.n_heads": (int, None),
+    "model.n_kv_heads": (int, None),
+    "model.d_ff": (int, None),
+    "model.max_seq_len": (int, None),
+    "model.rope_theta": (float, None),
+    "model.norm_eps": (float, None),
+    "model.tie_embeddings": (bool, None),
+    "model.init_std": (float, None),
+    "precision.param_dtype": (str, ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")),
+    "precision.compute_dtype": (str, ("bfloat16", "float32")),
+    "precision.update_rule": (str, ("f32_master", "nearest", "kahan", "stochastic", "norm_preserving")),
+    **{f"precision.matmul.{k}": (str, ("bf16", "fp8")) for k in MATMUL_KINDS},
+    "precision.attention.impl": (str, ("xla", "pallas")),
+    "precision.attention.stable": (bool, None),
+    "precision.attention.beta": (float, None),
+    "precision.pqt.method": (str, ("none", "gaussws", "diffq")),
+    "precision.pqt.layers": (tuple, MATMUL_KINDS),
+    "precision.pqt.b_init": (float, None),
+    "precision.pqt.b_target": (float, None),
+    "precision.pqt.loss_weight": (float, None),
+    "data.source": (str, ("embedded", "text", "arrayrecord")),
+    "data.paths": (str, None),
+    "data.seq_len": (int, None),
+    "data.validation_fraction": (float, None),
+    "data.worker_count": (int, None),
+    "data.shuffle_seed": (int, None),
+    "optim.lr": (float, None),
+    "optim.warmup_steps": (int, None),
+    "optim.schedule": (str, ("cosine", "constant")),
+    "optim.b1": (float, None),
+    "optim.b2": (float, None),
+    "optim.eps": (float, None),
+    "optim.weight_decay": (float, None),
+    "optim.grad_clip": (float, None),
+    "optim.microbatches": (int, None),
+    "train.steps": (int, None),
+    "train.global_batch": (int, None),
+    "train.seed": (int, None),
+    "train.eval_every": (int, None),
+    "train.eval_batches": (int, None),
+    "train.log_every": (int, None),
+    "train.checkpoint_every": (int, None),
+    "train.keep_checkpoints": (int, None),
+    "train.mesh.data": (int, None),
+    "train.mesh.fsdp": (int, None),
+    "train.mesh.tensor": (int, None),
+}
+
+
+def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in cfg.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _close_matches(key: str) -> str:
+    """'(did you mean X?) valid keys in that section: ...' for an unknown ``key``."""
+    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    same_section = sorted(k for k in SCHEMA if k.startswith(section))
+    guess = difflib.get_close_matches(key, SCHEMA, n=1)
+    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    return hint + "valid keys in that section: " + ", ".join(same_section or sorted(SCHEMA))
+
+
+def _check_value(key: str, value: Any) -> None:
+    typ, allowed = SCHEMA[key]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typ is tuple:
+        if not isinstance(value, tuple | list) or any(v not in allowed for v in value):
+            raise ValueError(f"config key {key}={value!r}: must be a tuple drawn from {allowed}")
+        return
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ValueError(f"config key {key}={value!r} has type {type(value).__name__}; expected {typ.__name__}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"config key {key}={value!r} is not allowed; valid values: {', '.join(allowed)}")
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Raise ValueError if ``cfg`` has unknown or missing keys, wrong types or values outside the allowed set."""
+    flat = _flatten(cfg)
+    unknown = sorted(set(flat) - set(SCHEMA))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}; {_close_matches(unknown[0])}")
+    missing = sorted(set(SCHEMA) - set(flat))
+    if missing:
+        raise ValueError(f"config is missing key(s) {missing}; every config must set all keys of lpt.train.SCHEMA")
+    for key, value in flat.items():
+        _check_value(key, value)
+    mesh = cfg.train.mesh
+    sizes = (mesh.data, mesh.fsdp, mesh.tensor)
+    if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"train.mesh (data, fsdp, tensor) = {sizes}: each must be >= 1, and at most one may be -1")
+    for key in ("train.steps", "train.global_batch", "optim.microbatches", "data.seq_len", "train.log_every"):
+        if flat[key] < 1:
+            raise ValueError(f"config key {key}={flat[key]} must be >= 1")
+    if cfg.train.global_batch % cfg.optim.microbatches:
+        raise ValueError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by optim.microbatches="
+            f"{cfg.optim.microbatches}"
+        )
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+
+
+def parse_value(key: str, text: str) -> Any:
+    """Parse the command-line string ``text`` for config key ``key`` using the schema's type."""
+    if key not in SCHEMA:
+        raise ValueError(f"unknown config key {key!r}; {_close_matches(key)}")
+    typ, _ = SCHEMA[key]
+    if typ is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"config key {key}: {text!r} is not a bool (use true/false)")
+        return text.lower() in ("true", "1")
+    if typ is tuple:
+        return tuple(t for t in text.split(",") if t)
+    try:
+        return typ(text)
+    except ValueError:
+        raise ValueError(f"config key {key}: cannot parse {text!r} as {typ.__name__}") from None
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
+    """Return a copy of ``cfg`` with ``{"a.b": "text"}`` overrides applied (parsed by schema type) and validated."""
+    tree = cfg.to_dict()
+    for key, text in overrides.items():
+        value = parse_value(key, text)
+        *parents, leaf = key.split(".")
+        node = tree
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    cfg = ml_collections.ConfigDict(tree)
+    validate(cfg)
+    return cfg
+
+
+def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
+    """Import ``path`` (a Python file defining ``get_config()``) and return its validated, locked ConfigDict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist (expected e.g. configs/tiny_cpu.py)")
+    spec = importlib.util.spec_from_file_location(f"_lpt_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {str(path)!r} does not define get_config()")
+    cfg = module.get_config()
+    validate(cfg)
+    return cfg
+
+
+def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Namespace]:
+    """Parse ``--config FILE --workdir DIR [--config.key=value ...]`` (+ optional multi-process flags)."""
+    parser = argparse.ArgumentParser(prog="python -m lpt.train", description="Train an lpt transformer.")
+    parser.add_argument("--config", required=True, help="config file, e.g. configs/tiny_cpu.py")
+    parser.add_argument("--workdir", required=True, help="checkpoints, metrics and plots go here; resumes from it")
+    parser.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit multi-process)")
+    parser.add_argument("--num_processes", type=int, default=None, help="number of processes (explicit)")
+    parser.add_argument("--process_id", type=int, default=None, help="this process's index (explicit)")
+    args, rest = parser.parse_known_args(argv)
+    overrides = {}
+    for item in rest:
+        if not item.startswith("--config.") or "=" not in item:
+            raise ValueError(f"unrecognised argument {item!r}; overrides look like --config.train.steps=100")
+        key, text = item[len("--config.") :].split("=", 1)
+        overrides[key] = text
+    cfg = apply_overrides(load_config_file(args.config), overrides)
+    return cfg, args

@@ -1,0 +1,111 @@
+"""Device mesh from the config and logical-axis rules -> shardings.
+
+The mesh has three axes, ``("data", "fsdp", "tensor")``; their sizes come from ``config.train.mesh``, and one of them
+may be -1 to take all remaining devices. Parameters and activations carry *logical* axis names ("batch", "embed",
+"mlp", ...); ``RULES`` maps each logical name to mesh axes: the first rule whose mesh axes are all still unused in
+that array wins, otherwise the dim stays replicated (``lpt.models.partitioning.logical_to_mesh``). So activations
+``("batch", "length", "embed")`` is sharded over data*fsdp on its first dim and replicated on its last, while a weight
+``("embed", "mlp")`` is split over fsdp on rows and tensor on columns (FSDP + Megatron-style tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from lpt.models.partitioning import logical_to_mesh
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # mesh axes the global batch is split over
+
+# logical axis name -> mesh axes (first match wins; None = replicated)
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("vocab", "tensor"),
+    ("length", None),
+    ("head_dim", None),
+    ("layers", None),
+)
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with a -1 entry filled so that the product equals ``num_devices``."""
+    sizes = [int(mesh_cfg.data), int(mesh_cfg.fsdp), int(mesh_cfg.tensor)]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ValueError(
+                f"train.mesh {dict(zip(MESH_AXES, sizes, strict=True))}: the fixed axes (product {known}) do not "
+                f"divide the {num_devices} available devices"
+            )
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ValueError(
+            f"train.mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices but "
+            f"{num_devices} are available; set one axis to -1 to fill"
+        )
+    return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The ("data", "fsdp", "tensor") mesh over ``devices`` (default: all devices of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(mesh_cfg, len(devices))
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _check_divisible(path: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
+    for dim, axes in zip(shape, spec, strict=False):
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else axes
+        n = math.prod(mesh.shape[a] for a in axes)
+        if dim % n:
+            raise ValueError(
+                f"{path}: dimension {dim} of shape {tuple(shape)} cannot be split over mesh axes {axes} "
+                f"(size {n}); change train.mesh or the model size"
+            )
+
+
+def tree_shardings(logical_tree, shape_tree, mesh: Mesh, rules=RULES):
+    """Map a tree of logical-axis tuples (None = replicated) and a matching tree of shapes to NamedShardings."""
+
+    def one(path, axes, x):
+        spec = PartitionSpec() if axes is None else logical_to_mesh(axes, rules)
+        _check_divisible(jax.tree_util.keystr(path), x.shape, spec, mesh)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(
+        one, logical_tree, shape_tree, is_leaf=lambda x: x is None or isinstance(x, tuple)
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a [batch, length] token array: batch over data*fsdp, length replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def check_batch(global_batch: int, microbatches: int, mesh: Mesh) -> None:
+    """Raise ValueError unless each microbatch splits evenly over the batch-sharding mesh axes."""
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = global_batch // microbatches
+    if micro % n:
+        raise ValueError(
+            f"train.global_batch={global_batch} (microbatch {micro} with optim.microbatches={microbatches}) is not "
+            f"divisible by mesh data*fsdp = {mesh.shape['data']}*{mesh.shape['fsdp']} = {n}; "
+            f"choose a batch that is a multiple of {n} or change train.mesh"
+        )

@@ -1,0 +1,110 @@
+"""Metrics: JSONL + TensorBoard event files, the loss-curve PNG, throughput, FLOPs and MFU.
+
+Only process 0 writes. ``metrics.jsonl`` holds one JSON object per line: ``{"step": s, "loss": ..., ...}`` for
+training logs and ``{"step": s, "eval_loss": ...}`` for evaluations; TensorBoard gets the same scalars under
+``train/`` and ``eval/``. MFU = (tokens/s * FLOPs per token) / (devices * peak FLOP/s per device), reported only when
+the device's peak is in ``PEAK_FLOPS`` (dense bf16 numbers from the vendors' data sheets).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+
+# device_kind substring -> peak dense bf16 FLOP/s per device (first match wins; more specific names first)
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L4", 121e12),
+    ("TPU v6", 918e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v4", 275e12),
+)
+
+
+def device_peak_flops(device: jax.Device | None = None) -> float | None:
+    """Peak bf16 FLOP/s of one device, or None if unknown (e.g. CPU)."""
+    kind = (device or jax.devices()[0]).device_kind
+    for name, peak in PEAK_FLOPS:
+        if name.lower() in kind.lower():
+            return peak
+    return None
+
+
+class MetricsWriter:
+    """Appends scalars to ``<workdir>/metrics.jsonl`` and TensorBoard event files in ``<workdir>/tensorboard``."""
+
+    def __init__(self, workdir: str | Path, *, enabled: bool = True):
+        self.enabled = enabled
+        self.workdir = Path(workdir)
+        self.jsonl_path = self.workdir / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            self._file = self.jsonl_path.open("a")
+            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+
+    def write(self, step: int, scalars: dict, *, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _py(v) for k, v in scalars.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for k, v in record.items():
+            if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                self._tb.add_scalar(f"{prefix}/{k}", v, int(step))
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            self._tb.close()
+
+
+def _py(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    return v
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(jsonl_path: str | Path, png_path: str | Path, *, baseline: float | None = None, title: str = ""):
+    """Training and validation loss vs step (log-y) as a PNG; ``baseline`` draws the unigram loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_jsonl(jsonl_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss", lw=1.5)
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline {baseline:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)

@@ -1,0 +1,125 @@
+"""Train state: the model split into a static graph and plain-dict arrays, plus the optimizer state.
+
+``nnx.split(model, nnx.Param, ...)`` gives ``(graphdef, params, rest)``. The state keeps ``params`` and ``rest`` as
+plain nested dicts of arrays (``State.to_pure_dict()``): they checkpoint as ordinary pytrees, restore onto any mesh,
+and optax runs on them directly. ``ModelDef.merge(params, rest)`` rebuilds the module inside a jitted function.
+
+Shardings come from the logical axis names on each ``nnx.Param`` (metadata ``out_sharding``) through the mesh rules;
+optimizer-state subtrees that mirror the params tree (Adam moments, Kahan compensation) get the params' shardings,
+everything else (counters, scalars) is replicated. The state is initialised directly in its sharded layout by a
+jitted init with ``out_shardings`` (no full copy on one device first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from lpt import models
+from lpt.models.partitioning import logical_axes_of
+from lpt.train import mesh as mesh_lib
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Any  # pure dict of nnx.Param arrays (stored dtype)
+    rest: Any  # pure dict of the model's other variables
+    opt_state: Any  # optax state (moments etc. mirror ``params``)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "params": self.params, "rest": self.rest, "opt_state": self.opt_state}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainState:
+        return cls(step=d["step"], params=d["params"], rest=d["rest"], opt_state=d["opt_state"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """Static half of the model: graph definition and abstract variable trees (to rebuild inside jit)."""
+
+    graphdef: Any
+    abstract_params: Any  # nnx.State of ShapeDtypeStruct
+    abstract_rest: Any
+    logical_params: Any  # pure dict: tuple of logical axis names or None per param
+
+    def merge(self, params: dict, rest: dict) -> nnx.Module:
+        p_state = jax.tree.map(lambda x: x, self.abstract_params)  # fresh Variables to fill
+        r_state = jax.tree.map(lambda x: x, self.abstract_rest)
+        nnx.replace_by_pure_dict(p_state, params)
+        nnx.replace_by_pure_dict(r_state, rest)
+        return nnx.merge(self.graphdef, p_state, r_state)
+
+
+def _build(cfg, seed) -> nnx.Module:
+    with nnx.use_eager_sharding(False):
+        return models.build_model(cfg.model, cfg.precision, rngs=nnx.Rngs(seed))
+
+
+def make_model_def(cfg) -> ModelDef:
+    abstract_model = nnx.eval_shape(lambda: _build(cfg, cfg.train.seed))
+    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    logical = jax.tree.map(logical_axes_of, params, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+    return ModelDef(graphdef, params, rest, logical)
+
+
+def _mirrors(tree, params_def) -> bool:
+    try:
+        return jax.tree.structure(tree) == params_def
+    except Exception:
+        return False
+
+
+def state_shardings(abstract_state: TrainState, model_def: ModelDef, mesh: Mesh) -> TrainState:
+    """NamedShardings for every leaf of the train state on ``mesh`` (see module docstring)."""
+    param_sh = mesh_lib.tree_shardings(model_def.logical_params, abstract_state.params, mesh)
+    params_def = jax.tree.structure(abstract_state.params)
+    repl = mesh_lib.replicated(mesh)
+
+    def opt_leaf(sub):
+        return param_sh if _mirrors(sub, params_def) else jax.tree.map(lambda _: repl, sub)
+
+    opt_sh = jax.tree.map(opt_leaf, abstract_state.opt_state, is_leaf=lambda x: _mirrors(x, params_def))
+    return TrainState(
+        step=repl,
+        params=param_sh,
+        rest=jax.tree.map(lambda _: repl, abstract_state.rest),
+        opt_state=opt_sh,
+    )
+
+
+def init_fn(cfg, tx: optax.GradientTransformation):
+    """A function ``() -> TrainState`` building the model from ``cfg.train.seed`` (for jit/eval_shape)."""
+
+    def init() -> TrainState:
+        model = _build(cfg, cfg.train.seed)
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        params, rest = params.to_pure_dict(), rest.to_pure_dict()
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=tx.init(params))
+
+    return init
+
+
+def abstract_state(cfg, tx) -> TrainState:
+    return jax.eval_shape(init_fn(cfg, tx))
+
+
+def create_state(cfg, tx, shardings: TrainState) -> TrainState:
+    """Initialise the train state directly in its sharded layout."""
+    return jax.jit(init_fn(cfg, tx), out_shardings=shardings)()
+
+
+def with_shardings(abstract: TrainState, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs carrying the target shardings (what orbax needs to restore onto a given mesh)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,118 @@
+"""The jitted train and eval steps.
+
+Loss: mean next-token cross entropy in float32, ``L = mean_{b,t} (logsumexp(z_bt) - z_bt[y_bt])`` over logits ``z``
+that the model already returns in float32, plus the model's PQT bitwidth loss (``model.aux_loss()``, already scaled
+by ``precision.pqt.loss_weight``) when a PQT method is on. The step key is ``fold_in(PRNGKey(train.seed), step)``
+(microbatch ``i`` folds in ``i`` once more), so randomness depends on (seed, step) only, never on the mesh.
+
+With ``optim.microbatches = m > 1`` the batch is split into m equal slices along the batch axis; gradients are
+summed in float32 over a ``lax.scan`` and divided by m (cast back to the param dtype before the optimizer).
+
+Both steps are ``jax.jit``-ed with explicit in/out shardings; the train step donates the incoming state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+import lpt.optim
+from lpt.models import partitioning
+from lpt.train import mesh as mesh_lib
+from lpt.train.optimizer import optimizer_diagnostics
+from lpt.train.state import ModelDef, TrainState
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean over all tokens of ``logsumexp(z) - z[target]`` (float32 in, float32 out)."""
+    if logits_BTV.dtype != jnp.float32:
+        raise ValueError(f"logits must be float32 for the loss, got {logits_BTV.dtype}")
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    picked_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse_BT - picked_BT)
+
+
+def _model_diagnostics(model) -> dict:
+    import lpt.models
+
+    if not hasattr(lpt.models, "diagnostics"):
+        return {}
+    return {f"model/{k}": jnp.asarray(v, jnp.float32) for k, v in lpt.models.diagnostics(model).items()}
+
+
+def make_train_step(
+    cfg, model_def: ModelDef, tx: optax.GradientTransformation, schedule, mesh: Mesh, shardings: TrainState
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """``train_step(state, batch) -> (state, metrics)``: jitted, state donated, sharded per ``shardings``."""
+    seed_key = jax.random.PRNGKey(cfg.train.seed)
+    m = cfg.optim.microbatches
+    use_aux = cfg.precision.pqt.method != "none"
+
+    def loss_fn(params, rest, inputs_BT, targets_BT, key):
+        model = model_def.merge(params, rest)
+        logits_BTV = model(inputs_BT, key=key)
+        ce = cross_entropy(logits_BTV, targets_BT)
+        aux = model.aux_loss().astype(jnp.float32) if use_aux else jnp.zeros((), jnp.float32)
+        return ce + aux, (ce, aux)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        with partitioning.axis_rules(mesh, mesh_lib.RULES):
+            key = jax.random.fold_in(seed_key, state.step)
+            if m == 1:
+                (_, (ce, aux)), grads = grad_fn(state.params, state.rest, batch["inputs"], batch["targets"], key)
+            else:
+                split = lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:])
+                micro = (split(batch["inputs"]), split(batch["targets"]), jnp.arange(m))
+
+                def body(acc, xs):
+                    inputs, targets, i = xs
+                    (_, (ce_i, aux_i)), g = grad_fn(
+                        state.params, state.rest, inputs, targets, jax.random.fold_in(key, i)
+                    )
+                    g_f32 = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[0], g)  # grad dtype -> f32
+                    return (g_f32, acc[1] + ce_i, acc[2] + aux_i), None
+
+                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+                z = jnp.zeros((), jnp.float32)
+                (g_sum, ce_sum, aux_sum), _ = jax.lax.scan(body, (zeros, z, z), micro)
+                grads = jax.tree.map(lambda g, p: (g / m).astype(p.dtype), g_sum, state.params)  # f32 -> param
+                ce, aux = ce_sum / m, aux_sum / m
+            grad_norm = optax.global_norm(grads).astype(jnp.float32)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = lpt.optim.apply_updates(state.params, updates)  # f32 add, cast back to each param's dtype
+            new_state = TrainState(step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state)
+            metrics = {"loss": ce, "grad_norm": grad_norm, "lr": jnp.asarray(schedule(state.step), jnp.float32)}
+            if use_aux:
+                metrics["aux_loss"] = aux
+            diag = optimizer_diagnostics(opt_state)
+            metrics.update({f"{k}": jnp.asarray(v, jnp.float32) for k, v in diag.items()})
+            metrics.update(_model_diagnostics(model_def.merge(params, state.rest)))
+            return new_state, metrics
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
+        out_shardings=(shardings, mesh_lib.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+
+
+def make_eval_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
+    """``eval_step(params, rest, batch) -> mean cross entropy`` (no weight noise: key=None)."""
+
+    def step(params, rest, batch):
+        with partitioning.axis_rules(mesh, mesh_lib.RULES):
+            model = model_def.merge(params, rest)
+            return cross_entropy(model(batch["inputs"], key=None), batch["targets"])
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.rest, mesh_lib.batch_sharding(mesh)),
+        out_shardings=mesh_lib.replicated(mesh),
+    )
