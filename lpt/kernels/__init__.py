@@ -1,1 +1,3 @@
 """lpt.kernels (under construction)."""
+
+from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference  # noqa: F401
