@@ -94,6 +94,10 @@ def round_nearest(x, dtype, *, saturate: bool | None = None, out_dtype=None) -> 
     if fmt.mantissa_bits >= _F32_MANTISSA:
         return _finish(x32, fmt, out_dtype)
     r = _nearest_even_bits(x32, _F32_MANTISSA - fmt.mantissa_bits)
+    if fmt.emin == -126 and fmt.has_inf and not saturate:
+        # bf16: f32's exponent range, so the bit carry already yields ±inf on overflow and infinities stay
+        # infinite; only NaN needs a guard (a NaN payload could carry into the sign bit). Fast path.
+        return _finish(jnp.where(x32 != x32, x32, r), fmt, out_dtype)
     if fmt.emin > -126:  # target subnormals lie in f32's normal range: fixed spacing s
         s = fmt.smallest_subnormal
         r_sub = lax.round(x32 * jnp.float32(1.0 / s), lax.RoundingMethod.TO_NEAREST_EVEN) * jnp.float32(s)
