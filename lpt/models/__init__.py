@@ -1,1 +1,39 @@
-"""lpt.models (under construction)."""
+"""lpt.models: the NNX decoder-only transformer with a per-layer precision recipe.
+
+Public API
+----------
+``build_model(model_cfg, precision_cfg, *, rngs) -> Transformer``
+    ``model(tokens_BT, *, key=None) -> logits_BTV`` (float32). ``key`` is the per-step key; PQT layers fold in their
+    static layer id; ``key=None`` = evaluation (no weight noise).
+``model.aux_loss() -> f32 scalar``
+    seed-004 bitwidth loss ``λ Σ_layers mean_tiles |b_t − b_target|`` (0 without PQT); add it to the training loss.
+``diagnostics(model) -> dict[str, f32 scalar]``
+    With PQT: ``pqt/bitwidth_mean``, ``pqt/bitwidth_min``, ``pqt/bitwidth_max`` and ``pqt/bitwidth_mean/<kind>`` for
+    kind in qkv/out/up/down. Empty dict otherwise. Jittable (call on a merged model inside the step).
+``flops_per_token(model_cfg, seq_len) -> float``, ``param_count(model_cfg)``, ``matmul_params(model_cfg)``
+``partitioning``: ``axis_rules(mesh, rules)``, ``constrain(x, axes)``, ``logical_to_mesh(axes, rules)``,
+    ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``DEFAULT_RULES``.
+``model_spec(cfg)`` / ``precision_spec(cfg)``: validated frozen views of the configs (ValueError on bad keys).
+
+See docs/models_and_data.md for the precision recipe.
+"""
+
+from lpt.models import partitioning
+from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
+from lpt.models.flops import flops_per_token, matmul_params, param_count
+from lpt.models.pqt_wiring import diagnostics
+from lpt.models.transformer import Transformer, build_model
+
+__all__ = [
+    "ModelSpec",
+    "PrecisionSpec",
+    "Transformer",
+    "build_model",
+    "diagnostics",
+    "flops_per_token",
+    "matmul_params",
+    "model_spec",
+    "param_count",
+    "partitioning",
+    "precision_spec",
+]

@@ -1,0 +1,172 @@
+"""grain pipelines: packed windows, per-process shards of a global batch, checkpointable iterators, eval batches.
+
+Packing (concatenate-then-split): the split's token stream (documents joined by separator 0, see
+:mod:`lpt.data.corpus`) is cut into windows ``w_i = stream[i·L : i·L + L + 1]`` for ``i < ⌊(N − 1)/L⌋``, and
+``inputs = w_i[:-1]``, ``targets = w_i[1:]``. Windows cross document boundaries (GPT-2 style, no attention reset).
+
+Training order: a grain ``MapDataset`` of windows, shuffled with the seed and repeated forever (each epoch
+reshuffled). The global batch ``b`` is rows ``b·G … b·G + G − 1`` of that sequence; process ``p`` of ``P`` gets rows
+``p·(G/P) … (p+1)·(G/P) − 1`` of it. So the global batch does not depend on the process count, the shards are
+disjoint and cover it, and the iterator state is one integer (the next batch index): ``get_state()`` /
+``set_state()`` are JSON dicts and work with ``grain.checkpoint.CheckpointHandler`` (orbax).
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from lpt.data.corpus import SOURCES, VOCAB_SIZE, token_streams
+
+_DATA_KEYS = {
+    "source": "embedded",
+    "paths": None,
+    "seq_len": None,
+    "validation_fraction": 0.1,
+    "worker_count": 0,
+    "shuffle_seed": 0,
+}
+
+
+def data_options(data_cfg) -> dict:
+    """``config.data`` as a dict with defaults; ValueError naming unknown keys / bad values."""
+    if data_cfg is None:
+        d = {}
+    elif hasattr(data_cfg, "to_dict"):
+        d = data_cfg.to_dict()
+    else:
+        d = dict(data_cfg)
+    unknown = sorted(set(d) - set(_DATA_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in config.data; valid keys: {sorted(_DATA_KEYS)}")
+    out = {**_DATA_KEYS, **d}
+    if out["source"] not in SOURCES:
+        raise ValueError(f"config.data.source={out['source']!r} is not supported; allowed: {list(SOURCES)}")
+    if not isinstance(out["worker_count"], int) or out["worker_count"] < 0:
+        raise ValueError(f"config.data.worker_count={out['worker_count']!r} must be an int >= 0")
+    return out
+
+
+def _streams(opts: dict) -> dict[str, np.ndarray]:
+    paths = opts["paths"] if opts["source"] != "embedded" else None
+    return token_streams(opts["source"], paths, float(opts["validation_fraction"]))
+
+
+class Windows:
+    """Random access to the packed windows of a token stream (see module docstring)."""
+
+    def __init__(self, stream: np.ndarray, seq_len: int):
+        if not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"seq_len={seq_len!r} must be a positive int")
+        self.stream, self.seq_len = stream, seq_len
+        self.n = (stream.size - 1) // seq_len
+        if self.n < 1:
+            raise ValueError(f"token stream of {stream.size} tokens is too short for seq_len={seq_len}")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = int(i) % self.n
+        return self.stream[i * self.seq_len : (i + 1) * self.seq_len + 1]
+
+
+def _check_batch(global_batch: int, process_index: int, process_count: int) -> int:
+    if not isinstance(process_count, int) or process_count < 1:
+        raise ValueError(f"process_count={process_count!r} must be a positive int")
+    if not isinstance(process_index, int) or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index!r} must be in [0, {process_count})")
+    if not isinstance(global_batch, int) or global_batch <= 0 or global_batch % process_count:
+        raise ValueError(f"global batch {global_batch!r} is not divisible by the process count {process_count}")
+    return global_batch // process_count
+
+
+def _to_example(rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+    w = np.stack(rows).astype(np.int32)  # uint8 bytes -> int32 token ids
+    return {"inputs": w[:, :-1], "targets": w[:, 1:]}
+
+
+class ProcessBatches(grain.MapDataset):
+    """Element ``b`` = this process's rows of global batch ``b`` of ``parent`` (a per-row MapDataset)."""
+
+    def __init__(self, parent: grain.MapDataset, global_batch: int, process_index: int, process_count: int):
+        super().__init__(parent)
+        self.local = _check_batch(global_batch, process_index, process_count)
+        self.global_batch, self.process_index = global_batch, process_index
+
+    def __len__(self) -> int:
+        return len(self._parent) // self.global_batch
+
+    def __getitem__(self, b):
+        if isinstance(b, slice):
+            return self.slice(b)
+        start = int(b) * self.global_batch + self.process_index * self.local
+        return _to_example([self._parent[start + j] for j in range(self.local)])
+
+    def __str__(self) -> str:
+        return f"ProcessBatches(global_batch={self.global_batch}, process_index={self.process_index})"
+
+
+def _shuffle_seed(opts: dict, seed: int) -> int:
+    return int(np.random.SeedSequence([int(opts["shuffle_seed"]), int(seed)]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def make_train_iterator(
+    data_cfg, *, seq_len: int, global_batch: int, process_index: int = 0, process_count: int = 1, seed: int = 0
+) -> grain.DatasetIterator:
+    """Infinite iterator of ``{"inputs", "targets"}: int32[global_batch // process_count, seq_len]`` (numpy).
+
+    Order is a function of ``(config.data.shuffle_seed, seed)`` only. ``worker_count > 0`` prefetches in that many
+    worker processes (grain ``mp_prefetch``); the batches are the same for every worker count.
+    """
+    opts = data_options(data_cfg)
+    _check_batch(global_batch, process_index, process_count)
+    rows = grain.MapDataset.source(Windows(_streams(opts)["train"], seq_len))
+    rows = rows.shuffle(seed=_shuffle_seed(opts, seed)).repeat()
+    ds = ProcessBatches(rows, global_batch, process_index, process_count).to_iter_dataset()
+    if opts["worker_count"] > 0:
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=opts["worker_count"]))
+    return iter(ds)
+
+
+def make_eval_batches(
+    data_cfg,
+    *,
+    seq_len: int,
+    batch: int,
+    num_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = "validation",
+) -> list[dict[str, np.ndarray]]:
+    """The first ``num_batches`` global batches of ``batch`` consecutive windows of ``split`` (no shuffling), this
+    process's rows of each. ValueError if the split has fewer than ``batch · num_batches`` windows."""
+    opts = data_options(data_cfg)
+    local = _check_batch(batch, process_index, process_count)
+    if split not in ("train", "validation"):
+        raise ValueError(f"split={split!r}; allowed: ['train', 'validation']")
+    windows = Windows(_streams(opts)[split], seq_len)
+    if batch * num_batches > len(windows):
+        raise ValueError(
+            f"{num_batches} eval batches of {batch} need {batch * num_batches} windows of length {seq_len}, but the "
+            f"{split} split has only {len(windows)}; lower train.eval_batches or the batch"
+        )
+    out = []
+    for b in range(num_batches):
+        start = b * batch + process_index * local
+        out.append(_to_example([windows[start + j] for j in range(local)]))
+    return out
+
+
+def unigram_loss(data_cfg, split: str = "validation") -> float:
+    """Cross-entropy (nats/token) of the ``split`` stream's tokens under the train split's byte frequencies
+    (add-one smoothed over the 256 bytes): ``−mean_t log p(x_t)``, ``p(v) = (c_train(v) + 1) / (N_train + 256)``.
+    The baseline a model must beat."""
+    opts = data_options(data_cfg)
+    streams = _streams(opts)
+    if split not in streams:
+        raise ValueError(f"split={split!r}; allowed: {sorted(streams)}")
+    counts = np.bincount(streams["train"], minlength=VOCAB_SIZE).astype(np.float64)
+    logp = np.log(counts + 1.0) - np.log(counts.sum() + VOCAB_SIZE)
+    target = streams[split][1:]  # every token after the first is a prediction target
+    return float(-np.mean(logp[target]))

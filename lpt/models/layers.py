@@ -1,0 +1,239 @@
+"""Building blocks: parameters with logical axes, the weight view, Linear, Embed, RMSNorm, LayerNorm, RoPE.
+
+Precision in every layer (see :mod:`lpt.models.config`):
+
+* a stored weight ``w`` (float32 master, or ``param_dtype`` itself) is viewed as
+  ``w_view = RNE_{param_dtype}(w)`` with a straight-through gradient (identity when already stored in
+  ``param_dtype``), then cast exactly or by RNE to ``compute_dtype``;
+* matmuls take compute-dtype operands and accumulate in float32 (``preferred_element_type=float32``); the result is
+  cast to the compute dtype (float32 for the LM head);
+* norm statistics (mean, variance) are always float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lpt import numerics
+from lpt.models.config import PrecisionSpec
+
+
+def make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtype, *, const: float | None = None):
+    """An ``nnx.Param`` of ``shape`` with logical ``axes``: N(0, std²) drawn in float32 (or a constant), stored by RNE.
+
+    ``store_dtype`` float32 keeps the draw as is; a narrower dtype rounds it to nearest even (fp8 saturates). The
+    init recipe is kept as metadata (``init_std`` or ``init_const``) so that :func:`init_state` can redraw every
+    parameter from one flat normal draw (see there).
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match parameter shape {shape}")
+    if const is None:
+        w_f32 = std * jax.random.normal(key, shape, jnp.float32)
+        meta = {"init_std": float(std)}
+    else:
+        w_f32 = jnp.full(shape, const, jnp.float32)
+        meta = {"init_const": float(const)}
+    w = w_f32 if store_dtype == jnp.float32 else numerics.round_nearest(w_f32, store_dtype)  # f32 -> storage
+    return nnx.Param(w, out_sharding=tuple(axes), eager_sharding=False, **meta)
+
+
+def init_state(abstract_state, key: jax.Array):
+    """Concrete parameters for an abstract ``nnx.State`` (from ``nnx.eval_shape``), all from ONE normal draw.
+
+    Parameters with ``init_std`` metadata take consecutive slices (in the state's flattening order) of
+    ``z ~ N(0, I)`` of their total size, times their std; ``init_const`` ones are constant; then RNE into their
+    storage dtype. One draw instead of one per parameter: XLA:CPU compiles ~20 threefry draws in tens of seconds
+    and one in under a second. Variables without init metadata (e.g. PQT bitwidths) must carry a concrete value
+    already and are rebuilt from their ``init_const``.
+    """
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    leaves, treedef = jax.tree.flatten(abstract_state, is_leaf=is_var)
+    sizes = [math.prod(v.shape) if "init_std" in v.get_metadata() else 0 for v in leaves]
+    z_f32 = jax.random.normal(key, (max(sum(sizes), 1),), jnp.float32)
+    out, offset = [], 0
+    for v, n in zip(leaves, sizes, strict=True):
+        meta = v.get_metadata()
+        if "init_std" in meta:
+            w_f32 = meta["init_std"] * z_f32[offset : offset + n].reshape(v.shape)
+            offset += n
+        elif "init_const" in meta:
+            w_f32 = jnp.full(v.shape, meta["init_const"], jnp.float32)
+        else:
+            raise ValueError(f"variable {v!r} has neither init_std nor init_const metadata")
+        dtype = jnp.dtype(v.dtype)
+        w = w_f32 if dtype == jnp.float32 else numerics.round_nearest(w_f32, dtype)  # f32 -> storage by RNE
+        out.append(v.replace(w))
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def round_ste(w: jax.Array, dtype) -> jax.Array:
+    """RNE of ``w`` into ``dtype`` (via :func:`lpt.numerics.round_nearest`, jit-safe) with a straight-through
+    gradient: d/dw = identity, cast back to ``w.dtype``."""
+    return numerics.round_nearest(w.astype(jnp.float32), dtype)  # w -> f32 (exact widening) -> dtype by RNE
+
+
+def _round_ste_fwd(w, dtype):
+    return round_ste(w, dtype), jnp.zeros((), w.dtype)
+
+
+def _round_ste_bwd(dtype, res, g):
+    return (g.astype(res.dtype),)  # cotangent in dtype -> cotangent in w's dtype
+
+
+round_ste.defvjp(_round_ste_fwd, _round_ste_bwd)
+
+
+def _exact_cast(src, dst) -> bool:
+    src, dst = jnp.dtype(src), jnp.dtype(dst)
+    if dst == jnp.float32:
+        return True
+    return dst == jnp.bfloat16 and src in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def view_weight(w: jax.Array, prec: PrecisionSpec, dtype=None) -> jax.Array:
+    """The weight as a layer uses it: storage -> ``param_dtype`` (RNE, straight-through) -> ``dtype``.
+
+    ``dtype`` defaults to the compute dtype; float32 norms pass ``jnp.float32``. Casts that cannot be exact
+    (f32 or f16 -> bf16) go through :func:`round_ste`, never through an ``astype`` that XLA might elide.
+    """
+    dtype = prec.compute if dtype is None else dtype
+    if w.dtype != prec.view_dtype:
+        w = round_ste(w, prec.view_dtype)  # f32 master -> param_dtype grid
+    if w.dtype == dtype:
+        return w
+    if _exact_cast(w.dtype, dtype):
+        return w.astype(dtype)  # widening (fp8/bf16/f16 -> f32, fp8 -> bf16): exact
+    return round_ste(w, dtype)  # f32/f16 -> bf16 by RNE
+
+
+def matmul(x: jax.Array, w: jax.Array, kind: str, out_dtype) -> jax.Array:
+    """``x[..., K] @ w[K, N]`` with the layer kind's matmul: "bf16" = compute-dtype operands, f32 accumulation."""
+    if kind == "bf16":
+        y_f32 = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+        return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype
+    if kind == "fp8":
+        try:
+            from lpt.fp8 import blockwise_dot
+        except ImportError as e:
+            raise NotImplementedError(
+                "precision.matmul='fp8' needs lpt.fp8.blockwise_dot, which is not available yet"
+            ) from e
+        return blockwise_dot(x, w).astype(out_dtype)  # fp8 operands, f32 accumulation -> out dtype
+    raise ValueError(f"matmul kind {kind!r} is not supported; allowed: ['bf16', 'fp8']")
+
+
+def _pqt_weight(method: str, shape, prec: PrecisionSpec):
+    from lpt.models.pqt_wiring import PQTWeight  # deferred: lpt.pqt is optional until it lands
+
+    return PQTWeight(method, shape, prec)
+
+
+class Linear(nnx.Module):
+    """``y = x @ W (+ b)`` for one layer kind ("qkv", "out", "up", "down", "lm_head").
+
+    ``layer_id`` is a static integer folded into the step key by layers that need randomness (GaussWS), so the noise
+    depends on (seed, step, layer) only.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        axes: tuple,
+        layer_kind: str,
+        std: float,
+        prec: PrecisionSpec,
+        layer_id: int,
+        use_bias: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        self.layer_kind = layer_kind
+        self.prec = prec
+        self.layer_id = layer_id
+        self.kernel = make_param(rngs.params(), (d_in, d_out), std, axes, prec.store_dtype)
+        self.bias = make_param(None, (d_out,), 0.0, axes[1:], prec.store_dtype, const=0.0) if use_bias else None
+        method = prec.pqt_for(layer_kind) if layer_kind != "lm_head" else "none"
+        self.pqt = None if method == "none" else _pqt_weight(method, (d_in, d_out), prec)
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None, out_dtype=None) -> jax.Array:
+        out_dtype = self.prec.compute if out_dtype is None else out_dtype
+        w = self.kernel[...]
+        w_hat = None
+        if self.pqt is not None and key is not None:
+            # storage -> param_dtype view, then ŵ = w + PQN in the compute dtype (seed 004 Eq. 3)
+            w_view = view_weight(w, self.prec, self.prec.view_dtype)
+            w_hat = self.pqt(w_view, jax.random.fold_in(key, self.layer_id))
+        w = view_weight(w, self.prec) if w_hat is None else w_hat
+        y = matmul(x, w, self.prec.matmul_for(self.layer_kind), out_dtype)
+        if self.bias is not None:
+            y = y + view_weight(self.bias[...], self.prec, out_dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token (or position) embedding table ``E[V, D]``; lookup returns compute-dtype rows."""
+
+    def __init__(self, num: int, dim: int, *, axes: tuple, std: float, prec: PrecisionSpec, rngs: nnx.Rngs):
+        self.prec = prec
+        self.embedding = make_param(rngs.params(), (num, dim), std, axes, prec.store_dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return view_weight(self.embedding[...], self.prec)[ids]
+
+
+class RMSNorm(nnx.Module):
+    """``y = x / sqrt(mean(x²) + eps) * g`` with the statistics in float32."""
+
+    def __init__(self, dim: int, *, eps: float, prec: PrecisionSpec):
+        self.prec = prec
+        self.eps = eps
+        self.scale = make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=1.0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x_f32 = x.astype(jnp.float32)  # compute -> f32 statistics
+        ms = jnp.mean(jnp.square(x_f32), axis=-1, keepdims=True)
+        y_f32 = x_f32 * jax.lax.rsqrt(ms + self.eps) * view_weight(self.scale[...], self.prec, jnp.float32)
+        return y_f32.astype(self.prec.compute)  # f32 -> compute
+
+
+class LayerNorm(nnx.Module):
+    """``y = (x - mean) / sqrt(var + eps) * g + b`` with the statistics in float32."""
+
+    def __init__(self, dim: int, *, eps: float, prec: PrecisionSpec):
+        self.prec = prec
+        self.eps = eps
+        self.scale = make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=1.0)
+        self.bias = make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=0.0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x_f32 = x.astype(jnp.float32)  # compute -> f32 statistics
+        mean = jnp.mean(x_f32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x_f32 - mean), axis=-1, keepdims=True)
+        y_f32 = (x_f32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y_f32 = y_f32 * view_weight(self.scale[...], self.prec, jnp.float32) + view_weight(
+            self.bias[...], self.prec, jnp.float32
+        )
+        return y_f32.astype(self.prec.compute)  # f32 -> compute
+
+
+def rope(x_BTHD: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (Llama's rotate-half form), angles and rotation in float32.
+
+    For position t and pair i < D/2: ``(x_i, x_{i+D/2}) -> (x_i cos a - x_{i+D/2} sin a, x_{i+D/2} cos a + x_i sin a)``
+    with ``a = t · theta^(-2i/D)``.
+    """
+    _, T, _, D = x_BTHD.shape
+    inv_freq = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
+    ang_TD = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(ang_TD)[None, :, None, :], jnp.sin(ang_TD)[None, :, None, :]
+    x_f32 = x_BTHD.astype(jnp.float32)  # compute -> f32
+    x1, x2 = x_f32[..., : D // 2], x_f32[..., D // 2 :]
+    y_f32 = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return y_f32.astype(x_BTHD.dtype)  # f32 -> compute

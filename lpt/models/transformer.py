@@ -1,0 +1,139 @@
+"""The decoder-only transformer: Llama-style (RMSNorm, RoPE, SwiGLU, GQA) or GPT-2-style (LayerNorm, learned
+positions, GELU, biases), pre-norm residual blocks, float32 logits.
+
+``x_0 = E[tokens] (+ P[positions])``; per block ``x += Attn(Norm(x))``, ``x += MLP(Norm(x))``;
+``logits = Norm(x) @ W_head`` (``W_head = Eᵀ`` if tied). The residual stream is in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lpt.models.attention_block import Attention
+from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
+from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, init_state, matmul, view_weight
+from lpt.models.partitioning import constrain
+
+_BTD = ("batch", "length", "embed")
+_BTF = ("batch", "length", "mlp")
+
+
+class MLP(nnx.Module):
+    """Llama: ``down(silu(gate(x)) * up(x))``; GPT-2: ``down(gelu_tanh(up(x)))``. Nonlinearity in float32."""
+
+    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int, rngs: nnx.Rngs):
+        D, F = spec.d_model, spec.d_ff
+        bias = spec.kind == "gpt2"
+        std, out_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
+        self.kind, self.prec = spec.kind, prec
+        mk = lambda n_in, n_out, axes, kind, s, j: Linear(
+            n_in, n_out, axes=axes, layer_kind=kind, std=s, prec=prec, layer_id=8 * block + j, use_bias=bias, rngs=rngs
+        )
+        self.up = mk(D, F, ("embed", "mlp"), "up", std, 4)
+        self.gate = mk(D, F, ("embed", "mlp"), "up", std, 5) if spec.kind == "llama" else None
+        self.down = mk(F, D, ("mlp", "embed"), "down", out_std, 6)
+
+    def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
+        up_f32 = self.up(x_BTD, key=key).astype(jnp.float32)  # compute -> f32
+        if self.gate is not None:
+            gate_f32 = self.gate(x_BTD, key=key).astype(jnp.float32)  # compute -> f32
+            h_f32 = jax.nn.silu(gate_f32) * up_f32
+        else:
+            h_f32 = jax.nn.gelu(up_f32, approximate=True)
+        h_BTF = constrain(h_f32.astype(self.prec.compute), _BTF)  # f32 -> compute
+        return self.down(h_BTF, key=key)
+
+
+class Block(nnx.Module):
+    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int, rngs: nnx.Rngs):
+        Norm = RMSNorm if spec.kind == "llama" else LayerNorm
+        self.norm1 = Norm(spec.d_model, eps=spec.norm_eps, prec=prec)
+        self.attn = Attention(spec, prec, block=block, rngs=rngs)
+        self.norm2 = Norm(spec.d_model, eps=spec.norm_eps, prec=prec)
+        self.mlp = MLP(spec, prec, block=block, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
+        x_BTD = constrain(x_BTD + self.attn(self.norm1(x_BTD), key=key), _BTD)
+        return constrain(x_BTD + self.mlp(self.norm2(x_BTD), key=key), _BTD)
+
+
+class Transformer(nnx.Module):
+    """``model(tokens_BT, *, key=None) -> logits_BTV`` (float32).
+
+    ``key`` is the per-step key (the trainer passes ``fold_in(seed_key, step)``); only GaussWS/DiffQ layers use it,
+    folding in their static layer id. ``key=None`` means evaluation: no weight noise.
+    """
+
+    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, rngs: nnx.Rngs):
+        self.spec, self.prec = spec, prec
+        D, V = spec.d_model, spec.vocab_size
+        self.embed = Embed(V, D, axes=("vocab", "embed"), std=spec.init_std, prec=prec, rngs=rngs)
+        self.pos_embed = (
+            Embed(spec.max_seq_len, D, axes=(None, "embed"), std=spec.init_std, prec=prec, rngs=rngs)
+            if spec.kind == "gpt2"
+            else None
+        )
+        self.blocks = nnx.List([Block(spec, prec, block=i, rngs=rngs) for i in range(spec.n_layers)])
+        Norm = RMSNorm if spec.kind == "llama" else LayerNorm
+        self.final_norm = Norm(D, eps=spec.norm_eps, prec=prec)
+        self.lm_head = (
+            None
+            if spec.tie_embeddings
+            else Linear(
+                D,
+                V,
+                axes=("embed", "vocab"),
+                layer_kind="lm_head",
+                std=spec.init_std,
+                prec=prec,
+                layer_id=8 * spec.n_layers,
+                rngs=rngs,
+            )
+        )
+
+    def __call__(self, tokens_BT: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        if tokens_BT.ndim != 2:
+            raise ValueError(f"tokens must be int[B, T], got shape {tokens_BT.shape}")
+        T = tokens_BT.shape[1]
+        if T > self.spec.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds config.model.max_seq_len={self.spec.max_seq_len}")
+        if not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+            raise ValueError(f"tokens must be integers, got dtype {tokens_BT.dtype}")
+        x_BTD = self.embed(tokens_BT)
+        if self.pos_embed is not None:
+            x_BTD = x_BTD + self.pos_embed(jnp.arange(T))[None]
+        x_BTD = constrain(x_BTD, _BTD)
+        for block in self.blocks:
+            x_BTD = block(x_BTD, key=key)
+        h_BTD = self.final_norm(x_BTD)
+        if self.lm_head is None:
+            w_DV = view_weight(self.embed.embedding[...], self.prec).T
+            logits = matmul(h_BTD, w_DV, self.prec.matmul_for("lm_head"), jnp.float32)
+        else:
+            logits = self.lm_head(h_BTD, key=key, out_dtype=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def aux_loss(self) -> jax.Array:
+        """The PQT bitwidth loss ``λ Σ_layers mean_blocks |b_t - b_target|`` (float32 0 without PQT)."""
+        from lpt.models.pqt_wiring import aux_loss
+
+        return aux_loss(self)
+
+
+def build_model(model_cfg, precision_cfg, *, rngs: nnx.Rngs) -> Transformer:
+    """Build the transformer of ``config.model`` with the recipe ``config.precision`` (see lpt.models.config).
+
+    Weights: N(0, init_std²); the "out" and "down" projections N(0, init_std² / (2 n_layers)) (GPT-2); norm scales
+    1, biases 0; drawn from ``rngs.params()`` by :func:`lpt.models.layers.init_state` (one flat draw). Works
+    inside ``jax.jit`` (e.g. with ``out_shardings`` for a sharded init) and under ``nnx.eval_shape``.
+    """
+    spec, prec = model_spec(model_cfg), precision_spec(precision_cfg)
+    key = rngs.params()
+    abstract = nnx.eval_shape(lambda: Transformer(spec, prec, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    state = jax.jit(init_state)(abstract_state, key)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,107 @@
+"""Data: determinism, split disjointness, per-process shards, iterator state round trip, errors, unigram."""
+
+import json
+
+import numpy as np
+import pytest
+
+import lpt.data as D
+
+CFG = {"source": "embedded", "validation_fraction": 0.1, "shuffle_seed": 0}
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def test_train_batches_are_deterministic_and_seeded():
+    a = _take(D.make_train_iterator(CFG, seq_len=32, global_batch=4, seed=1), 3)
+    b = _take(D.make_train_iterator(CFG, seq_len=32, global_batch=4, seed=1), 3)
+    c = _take(D.make_train_iterator(CFG, seq_len=32, global_batch=4, seed=2), 3)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    assert any((x["inputs"] != z["inputs"]).any() for x, z in zip(a, c, strict=True))
+    x = a[0]
+    assert x["inputs"].dtype == np.int32 and x["inputs"].shape == (4, 32)
+    np.testing.assert_array_equal(x["inputs"][:, 1:], x["targets"][:, :-1])  # targets are inputs shifted by one
+
+
+def test_windows_pack_the_stream_with_separators():
+    stream = D.token_streams("embedded", None, 0.1)["train"]
+    n_pieces = sum(len(d) - round(0.1 * len(d)) > 0 for _, d in D.load_documents("embedded"))
+    assert int((stream == D.SEPARATOR).sum()) == n_pieces > 70  # one separator after every document piece
+    w = D.Windows(stream, 32)
+    np.testing.assert_array_equal(w[3], stream[96:129])
+    assert len(w) == (stream.size - 1) // 32
+
+
+def test_split_is_disjoint_and_proportional():
+    docs = D.load_documents("embedded")
+    s = D.token_streams("embedded", None, 0.1)
+    n_text = sum(len(d) for _, d in docs)
+    n_val = int((s["validation"] != D.SEPARATOR).sum())
+    n_train = int((s["train"] != D.SEPARATOR).sum())
+    assert n_val + n_train == n_text
+    assert abs(n_val / n_text - 0.1) < 0.002
+    # every validation document piece is the tail of its document and not in train
+    train = s["train"].tobytes()
+    tails = s["validation"].tobytes().split(b"\0")[:-1]
+    long_tails = [t for t in tails if len(t) > 200]
+    assert len(long_tails) > 20
+    assert not any(t in train for t in long_tails)
+
+
+@pytest.mark.parametrize("procs", [2, 4])
+def test_process_shards_are_disjoint_and_cover_the_global_batch(procs):
+    whole = _take(D.make_train_iterator(CFG, seq_len=16, global_batch=8, seed=0), 3)
+    parts = [
+        _take(D.make_train_iterator(CFG, seq_len=16, global_batch=8, process_index=p, process_count=procs, seed=0), 3)
+        for p in range(procs)
+    ]
+    for step in range(3):
+        stacked = np.concatenate([parts[p][step]["inputs"] for p in range(procs)])
+        np.testing.assert_array_equal(stacked, whole[step]["inputs"])
+        assert len({r.tobytes() for r in stacked}) == 8
+
+
+def test_iterator_state_round_trip_resumes_exactly():
+    it = D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3)
+    _take(it, 5)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = _take(it, 4)
+    fresh = D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3)
+    fresh.set_state(state)
+    for x, y in zip(_take(fresh, 4), expected, strict=True):
+        np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    first = next(D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3))
+    assert (first["inputs"] != expected[0]["inputs"]).any()
+
+
+def test_eval_batches_deterministic_from_validation_split():
+    a = D.make_eval_batches(CFG, seq_len=32, batch=4, num_batches=2)
+    b = D.make_eval_batches(CFG, seq_len=32, batch=4, num_batches=2, process_index=1, process_count=2)
+    val = D.token_streams("embedded", None, 0.1)["validation"]
+    np.testing.assert_array_equal(a[0]["inputs"][0], val[:32])
+    np.testing.assert_array_equal(b[1]["inputs"], a[1]["inputs"][2:])
+    with pytest.raises(ValueError, match="has only"):
+        D.make_eval_batches(CFG, seq_len=512, batch=64, num_batches=10)
+
+
+def test_unigram_loss_is_the_byte_entropy_baseline():
+    loss = D.unigram_loss(CFG)
+    # English text bytes: ~4.3-4.8 bits per byte -> ~3.0-3.4 nats; a uniform model would be ln 256 = 5.55
+    assert 2.9 < loss < 3.5
+    assert D.unigram_loss(CFG, split="train") < loss  # in-sample is lower
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="matches no files"):
+        D.make_train_iterator({"source": "text", "paths": str(tmp_path / "*.txt")}, seq_len=8, global_batch=2)
+    with pytest.raises(ValueError, match="needs a glob"):
+        D.make_train_iterator({"source": "text"}, seq_len=8, global_batch=2)
+    with pytest.raises(ValueError, match="source='hdfs'.*allowed"):
+        D.make_train_iterator({"source": "hdfs"}, seq_len=8, global_batch=2)
+    with pytest.raises(ValueError, match="not divisible by the process count 3"):
+        D.make_train_iterator(CFG, seq_len=8, global_batch=8, process_count=3)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['shuffle'\]"):
+        D.make_train_iterator({"shuffle": True}, seq_len=8, global_batch=2)
