@@ -21,6 +21,7 @@ from lpt.optim.accumulation import (
     compensated_sum_mean,
     compensated_sum_value,
 )
+from lpt.optim.adam import ScaleByAdamState, scale_by_adam
 from lpt.optim.apply import apply_updates
 from lpt.optim.diagnostics import find_compensation, get_diagnostics, replace_compensation
 from lpt.optim.kahan import KahanSummationState, compensation_from_f32, kahan_step, kahan_summation, to_f32
@@ -42,6 +43,7 @@ __all__ = [
     "NormPreservingState",
     "StochasticRoundingState",
     "UpdateDiagnostics",
+    "ScaleByAdamState",
     "adamw",
     "apply_updates",
     "compensated_sum_add",
@@ -58,6 +60,7 @@ __all__ = [
     "norm_preserving_step",
     "norm_preserving_update",
     "replace_compensation",
+    "scale_by_adam",
     "stochastic_rounding",
     "to_f32",
     "update_rule",

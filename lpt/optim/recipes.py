@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import optax
 
+from lpt.optim.adam import scale_by_adam
 from lpt.optim.kahan import kahan_summation
 from lpt.optim.norm_preserving import norm_preserving_update
 from lpt.optim.rounding_rules import nearest_rounding, stochastic_rounding
@@ -34,22 +35,28 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
     update: str = "kahan",
-    mu_dtype=None,
+    moment_dtype=None,
+    moment_rounding: str = "stochastic",
     grad_clip: float | None = None,
     seed: int = 0,
     diagnostics: bool = False,
     compensation_dtype=None,
 ) -> optax.GradientTransformation:
-    """AdamW for low-precision params: ``[clip_by_global_norm] -> optax.adamw -> update rule``.
+    """AdamW for low-precision params: ``[clip] -> lpt scale_by_adam -> decoupled decay -> -lr -> update rule``.
 
-    With bf16 params the moments live in bf16 too (``mu_dtype`` can widen the first one) and, with
-    ``update="kahan"``, the compensation in bf16: 8 bytes per parameter (param, mu, nu, compensation) instead of
-    the 16 of bf16 weights + f32 master + f32 moments. Decoupled weight decay is part of the compensated update,
-    so it takes effect even when ``lr·wd`` is far below an ulp.
+    With bf16 params the moments live in bf16 (computed in f32, stored with ``moment_rounding``, see
+    :func:`lpt.optim.scale_by_adam`) and, with ``update="kahan"``, the compensation in bf16: 8 bytes per parameter
+    (param, mu, nu, compensation) instead of the 14 of f32 master weights + f32 moments + a bf16 compute copy. The
+    decoupled weight decay is part of the compensated update, so it takes effect even when ``lr·wd`` is far below
+    an ulp. ``update`` is one of :data:`UPDATE_RULES`.
     """
     parts = [] if grad_clip is None else [optax.clip_by_global_norm(grad_clip)]
-    parts.append(optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mu_dtype=mu_dtype))
-    parts.append(update_rule(update, seed=seed, diagnostics=diagnostics, compensation_dtype=compensation_dtype))
+    parts += [
+        scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype, rounding=moment_rounding, seed=seed),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+        update_rule(update, seed=seed + 1, diagnostics=diagnostics, compensation_dtype=compensation_dtype),
+    ]
     return optax.chain(*parts)
 
 

@@ -1,0 +1,85 @@
+"""Adam moments stored in 16 bits, computed in f32, with rounding that survives ``jit``.
+
+``optax.scale_by_adam`` keeps its moments in the param dtype (bf16 for bf16 params) and computes in that dtype, so
+``ν ← b2·ν + (1 − b2)·g²`` is rounded to nearest every step: with b2 = 0.999 a change below half an ulp (2^-9
+relative) is lost, and ν cannot decay. Here the moments are read as f32, updated in f32, and stored back through
+:func:`lpt.numerics.round_nearest` or, by default, :func:`lpt.numerics.round_stochastic` (unbiased, so the EMA decays
+in expectation like its f32 twin).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpt.numerics import round_nearest, round_stochastic
+from lpt.optim.leaves import leaf_id
+
+MOMENT_ROUNDINGS = ("stochastic", "nearest")
+
+
+class ScaleByAdamState(NamedTuple):
+    count: jax.Array  # int32 step count (bias correction, rounding key)
+    mu: Any  # first moment, like params, in the moment dtype
+    nu: Any  # second moment, like params, in the moment dtype
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    moment_dtype=None,
+    rounding: str = "stochastic",
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """Adam's preconditioning ``m̂ / (sqrt(v̂) + eps)`` with low-precision moments (drop-in for optax's).
+
+    Per leaf, in f32: ``m = b1·m + (1−b1)·g``, ``v = b2·v + (1−b2)·g²``, ``u = m/(1−b1^t) / (sqrt(v/(1−b2^t)) + eps)``;
+    ``m`` and ``v`` are stored as ``Q(m)``, ``Q(v)`` in ``moment_dtype`` (default: the param dtype, so bf16 params get
+    bf16 moments: 4 bytes/param of state). ``Q`` is stochastic rounding keyed by ``(seed, step, leaf path, moment)``
+    or nearest rounding. The update ``u`` is f32.
+    """
+    if rounding not in MOMENT_ROUNDINGS:
+        raise ValueError(f"rounding must be one of {MOMENT_ROUNDINGS}, got {rounding!r}")
+
+    def init_fn(params):
+        def zeros(p):
+            dt = jnp.asarray(p).dtype if moment_dtype is None else jnp.dtype(moment_dtype)
+            return jnp.zeros(jnp.shape(p), dt)
+
+        return ScaleByAdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params))
+
+    def store(x32, like, key):
+        if like.dtype in (jnp.float32, jnp.float64):
+            return x32.astype(like.dtype)
+        if rounding == "stochastic":
+            return round_stochastic(x32, like.dtype, key)  # f32 -> moment dtype (unbiased)
+        return round_nearest(x32, like.dtype)  # f32 -> moment dtype (RNE)
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = optax.safe_int32_increment(state.count)
+        t = count.astype(jnp.float32)  # int32 -> f32
+        c1 = 1.0 - jnp.float32(b1) ** t
+        c2 = 1.0 - jnp.float32(b2) ** t
+        step_key = jax.random.fold_in(jax.random.key(seed), count)
+        flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        flat_m, flat_v = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        out_u, out_m, out_v = [], [], []
+        for (path, g), m, v in zip(flat_g, flat_m, flat_v, strict=True):
+            key = jax.random.fold_in(step_key, leaf_id(jax.tree_util.keystr(path)))
+            g32 = jnp.asarray(g).astype(jnp.float32)  # grad dtype -> f32
+            m32 = jnp.float32(b1) * m.astype(jnp.float32) + jnp.float32(1 - b1) * g32  # moment dtype -> f32
+            v32 = jnp.float32(b2) * v.astype(jnp.float32) + jnp.float32(1 - b2) * (g32 * g32)
+            out_u.append((m32 / c1) / (jnp.sqrt(v32 / c2) + jnp.float32(eps)))
+            km, kv = jax.random.split(key)
+            out_m.append(store(m32, m, km))
+            out_v.append(store(v32, v, kv))
+        unf = treedef.unflatten
+        return unf(out_u), ScaleByAdamState(count, unf(out_m), unf(out_v))
+
+    return optax.GradientTransformation(init_fn, update_fn)
