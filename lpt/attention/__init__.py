@@ -1,1 +1,23 @@
-"""lpt.attention (under construction)."""
+"""lpt.attention: stabilized (seed-001) flash attention with an explicit numerics policy.
+
+``dot_product_attention(q, k, v, *, causal=True, stable=True, beta=7.0, impl="xla", ...)`` computes
+``softmax(scale · q kᵀ) v`` over [batch, seq, heads, head_dim] inputs with grouped-query attention, causal,
+padding (``kv_mask``) and packing (``segment_ids``) masks. ``impl="xla"`` runs the blockwise XLA twin of the
+flash kernel, ``impl="pallas"`` the Pallas kernel, ``impl="softmax"`` plain f32 softmax attention (the truth).
+:class:`AttentionPolicy` says how the block loop rounds (shift rule, where ℓ comes from, P̃V dtype, accumulator,
+the O kept for the backward); ``stable=True`` picks the bias-free default, ``stable=False`` the standard FA2 kernel.
+See docs/attention.md for the measurements behind the defaults.
+"""
+
+from lpt.attention.core import dot_product_attention
+from lpt.attention.diagnostics import delta_error, repeated_max_fraction
+from lpt.kernels.flash_attention_math import AttentionPolicy, default_policy, standard_policy
+
+__all__ = [
+    "AttentionPolicy",
+    "default_policy",
+    "delta_error",
+    "dot_product_attention",
+    "repeated_max_fraction",
+    "standard_policy",
+]

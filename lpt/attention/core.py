@@ -1,0 +1,213 @@
+"""``dot_product_attention``: stabilized flash attention with a numerics policy, GQA, causal and padding masks.
+
+Math: ``O[b, i, h] = Σ_j softmax_j(scale · q[b, i, h] · k[b, j, h // G]) v[b, j, h // G]`` over the keys j that query
+i may attend (same segment id, key not padded, and j ≤ i if causal), G = H / Hkv. A query without any such key
+gets O = 0 and zero gradients.
+
+The forward runs the online-softmax block loop of :mod:`lpt.kernels.flash_attention_math` (XLA twin or Pallas
+kernel); the backward is FA2's, with δ = rowsum(dO ∘ O_residual) where the residual O is chosen by the policy
+(the quantity seed 001 traces the loss explosions to).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lpt.kernels import flash_attention as fk
+from lpt.kernels import flash_attention_math as fm
+from lpt.kernels import flash_attention_reference as fr
+
+_IMPLS = ("xla", "pallas", "softmax")
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    policy: fm.AttentionPolicy
+    causal: bool
+    scale: float
+    block_q: int
+    block_k: int
+    impl: str
+    interpret: bool | None
+
+
+def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
+    kw = dict(policy=cfg.policy, causal=cfg.causal, scale=cfg.scale, block_k=cfg.block_k)
+    if cfg.impl == "pallas":
+        return fk.flash_forward(q, k, v, q_seg, kv_seg, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
+    return fr.reference_forward(q, k, v, q_seg, kv_seg, **kw)
+
+
+def _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg: _Config):
+    kw = dict(causal=cfg.causal, scale=cfg.scale)
+    if cfg.impl == "pallas":
+        return fk.flash_backward(
+            q,
+            k,
+            v,
+            q_seg,
+            kv_seg,
+            lse,
+            do,
+            delta,
+            block_q=cfg.block_q,
+            block_k=cfg.block_k,
+            interpret=cfg.interpret,
+            **kw,
+        )
+    return fr.reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, **kw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, key, cfg: _Config):
+    return _flash_fwd(q, k, v, q_seg, kv_seg, key, cfg)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, key, cfg: _Config):
+    o32, lse = _forward(q, k, v, q_seg, kv_seg, cfg)
+    out, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
+    return out, (q, k, v, q_seg, kv_seg, o_res, lse)
+
+
+def _flash_bwd(cfg: _Config, res, do):
+    q, k, v, q_seg, kv_seg, o_res, lse = res
+    delta = jnp.sum(do.astype(jnp.float32) * o_res.astype(jnp.float32), axis=-1)  # -> f32 (exact products)
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))  # f32 -> input dtype (RNE)
+    return (*grads, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _default_block(t: int) -> int:
+    """min(128, next power of two >= max(t, 16)): a Triton-friendly tile."""
+    return min(128, 1 << max(4, (t - 1).bit_length()))
+
+
+def _pad_to(x, length: int, axis: int, value):
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def canonical(q, k, v, *, causal, stable, beta, impl, kv_mask, segment_ids, scale, policy, block_q, block_k, interpret):
+    """Validate the public arguments; return padded [B, H, T, D] tensors, segments and the static config."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r} is not allowed; choose one of {_IMPLS}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
+    b, tq, h, d = q.shape
+    _, tk, hkv, _ = k.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {k.shape} and v {v.shape} must both be [{b}, Tk, Hkv, {d}]")
+    if h % hkv:
+        raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
+    if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in _FLOATS:
+        raise ValueError(f"q, k, v must share one dtype among {_FLOATS}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if causal and tq != tk:
+        raise ValueError(f"causal attention needs Tq == Tk, got Tq={tq}, Tk={tk}")
+    if policy is None:
+        policy = fm.default_policy(beta=beta) if stable else fm.standard_policy()
+    if not isinstance(policy, fm.AttentionPolicy):
+        raise ValueError(f"policy must be an AttentionPolicy, got {type(policy).__name__}")
+    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+
+    q_seg = jnp.zeros((b, tq), jnp.int32)
+    kv_seg = jnp.zeros((b, tk), jnp.int32)
+    if segment_ids is not None:
+        if tq != tk or tuple(segment_ids.shape) != (b, tq):
+            raise ValueError(f"segment_ids must be [B, T] = {(b, tq)} with Tq == Tk, got {segment_ids.shape}")
+        q_seg = kv_seg = segment_ids.astype(jnp.int32)  # int -> int32
+    if kv_mask is not None:
+        if tuple(kv_mask.shape) != (b, tk) or kv_mask.dtype != jnp.bool_:
+            raise ValueError(f"kv_mask must be bool [B, Tk] = {(b, tk)}, got {kv_mask.dtype}{kv_mask.shape}")
+        kv_seg = jnp.where(kv_mask, kv_seg, -1)
+
+    bq = block_q or _default_block(tq)
+    bk = block_k or _default_block(tk)
+    tq_pad, tk_pad = -(-tq // bq) * bq, -(-tk // bk) * bk
+    if causal:  # keep query and key positions aligned
+        tq_pad = tk_pad = max(tq_pad, tk_pad, -(-tq // math.lcm(bq, bk)) * math.lcm(bq, bk))
+    q_t = _pad_to(q, tq_pad, 1, 0).transpose(0, 2, 1, 3)  # [B, H, Tq, D]
+    k_t = _pad_to(k, tk_pad, 1, 0).transpose(0, 2, 1, 3)
+    v_t = _pad_to(v, tk_pad, 1, 0).transpose(0, 2, 1, 3)
+    q_seg = _pad_to(q_seg, tq_pad, 1, -2)  # padded queries match no key
+    kv_seg = _pad_to(kv_seg, tk_pad, 1, -1)  # padded keys match no query
+
+    cfg = _Config(policy, bool(causal), scale, bq, bk, impl, interpret)
+    return q_t, k_t, v_t, q_seg, kv_seg, cfg
+
+
+def dot_product_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    stable: bool = True,
+    beta: float = 7.0,
+    impl: str = "xla",
+    kv_mask=None,
+    segment_ids=None,
+    scale: float | None = None,
+    policy: fm.AttentionPolicy | None = None,
+    key=None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | None = None,
+):
+    """Attention over q [B, Tq, H, D], k and v [B, Tk, Hkv, D] (H % Hkv == 0); returns [B, Tq, H, D] in q.dtype.
+
+    Args:
+      causal: key j is visible to query i only if j <= i (needs Tq == Tk).
+      stable: True uses :func:`lpt.kernels.flash_attention_math.default_policy` (β shift, ℓ from the rounded P̃,
+        f32 O residual for δ); False the standard FA2 kernel (row-max shift, ℓ from f32 P̄, O residual in the
+        input dtype). Ignored when ``policy`` is given.
+      beta: β of the seed-001 shift rule (used when ``stable`` and no ``policy``).
+      impl: "xla" (blockwise XLA twin of the kernel), "pallas" (the flash kernel), "softmax" (plain f32 softmax
+        attention with autodiff gradients: the truth for tests; ignores the policy).
+      kv_mask: optional bool [B, Tk]; False marks padding keys that nobody attends.
+      segment_ids: optional int [B, T] (needs Tq == Tk), values >= 0; a query attends only keys of its segment
+        (packed sequences).
+      scale: logit scale, default 1/sqrt(D).
+      policy: an explicit :class:`AttentionPolicy` (overrides stable/beta).
+      key: PRNG key, required by ``policy.residual == "stochastic"``.
+      block_q, block_k: tile sizes (default min(128, pow2 >= T)); T is padded up to a multiple internally.
+      interpret: Pallas only. None: interpret on CPU, compiled kernel on cuda/tpu (``lax.platform_dependent``);
+        True: always interpret.
+    """
+    q_t, k_t, v_t, q_seg, kv_seg, cfg = canonical(
+        q,
+        k,
+        v,
+        causal=causal,
+        stable=stable,
+        beta=beta,
+        impl=impl,
+        kv_mask=kv_mask,
+        segment_ids=segment_ids,
+        scale=scale,
+        policy=policy,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+    )
+    tq = q.shape[1]
+    if impl == "softmax":
+        o = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, scale=cfg.scale)
+        o = o.astype(q.dtype)  # f32 -> input dtype (RNE; differentiable, unlike the bit-exact rounding)
+    else:
+        if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        o = _flash(q_t, k_t, v_t, q_seg, kv_seg, key, cfg)
+    return o.transpose(0, 2, 1, 3)[:, :tq]

@@ -1,0 +1,94 @@
+"""Diagnostics to log next to the loss: how often rows have repeated maxima, and the δ error of a policy.
+
+``repeated_max_fraction`` counts rows whose (masked, scaled, f32) logits hold at least two entries within
+``tie_tol`` of the row max: the rows where a standard flash kernel's P̄ holds several exact 1s (seed 001's trigger).
+``delta_error`` measures δ_policy − δ_f32 per row, δ = rowsum(dO ∘ O), the coefficient that seed 001 shows
+multiplies a low-rank gradient error; its mean over rows is the bias that accumulates across steps.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from lpt.attention import core
+from lpt.kernels import flash_attention_math as fm
+from lpt.kernels import flash_attention_reference as fr
+
+
+def repeated_max_fraction(
+    q, k, *, causal: bool = True, kv_mask=None, segment_ids=None, scale=None, tie_tol: float = 2.0**-9
+):
+    """Fraction (f32 scalar) of query rows with >= 2 visible logits within ``tie_tol`` of the row max.
+
+    Shapes as :func:`lpt.attention.dot_product_attention`; rows without any visible key are not counted.
+    """
+    q_t, k_t, _, q_seg, kv_seg, cfg = core.canonical(
+        q,
+        k,
+        k,
+        causal=causal,
+        stable=False,
+        beta=7.0,
+        impl="xla",
+        kv_mask=kv_mask,
+        segment_ids=segment_ids,
+        scale=scale,
+        policy=None,
+        block_q=None,
+        block_k=None,
+        interpret=None,
+    )
+    b, h, tq, d = q_t.shape
+    hkv, tk = k_t.shape[1], k_t.shape[2]
+    qg = q_t.reshape(b, hkv, h // hkv, tq, d)
+    valid = fr._valid(q_seg, kv_seg, jnp.arange(tq), jnp.arange(tk), cfg.causal)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_t, preferred_element_type=jnp.float32) * jnp.float32(cfg.scale)
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    count = jnp.sum(valid & (s >= m - jnp.float32(tie_tol)), axis=-1)
+    has_key = jnp.any(valid, axis=-1) & (q_seg[:, None, None, :] >= 0)
+    repeated = jnp.sum(jnp.where(has_key & (count >= 2), 1.0, 0.0))
+    return repeated / jnp.maximum(jnp.sum(jnp.where(has_key, 1.0, 0.0)), 1.0)
+
+
+def delta_error(
+    q,
+    k,
+    v,
+    do,
+    *,
+    causal: bool = True,
+    stable: bool = True,
+    beta: float = 7.0,
+    policy=None,
+    kv_mask=None,
+    segment_ids=None,
+    scale=None,
+    key=None,
+):
+    """δ_policy − δ_f32 per row, f32 [B, T, H]: δ from the O the policy keeps for the backward, minus δ from the
+    f32 softmax attention of the same (rounded) inputs. ``do`` is [B, T, H, D] like the output."""
+    q_t, k_t, v_t, q_seg, kv_seg, cfg = core.canonical(
+        q,
+        k,
+        v,
+        causal=causal,
+        stable=stable,
+        beta=beta,
+        impl="xla",
+        kv_mask=kv_mask,
+        segment_ids=segment_ids,
+        scale=scale,
+        policy=policy,
+        block_q=None,
+        block_k=None,
+        interpret=None,
+    )
+    tq = q.shape[1]
+    o32, _ = core._forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
+    _, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
+    o_true = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, scale=cfg.scale)
+    o_res = o_res.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :tq]  # residual dtype -> f32 (exact)
+    o_true = o_true.transpose(0, 2, 1, 3)[:, :tq]
+    do32 = do.astype(jnp.float32)  # dO dtype -> f32 (exact)
+    return jnp.sum(do32 * o_res, axis=-1) - jnp.sum(do32 * o_true, axis=-1)

@@ -1,0 +1,193 @@
+"""The numerics policy of flash attention and the per-block softmax rules shared by kernel and XLA reference.
+
+Online softmax (FA2) keeps, per query row, a running maximum ``M`` of the (masked, scaled, f32) logits ``s``, a
+count ``n`` of logits within ``tie_tol`` of ``M`` (the entries whose ``P̄`` would round to exactly 1), a shift ``c``,
+the denominator ``ℓ`` and the unnormalized output ``acc``. For every key block::
+
+    M' = max(M, rowmax(s))
+    n' = (0 if M' - tie_tol > M else n) + #{s >= M' - tie_tol}           (conservative across blocks)
+    c' = shift(M', n')                                                   (the shift rule, below)
+    α  = exp(c - c')                                                     (1 while the row has seen no key)
+    P̄  = exp(s - c') on unmasked entries, 0 on masked ones               (f32)
+    P̃  = round(P̄, pv_dtype)                                              (the matmul input)
+    ℓ' = α ℓ + rowsum(P̃ if denominator == "rounded" else P̄)              (f32)
+    acc' = α acc + P̃ V          (f32 accumulate; with accumulator == "pv" both terms and the sum are rounded
+                                 to pv_dtype, emulating the all-bf16 arithmetic of the seed-001 paper code)
+
+and finally ``O = acc / ℓ`` (0 for a row without any unmasked key) and ``lse = c + log ℓ`` (−inf there).
+
+Shift rules. ``"max"``: ``c = M`` (standard). ``"beta"`` (seed 001, Algorithm 1, intent): if the row max is repeated
+(``n > 1``) the largest exponent is moved below zero by an offset ``o`` so that no ``P̄`` equals 1::
+
+    o = (β − 1)·M if M > 0;   −M if M < 0 (the paper's shift 0);   0 if M = 0
+    o = clip(o, min_offset, max_offset);   c = M + o      (unrepeated rows: c = M)
+
+``max_offset`` is the underflow guard (``exp(−64)`` is far from f32/bf16 underflow, while the paper's ``β·M`` with
+``M = 20, β = 7`` would flush every ``P̄`` to zero and divide by zero). ``min_offset`` keeps ``exp(−o)`` below 1 after
+rounding to bf16 even when ``|M|`` is tiny (the paper leaves ``M = 0`` rows unchanged). Deviations from the paper's
+Algorithm 1: it detects repeats only inside one block and its line 10 overwrites the shifted maximum; here the
+count runs over all blocks seen so far, so a block maximum equal to the running maximum counts as a repeat.
+
+Nothing here imports Flax; the functions are pure jnp on arrays whose last axis is the key axis and so run both
+inside a Pallas kernel body (rows = a query block) and in the batched XLA reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from lpt.numerics import round_nearest, round_stochastic
+
+_SHIFTS = ("max", "beta")
+_DENOMINATORS = ("f32", "rounded")
+_ACCUMULATORS = ("f32", "pv")
+_RESIDUALS = ("input", "f32", "stochastic")
+_PV_DTYPES = (None, "bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPolicy:
+    """How the flash loop rounds. Hashable (a static argument under ``jit``).
+
+    Attributes:
+      shift: "max" (standard row max) or "beta" (seed-001 rule for repeated maxima, with guards; module docstring).
+      beta: β of the "beta" rule (> 1; the paper uses 7, its code 2).
+      tie_tol: logits within this distance of the running max count as repeats. Default 2**-9: exp(−x) for
+        x < 2**-9 rounds to 1 in bf16, so such entries behave exactly like repeated maxima.
+      min_offset, max_offset: clip of the "beta" offset (keeps max P̄ < 1 after rounding; underflow guard).
+      denominator: "f32" sums ℓ from the f32 P̄ (what every JAX flash kernel does); "rounded" sums ℓ from the
+        rounded P̃ that feeds the P̃V matmul, so numerator and denominator see the same weights.
+      pv_dtype: dtype name of the P̃V matmul inputs; None = the dtype of V.
+      accumulator: "f32" (FA2) or "pv" (the running output is rounded to pv_dtype each block: all-bf16 emulation).
+      residual: the O kept for the backward's δ = rowsum(dO ∘ O): "input" (O rounded to nearest in the input dtype,
+        the returned output), "f32" (the f32 O; the returned output is still rounded to nearest), "stochastic"
+        (O stochastically rounded to the input dtype, used as both output and residual; needs a key).
+    """
+
+    shift: str = "beta"
+    beta: float = 7.0
+    tie_tol: float = 2.0**-9
+    min_offset: float = 2.0**-6
+    max_offset: float = 64.0
+    denominator: str = "rounded"
+    pv_dtype: str | None = None
+    accumulator: str = "f32"
+    residual: str = "f32"
+
+    def __post_init__(self):
+        for name, value, allowed in (
+            ("shift", self.shift, _SHIFTS),
+            ("denominator", self.denominator, _DENOMINATORS),
+            ("accumulator", self.accumulator, _ACCUMULATORS),
+            ("residual", self.residual, _RESIDUALS),
+            ("pv_dtype", self.pv_dtype, _PV_DTYPES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"AttentionPolicy.{name}={value!r} is not allowed; choose one of {allowed}")
+        if not self.beta > 1.0:
+            raise ValueError(f"AttentionPolicy.beta must be > 1, got {self.beta!r}")
+        if not 0.0 <= self.tie_tol < 1.0:
+            raise ValueError(f"AttentionPolicy.tie_tol must be in [0, 1), got {self.tie_tol!r}")
+        if not 0.0 < self.min_offset <= self.max_offset <= 80.0:
+            raise ValueError(
+                f"need 0 < min_offset <= max_offset <= 80, got min_offset={self.min_offset!r}, "
+                f"max_offset={self.max_offset!r}"
+            )
+
+    def pv(self, v_dtype) -> jnp.dtype:
+        """The dtype of the P̃V matmul inputs for values of dtype ``v_dtype``."""
+        return jnp.dtype(v_dtype if self.pv_dtype is None else self.pv_dtype)
+
+
+def standard_policy(**overrides) -> AttentionPolicy:
+    """The standard FA2 kernel: row-max shift, ℓ from f32 P̄, P̃ in V's dtype, O stored in the input dtype."""
+    return AttentionPolicy(**{"shift": "max", "denominator": "f32", "residual": "input", **overrides})
+
+
+def default_policy(beta: float = 7.0, **overrides) -> AttentionPolicy:
+    """The bias-free default (``stable=True``): β shift, ℓ from the rounded P̃, f32 O residual for δ."""
+    return AttentionPolicy(**{"shift": "beta", "beta": beta, **overrides})
+
+
+def round_to(x: jax.Array, dtype, native: bool = False) -> jax.Array:
+    """Round-to-nearest-even of f32 ``x`` into ``dtype`` (returns ``dtype``).
+
+    Default: lpt.numerics' bit-exact rounding (survives XLA's excess precision). ``native=True`` uses the plain
+    conversion, for Mosaic TPU kernels: there it is a hardware RNE convert (no XLA pass can skip it), and the
+    bit version's ``copysign`` cannot be lowered for TPU on a machine without a TPU.
+    """
+    if jnp.dtype(dtype) == jnp.float32:
+        return x.astype(jnp.float32)  # f32 -> f32 (no-op)
+    if native:
+        return x.astype(dtype)  # f32 -> dtype, RNE convert inside a compiled kernel
+    return round_nearest(x, dtype)
+
+
+def round_grid_f32(x: jax.Array, dtype, native: bool = False) -> jax.Array:
+    """Round f32 ``x`` to the grid of ``dtype`` but keep it f32 (see :func:`round_to` for ``native``)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return x
+    if native:
+        return x.astype(dtype).astype(jnp.float32)  # f32 -> dtype (RNE) -> f32 (exact)
+    return round_nearest(x, dtype, out_dtype=jnp.float32)
+
+
+def update_max_count(m, n, s, valid, tie_tol: float):
+    """One block of the running (max, near-max count). m, n: [..., 1] f32; s: [..., bk] f32; valid: bool."""
+    s_masked = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s_masked, axis=-1, keepdims=True))
+    near = valid & (s_masked >= m_new - jnp.float32(tie_tol))
+    block_n = jnp.sum(jnp.where(near, 1.0, 0.0), axis=-1, keepdims=True)  # count as f32
+    n_new = jnp.where(m_new - jnp.float32(tie_tol) > m, 0.0, n) + block_n
+    return m_new, n_new
+
+
+def shift_of(m, n, policy: AttentionPolicy):
+    """The shift c for running max m and near-max count n ([..., 1] f32); finite even for m = −inf."""
+    if policy.shift == "max":
+        c = m
+    else:
+        raw = jnp.where(m > 0, jnp.float32(policy.beta - 1.0) * m, -m)  # m = 0 gives 0, clipped below
+        offset = jnp.clip(raw, jnp.float32(policy.min_offset), jnp.float32(policy.max_offset))
+        c = jnp.where(n > 1.5, m + offset, m)
+    return jnp.where(m == -jnp.inf, 0.0, c)
+
+
+def rescale(c_old, c_new, m_old):
+    """α = exp(c_old − c_new), or 1 while the row has seen no unmasked key (acc = ℓ = 0 then)."""
+    return jnp.where(m_old == -jnp.inf, 1.0, jnp.exp(c_old - c_new))
+
+
+def probs(s, valid, c):
+    """P̄ = exp(min(s − c, 0)) on valid entries, 0 elsewhere and where c = −inf (f32).
+
+    The clamp only matters when XLA recomputes s with a different last bit in another fusion (|s| > ~1e7).
+    """
+    ok = valid & (c != -jnp.inf)
+    return jnp.where(ok, jnp.exp(jnp.where(ok, jnp.minimum(s - c, 0.0), -jnp.inf)), 0.0)
+
+
+def finalize(acc, l, c):
+    """O = acc / ℓ (0 where ℓ = 0) and lse = c + log ℓ (−inf where ℓ = 0)."""
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o = jnp.where(l > 0, acc / safe_l, 0.0)
+    lse = jnp.where(l > 0, c + jnp.log(safe_l), -jnp.inf)
+    return o, lse
+
+
+def residual_and_output(o_f32, in_dtype, policy: AttentionPolicy, key):
+    """(output returned to the caller, O kept for δ) from the f32 O, per ``policy.residual``."""
+    if policy.residual == "stochastic":
+        if key is None:
+            raise ValueError("AttentionPolicy.residual='stochastic' needs a PRNG key: pass key=...")
+        out = (
+            o_f32.astype(in_dtype)  # f32 -> f32 (no rounding needed)
+            if jnp.dtype(in_dtype) == jnp.float32
+            else round_stochastic(o_f32, in_dtype, key)
+        )
+        return out, out
+    out = round_to(o_f32, in_dtype)
+    return out, (o_f32 if policy.residual == "f32" else out)

@@ -1,0 +1,121 @@
+"""XLA twin of the Pallas flash-attention kernel: the same online-softmax recurrence in the same block order.
+
+Layout (canonical, as the kernel sees it): q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H % Hkv == 0 (grouped-query
+attention: query head h reads kv head h // (H / Hkv)); q_seg [B, Tq], kv_seg [B, Tk] int32. Query i may attend key
+j iff ``q_seg[i] == kv_seg[j]`` and, if causal, ``j <= i``. Tk must be a multiple of ``block_k`` (the wrapper pads).
+
+Forward: a ``lax.scan`` over key blocks of size ``block_k`` applying :mod:`flash_attention_math`'s rules; all query
+rows at once (rows are independent, so the query blocking of the kernel does not change a row's arithmetic).
+Backward (FA2, given lse and δ = rowsum(dO ∘ O_residual)), on whole rows::
+
+    P = exp(S − lse);  dV = round(P)ᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − δ)
+    dQ = round(dS) K·scale;  dK = round(dS)ᵀ Q·scale
+
+with ``round`` into the input dtype (the matmul operand dtype of an FA2 kernel) and f32 accumulation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lpt.kernels import flash_attention_math as fm
+
+
+def _valid(q_seg, kv_seg, q_pos, k_pos, causal: bool):
+    """Attend mask [B, 1, 1, Tq, bk] from segments [B, Tq], [B, bk] and positions [Tq], [bk]."""
+    ok = q_seg[:, :, None] == kv_seg[:, None, :]
+    if causal:
+        ok = ok & (k_pos[None, None, :] <= q_pos[None, :, None])
+    return ok[:, None, None]
+
+
+def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, causal: bool, scale: float, block_k: int):
+    """Blockwise forward. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq])."""
+    b, h, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = h // hkv
+    if tk % block_k:
+        raise ValueError(f"Tk={tk} must be a multiple of block_k={block_k}")
+    nk = tk // block_k
+    pv_dtype = policy.pv(v.dtype)
+    qg = q.reshape(b, hkv, g, tq, d)
+    k_blocks = k.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
+    v_blocks = v.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
+    seg_blocks = kv_seg.reshape(b, nk, block_k).transpose(1, 0, 2)
+    q_pos = jnp.arange(tq, dtype=jnp.int32)
+
+    def step(carry, xs):
+        m, n, c, l, acc = carry
+        j, k_blk, v_blk, seg_blk = xs
+        k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        valid = _valid(q_seg, seg_blk, q_pos, k_pos, causal)
+        s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32)
+        s = s * jnp.float32(scale)
+        m_new, n_new = fm.update_max_count(m, n, s, valid, policy.tie_tol)
+        c_new = fm.shift_of(m_new, n_new, policy)
+        alpha = fm.rescale(c, c_new, m)
+        p = fm.probs(s, valid, c_new)
+        p_pv = fm.round_to(p, pv_dtype)
+        p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
+        l_new = alpha * l + jnp.sum(p_sum, axis=-1, keepdims=True)
+        v_pv = fm.round_to(v_blk.astype(jnp.float32), pv_dtype)  # v dtype -> f32 (exact) -> pv dtype
+        pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_pv, v_pv, preferred_element_type=jnp.float32)
+        if policy.accumulator == "pv":
+            acc_new = fm.round_grid_f32(
+                fm.round_grid_f32(alpha * acc, pv_dtype) + fm.round_grid_f32(pv, pv_dtype), pv_dtype
+            )
+        else:
+            acc_new = alpha * acc + pv
+        return (m_new, n_new, c_new, l_new, acc_new), None
+
+    col = jnp.zeros((b, hkv, g, tq, 1), jnp.float32)
+    init = (col - jnp.inf, col, col, col, jnp.zeros((b, hkv, g, tq, d), jnp.float32))
+    xs = (jnp.arange(nk, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks)
+    (_, _, c, l, acc), _ = lax.scan(step, init, xs)
+    o, lse = fm.finalize(acc, l, c)
+    return o.reshape(b, h, tq, d), lse.reshape(b, h, tq)
+
+
+def reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, *, causal: bool, scale: float):
+    """FA2 backward on whole rows. lse, delta: [B, H, Tq] f32. Returns f32 (dq [B,H,Tq,D], dk, dv [B,Hkv,Tk,D])."""
+    b, h, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = h // hkv
+    in_dtype = q.dtype
+    qg = q.reshape(b, hkv, g, tq, d)
+    dog = do.reshape(b, hkv, g, tq, d)
+    lse_g = lse.reshape(b, hkv, g, tq, 1)
+    delta_g = delta.reshape(b, hkv, g, tq, 1)
+    valid = _valid(q_seg, kv_seg, jnp.arange(tq, dtype=jnp.int32), jnp.arange(tk, dtype=jnp.int32), causal)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    p = fm.probs(s, valid, lse_g)
+    p_in = fm.round_to(p, in_dtype)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p_in, dog, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bhgqd,bhkd->bhgqk", dog, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_g)
+    ds_in = fm.round_to(ds, in_dtype)
+    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds_in, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds_in, qg, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    return dq.reshape(b, h, tq, d), dk, dv
+
+
+def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float):
+    """Plain (non-blocked) softmax attention in f32, differentiable by autodiff: the f32 truth.
+
+    Same layout as :func:`reference_forward`; returns O f32 [B, H, Tq, D] (0 for rows without any valid key).
+    """
+    b, h, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = h // hkv
+    qg = q.astype(jnp.float32).reshape(b, hkv, g, tq, d)  # input dtype -> f32 (exact)
+    valid = _valid(q_seg, kv_seg, jnp.arange(tq, dtype=jnp.int32), jnp.arange(tk, dtype=jnp.int32), causal)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32)) * jnp.float32(scale)  # -> f32 (exact)
+    s = jnp.where(valid, s, -jnp.inf)
+    any_valid = jnp.any(valid, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(any_valid, jnp.max(s, axis=-1, keepdims=True), 0.0))
+    e = jnp.where(valid, jnp.exp(jnp.where(valid, s - m, 0.0)), 0.0)
+    p = e / jnp.where(any_valid, jnp.sum(e, axis=-1, keepdims=True), 1.0)
+    o = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32))  # v dtype -> f32 (exact)
+    return o.reshape(b, h, tq, d)
