@@ -15,7 +15,9 @@ Backward (``jax.custom_vjp``), with ``g = dL/dy``:
   multiple of B, which is exact.
 
 Every GEMM goes through the same primitive (``lpt.kernels.fp8_blockwise_matmul``): ``impl="xla"`` uses its XLA twin
-(a scan over K-chunks; no (K/B, M, N) tensor), ``impl="pallas"`` the Pallas kernel (interpreted on CPU). Scales are
+(a scan over K-chunks; no (K/B, M, N) tensor), ``impl="pallas"`` the portable Pallas kernel (interpreted on CPU,
+Triton on CUDA, Mosaic on TPU), ``impl="mosaic_gpu"`` the Hopper wgmma kernel (CUDA only; on CPU pass
+``interpret=True``; needs ``grad_dtype == fwd_dtype`` because wgmma cannot mix FP8 formats). Scales are
 recomputed from the current tensors on every call, so there is no state to carry through scan, remat or gradient
 accumulation. The output and ``dx`` take ``x``'s dtype, ``dw`` takes ``w``'s dtype.
 """
@@ -30,10 +32,11 @@ import jax.numpy as jnp
 
 from lpt.fp8.quantize import _check_scale_format, check_fp8_dtype, quantize_blocks, quantize_tiles
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
 
 __all__ = ["IMPLS", "BlockwiseConfig", "blockwise_dot", "scaled_matmul"]
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "mosaic_gpu")
 
 
 class BlockwiseConfig(NamedTuple):
@@ -51,7 +54,11 @@ def scaled_matmul(a, sa, b, sb, cfg: BlockwiseConfig) -> jax.Array:
     """``sum_c (a_c @ b_c) * sa[:, c] * sb[c, :]`` in f32 with the implementation chosen by ``cfg.impl``."""
     if cfg.impl == "xla":
         return fp8_blockwise_matmul_reference(a, sa, b, sb, chunk=cfg.block)
-    return fp8_blockwise_matmul(a, sa, b, sb, chunk=cfg.block, interpret=cfg.interpret)
+    if cfg.impl == "pallas":
+        return fp8_blockwise_matmul(a, sa, b, sb, chunk=cfg.block, interpret=cfg.interpret)
+    # No platform_dependent here: the Mosaic GPU interpreter carries IO effects that a cond over platforms
+    # cannot lower for CUDA, so the interpreter is selected only by the explicit ``interpret=True``.
+    return fp8_blockwise_matmul_mgpu(a, sa, b, sb, chunk=cfg.block, interpret=bool(cfg.interpret))
 
 
 def _weight_col_scales(sw_blocks: jax.Array, block: int) -> jax.Array:
@@ -113,13 +120,15 @@ def blockwise_dot(
     Args:
       x: activations ``[..., K]`` (any float dtype; the output has this dtype).
       w: weight ``[K, N]`` (any float dtype; ``dw`` has this dtype).
-      impl: ``"xla"`` (scan over K-chunks) or ``"pallas"`` (the Pallas kernel; interpreted on CPU).
+      impl: ``"xla"`` (scan over K-chunks), ``"pallas"`` (portable Pallas kernel; interpreted on CPU) or
+        ``"mosaic_gpu"`` (Hopper wgmma kernel; CUDA only, or ``interpret=True``; needs grad_dtype == fwd_dtype).
       block: tile / block edge B and promotion interval (128 as in DeepSeek-V3). K and N must be multiples of it.
       fwd_dtype: FP8 format of x and w (float8_e4m3fn by default).
       grad_dtype: FP8 format of the output gradient in both backward GEMMs (float8_e5m2 by default; pass
         float8_e4m3fn for e4m3 everywhere, as DeepSeek-V3 does).
       scale_format: ``"f32"`` (scale = amax / max) or ``"pow2"`` (scale rounded up to a power of two).
-      interpret: for ``impl="pallas"``: ``True`` forces the Pallas interpreter; ``None`` picks per platform.
+      interpret: for the kernels: ``True`` forces the interpreter; ``None``: ``"pallas"`` picks per platform
+        (``lax.platform_dependent``), ``"mosaic_gpu"`` compiles for CUDA.
 
     Raises:
       ValueError: for non-float inputs, mismatched K, K or N not a multiple of ``block``, unknown options.
@@ -137,6 +146,13 @@ def blockwise_dot(
         impl=impl,
         interpret=interpret,
     )
+    if impl == "mosaic_gpu" and cfg.grad_dtype != cfg.fwd_dtype:
+        raise ValueError(
+            f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype (wgmma cannot mix FP8 formats), got "
+            f"fwd_dtype={cfg.fwd_dtype}, grad_dtype={cfg.grad_dtype}"
+        )
+    if interpret not in (None, True):
+        raise ValueError(f"interpret must be None (choose per platform) or True, got {interpret!r}")
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise ValueError(f"{name} must be a floating-point array, got dtype {a.dtype}")
