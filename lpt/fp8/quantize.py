@@ -137,7 +137,8 @@ def quantize_tensor(x, dtype=jnp.float8_e4m3fn, *, scale_format: str = "f32"):
     """Per-tensor baseline: one scale for the whole tensor; returns ``(q, scale[])``."""
     dtype = check_fp8_dtype(dtype)
     x = _check_float(x, "x")
-    q, scale = _quantize_grouped(x.astype(jnp.float32), dtype, scale_format, tuple(range(x.ndim)))
+    x32 = x.astype(jnp.float32)  # any float -> f32
+    q, scale = _quantize_grouped(x32, dtype, scale_format, tuple(range(x.ndim)))
     return q, scale.reshape(())
 
 
