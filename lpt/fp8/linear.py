@@ -29,7 +29,7 @@ class Fp8Linear(nnx.Module):
       use_bias: add a bias (kept in ``param_dtype``, added in the output dtype after the FP8 GEMM).
       param_dtype: dtype of the stored parameters.
       kernel_init, bias_init: initializers (lecun normal / zeros, as ``nnx.Linear``).
-      impl: ``"xla"`` or ``"pallas"`` (see :func:`lpt.fp8.blockwise_dot`).
+      impl: ``"xla"``, ``"pallas"`` or ``"mosaic_gpu"`` (see :func:`lpt.fp8.blockwise_dot`).
       grad_dtype: FP8 format of output gradients (float8_e5m2; float8_e4m3fn for e4m3 everywhere).
       fwd_dtype, block, scale_format: forwarded to :func:`lpt.fp8.blockwise_dot`.
       dtype: if set, inputs are cast to it before the GEMM (and the output has it); None keeps the input dtype.
@@ -58,6 +58,8 @@ class Fp8Linear(nnx.Module):
             )
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl == "mosaic_gpu" and jnp.dtype(grad_dtype) != jnp.dtype(fwd_dtype):
+            raise ValueError(f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype, got {grad_dtype} and {fwd_dtype}")
         self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
