@@ -109,9 +109,10 @@ def train(cfg, workdir: str | Path) -> dict:
         while pending:
             s, m = pending.pop(0)
             host = {k: float(v) for k, v in m.items()}
-            if not (np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"])):
+            if not (np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"]) and host["params_finite"] == 1.0):
                 raise NonFiniteLossError(
-                    f"loss={host['loss']} grad_norm={host['grad_norm']} at step {s}: stopping. The last good "
+                    f"non-finite training state at step {s} (loss={host['loss']}, grad_norm={host['grad_norm']}, "
+                    f"all params finite: {host['params_finite'] == 1.0}): stopping. The last good "
                     f"checkpoint is step {ckpt.manager.latest_step()} in {ckpt.directory} (kept intact). Try a lower "
                     f"optim.lr, a larger optim.warmup_steps or another precision recipe."
                 )
@@ -225,7 +226,12 @@ class _FaultInjection:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    if not log.handlers:  # our own handler: libraries may already have configured the root logger
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     try:
         cfg, args = config_lib.parse_args(sys.argv[1:] if argv is None else argv)
     except ValueError as e:

@@ -87,7 +87,13 @@ def make_train_step(
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = lpt.optim.apply_updates(state.params, updates)  # f32 add, cast back to each param's dtype
             new_state = TrainState(step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state)
-            metrics = {"loss": ce, "grad_norm": grad_norm, "lr": jnp.asarray(schedule(state.step), jnp.float32)}
+            finite = [jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]
+            metrics = {
+                "loss": ce,
+                "grad_norm": grad_norm,
+                "lr": jnp.asarray(schedule(state.step), jnp.float32),
+                "params_finite": jnp.all(jnp.stack(finite)).astype(jnp.float32),  # 1.0 iff no NaN/inf param
+            }
             if use_aux:
                 metrics["aux_loss"] = aux
             diag = optimizer_diagnostics(opt_state)

@@ -1,0 +1,27 @@
+"""tiny_cpu_fp8: blockwise FP8 matmuls (seed 002) in every transformer layer, float32 master weights.
+
+Command:
+
+    python -m lpt.train --config configs/tiny_cpu_fp8.py --workdir runs/tiny_cpu_fp8
+
+Expected result: see EXPECTED (2 CPU cores). FP8 is emulated on CPU (quantise to float8_e4m3fn with 1x128 / 128x128
+block scales, f32 accumulation promoted every 128 of K), so this run is slower than tiny_cpu.py; the loss should track
+the float32 baseline closely. The LM head stays bf16 (as in DeepSeek-V3).
+"""
+
+from tiny_cpu import get_config as tiny_cpu_config
+
+EXPECTED = "filled in after measurement"
+
+
+def get_config():
+    c = tiny_cpu_config()
+    c.precision.param_dtype = "float32"  # master weights in float32
+    c.precision.compute_dtype = "bfloat16"  # activations between matmuls in bf16
+    c.precision.update_rule = "f32_master"  # AdamW on the float32 master weights
+    c.precision.matmul.qkv = "fp8"  # q/k/v projections in blockwise FP8
+    c.precision.matmul.out = "fp8"  # attention output projection in FP8
+    c.precision.matmul.up = "fp8"  # MLP up/gate in FP8
+    c.precision.matmul.down = "fp8"  # MLP down in FP8
+    c.precision.matmul.lm_head = "bf16"  # vocabulary projection kept in bf16
+    return c

@@ -1,0 +1,27 @@
+"""tiny_cpu_gaussws: Gaussian weight sampling (seed 004) with learnable per-block bitwidth on all block matmuls.
+
+Command:
+
+    python -m lpt.train --config configs/tiny_cpu_gaussws.py --workdir runs/tiny_cpu_gaussws
+
+Expected result: see EXPECTED (2 CPU cores). Each training forward pass uses w + R * blockmax(|w|) * 2^(1-b_t) with
+R ~ round(N(0,1)/2) drawn from random bits; the bitwidth b_t is learned and pulled towards b_target by the aux loss.
+Logged: aux_loss and model/pqt/bitwidth_{mean,min,max}. Evaluation uses the noiseless weights.
+"""
+
+from tiny_cpu import get_config as tiny_cpu_config
+
+EXPECTED = "filled in after measurement"
+
+
+def get_config():
+    c = tiny_cpu_config()
+    c.precision.param_dtype = "float32"  # master weights in float32
+    c.precision.compute_dtype = "float32"  # compute in float32 (the noise models the low-precision weights)
+    c.precision.update_rule = "f32_master"  # AdamW on the float32 master weights
+    c.precision.pqt.method = "gaussws"  # pseudo-quantisation noise by Gaussian weight sampling
+    c.precision.pqt.layers = ("qkv", "out", "up", "down")  # every matmul inside the blocks
+    c.precision.pqt.b_init = 6.0  # initial bitwidth of every block
+    c.precision.pqt.b_target = 4.0  # bitwidth the aux loss pulls towards
+    c.precision.pqt.loss_weight = 1e-3  # weight of the bitwidth loss
+    return c

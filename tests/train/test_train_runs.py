@@ -1,0 +1,193 @@
+"""End-to-end runs of ``python -m lpt.train`` in subprocesses (tiny model, 6 steps).
+
+* exact resume: 6 steps straight == (crash by SIGKILL after step 3, resume) + (SIGTERM at step 5: save, clean exit)
+  + resume to 6, bitwise in the loss sequence, the validation loss and every parameter;
+* the same losses on a 4-device CPU mesh with fsdp=4, and with data=2 x tensor=2 restored from the 1-device run's
+  step-4 checkpoint (restore onto a different mesh);
+* the same losses in a 2-process ``jax.distributed`` run on localhost.
+
+The subprocesses share a persistent compilation cache so that runs of the same program compile once.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [
+    "--config.model.d_model=32",
+    "--config.model.n_layers=1",
+    "--config.model.n_heads=2",
+    "--config.model.n_kv_heads=2",
+    "--config.model.d_ff=64",
+    "--config.model.max_seq_len=32",
+    "--config.data.seq_len=32",
+    "--config.train.global_batch=8",
+    "--config.train.steps=6",
+    "--config.train.eval_every=3",
+    "--config.train.eval_batches=1",
+    "--config.train.log_every=1",
+    "--config.train.checkpoint_every=2",
+    "--config.train.keep_checkpoints=5",
+    "--config.optim.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def run(workdir, cache_dir, *extra, devices=1, env=None, check=True, background=False):
+    e = dict(os.environ)
+    e.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        **(env or {}),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "lpt.train",
+        "--config",
+        "configs/tiny_cpu.py",
+        "--workdir",
+        str(workdir),
+        *TINY,
+        *extra,
+    ]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def records(workdir) -> tuple[dict, dict]:
+    """(train loss by step, eval loss by step); a step logged twice (re-run after a crash) keeps the last value."""
+    train, evals = {}, {}
+    for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            train[r["step"]] = r["loss"]
+        if "eval_loss" in r:
+            evals[r["step"]] = r["eval_loss"]
+    return train, evals
+
+
+def params_at(workdir, step) -> dict:
+    state = ocp.StandardCheckpointer().restore(Path(workdir).resolve() / "checkpoints" / str(step) / "state")
+    leaves = {}
+
+    def collect(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                collect(f"{prefix}/{k}", v)
+        else:
+            leaves[prefix] = np.asarray(node)
+
+    collect("", state["params"])
+    return leaves
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    """6 steps straight on one device."""
+    w = tmp_path_factory.mktemp("ref")
+    run(w, cache_dir)
+    return w
+
+
+def test_reference_run_learns_and_writes_artifacts(reference):
+    train, evals = records(reference)
+    assert sorted(train) == [1, 2, 3, 4, 5, 6] and sorted(evals) == [3, 6]
+    assert train[6] < train[1] - 0.3  # it learns (ln 256 = 5.55 at init)
+    for name in ("loss.png", "summary.json", "checkpoints/6/metadata"):
+        assert (reference / name).exists(), name
+    assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
+    meta = json.loads(next((reference / "checkpoints" / "6" / "metadata").glob("*")).read_text())
+    assert meta["step"] == 6 and meta["process_count"] == 1 and meta["config"]["train"]["steps"] == 6
+
+
+def test_exact_resume_after_kill_and_sigterm(reference, tmp_path, cache_dir):
+    p = run(tmp_path, cache_dir, env={"LPT_FAULT_KILL_AT_STEP": "3"}, check=False)
+    assert p.returncode == -9, p.stderr[-2000:]  # hard crash after step 3; newest checkpoint is step 2
+    p = run(tmp_path, cache_dir, env={"LPT_FAULT_SIGTERM_AT_STEP": "5"})
+    assert "resumed from step 2" in p.stderr and "preempted: saved checkpoint at step 5" in p.stderr
+    p = run(tmp_path, cache_dir)
+    assert "resumed from step 5" in p.stderr
+    assert records(tmp_path) == records(reference)  # bitwise: every train loss and both validation losses
+    ref, got = params_at(reference, 6), params_at(tmp_path, 6)
+    assert ref.keys() == got.keys() and len(ref) > 5
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+
+
+def test_same_losses_on_4_device_meshes(reference, tmp_path, cache_dir):
+    ref_train, ref_eval = records(reference)
+    fsdp = tmp_path / "fsdp"
+    run(fsdp, cache_dir, "--config.train.mesh.data=1", "--config.train.mesh.fsdp=4", devices=4)
+    train, evals = records(fsdp)
+    np.testing.assert_allclose([train[s] for s in range(1, 7)], [ref_train[s] for s in range(1, 7)], rtol=2e-5)
+    np.testing.assert_allclose(evals[6], ref_eval[6], rtol=2e-5)
+    # data x tensor, resuming from the 1-device run's step-4 checkpoint: restore onto a different mesh
+    dt = tmp_path / "dt"
+    shutil.copytree(reference / "checkpoints" / "4", dt / "checkpoints" / "4")
+    p = run(dt, cache_dir, "--config.train.mesh.data=2", "--config.train.mesh.tensor=2", devices=4)
+    assert "resumed from step 4 (saved on mesh {'data': 1, 'fsdp': 1, 'tensor': 1}" in p.stderr
+    train, evals = records(dt)
+    assert sorted(train) == [5, 6]
+    np.testing.assert_allclose([train[5], train[6], evals[6]], [ref_train[5], ref_train[6], ref_eval[6]], rtol=2e-5)
+
+
+def test_bad_batch_for_mesh_is_a_clear_error(tmp_path, cache_dir):
+    p = run(
+        tmp_path,
+        cache_dir,
+        "--config.train.global_batch=6",
+        "--config.train.mesh.fsdp=4",
+        "--config.train.mesh.data=1",
+        devices=4,
+        check=False,
+    )
+    assert p.returncode == 2
+    assert "train.global_batch=6" in p.stderr and "not divisible by mesh data*fsdp = 1*4 = 4" in p.stderr
+
+
+def test_two_process_distributed_matches_single_process(reference, tmp_path, cache_dir):
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [
+        run(
+            tmp_path,
+            cache_dir,
+            f"--coordinator=localhost:{port}",
+            "--num_processes=2",
+            f"--process_id={i}",
+            background=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "explicit (localhost" in outs[1] and "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in outs[0]
+    ref_train, ref_eval = records(reference)
+    train, evals = records(tmp_path)
+    np.testing.assert_allclose([train[s] for s in range(1, 7)], [ref_train[s] for s in range(1, 7)], rtol=2e-5)
+    np.testing.assert_allclose(evals[6], ref_eval[6], rtol=2e-5)
+    # each process wrote its own grain iterator state
+    data_dir = tmp_path / "checkpoints" / "6" / "data"
+    assert sorted(f.name for f in data_dir.glob("*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
