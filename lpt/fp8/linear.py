@@ -59,7 +59,10 @@ class Fp8Linear(nnx.Module):
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if impl == "mosaic_gpu" and jnp.dtype(grad_dtype) != jnp.dtype(fwd_dtype):
-            raise ValueError(f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype, got {grad_dtype} and {fwd_dtype}")
+            raise ValueError(
+                f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype, "
+                f"got {jnp.dtype(grad_dtype)} and {jnp.dtype(fwd_dtype)}"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
