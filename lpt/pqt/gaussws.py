@@ -136,8 +136,13 @@ def _pqn_sample_bwd(method, block, compute_dtype, w_dtype, res, g):
 
 
 _pqn_sample.defvjp(_pqn_sample_fwd, _pqn_sample_bwd)
-# jitted so that eager (un-jitted) callers compile one executable, not one per primitive
-_pqn_sample_jit = jax.jit(_pqn_sample, static_argnums=(3, 4, 5, 6))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))  # eager callers compile one executable, not one per op
+def _pqn_sample_jit(w, bt, key, method, block, compute_dtype, w_dtype):
+    grid = block_grid(w.shape, block)
+    bt_f32 = jnp.broadcast_to(bt.astype(jnp.float32), grid)  # any float -> f32; autodiff sums a scalar's gradient
+    return _pqn_sample(w, bt_f32, key, method, block, compute_dtype, w_dtype)
 
 
 def pqn_sample(w, bitwidth, key, *, method: str = "gaussws", block: int = 32, compute_dtype=jnp.bfloat16):
@@ -169,8 +174,7 @@ def pqn_sample(w, bitwidth, key, *, method: str = "gaussws", block: int = 32, co
             f"bitwidth shape {bt.shape} does not fit weight shape {w.shape} with block {block}: "
             f"allowed () or {grid} (= w.shape[:-2] + (ceil(m/block), ceil(n/block)))"
         )
-    bt_f32 = jnp.broadcast_to(bt.astype(jnp.float32), grid)  # any float -> f32; autodiff sums a scalar's gradient
-    return _pqn_sample_jit(w, bt_f32, key, method, int(block), cdt, jnp.dtype(w.dtype))
+    return _pqn_sample_jit(w, bt, key, method, int(block), cdt, jnp.dtype(w.dtype))
 
 
 def gaussws(w, bitwidth, key, *, block: int = 32, compute_dtype=jnp.bfloat16):

@@ -2,7 +2,8 @@
 
 GaussWS needs R ≈ round(N(0, 1) / 2) with values in {0, ±1, ±2}. Seed 004 builds it from independent random bits
 with AND / OR only (P(A∧B) = P(A)·P(B), P(A∨B) = P(A) + P(B) − P(A)·P(B), Eq. 9), never Box-Muller. We use 16 bits
-per sample, taken from ``jax.random.bits(key, shape, uint16)`` (bit i of the word is called u_i):
+per sample, two samples per 32-bit word of ``jax.random.bits`` (:func:`random_words`; bit i of a
+sample's 16 bits is called u_i):
 
 * magnitude 2:  M2 = (u_0 ∧ … ∧ u_7) ∧ (u_8 ∨ u_9)                    P(M2) = 2⁻⁸ · 3/4
 * magnitude 1:  M1 = (u_10 ∨ u_11) ∧ (u_12 ∨ u_13) ∧ u_14 ∧ ¬M2        P(M1) = (3/4)² · 2⁻¹ · (1 − P(M2))
@@ -19,18 +20,19 @@ Reading of Eq. 10: the seed's "(1 − Pr(±2))" is the probability of *not* draw
 (For comparison round(N(0,1)/2) has Pr(0) = 0.683, Pr(±1) = 0.157, Pr(±2) = 0.0060.)
 
 The sign–magnitude code is turned into bf16 directly from bits (sign << 15 | exponent/mantissa of 1.0 or 2.0), so
-no float arithmetic is involved. Seed 004 additionally packs 8 such 4-bit codes per uint32 for its separate Triton
-kernels; under XLA the generation fuses into the consumer and the backward regenerates R from the key, so nothing
-is ever stored (``benchmarks/pqt_noise_packing.py`` measures that packing does not pay here; see docs/pqt.md).
+no float arithmetic is involved. Seed 004 additionally packs 8 such 4-bit codes per uint32 between its separate
+Triton kernels; under XLA the generation fuses into its consumer and the backward regenerates R from the key, so
+R is never stored (``benchmarks/pqt_overhead.py`` measures the trade-off; see docs/pqt.md).
 
-DiffQ's baseline R ~ U(−0.5, 0.5) in bf16 is :func:`symmetric_uniform`: 8 random bits per sample, a sign bit and
-a 7-bit k, R = ±(2k + 1) / 512. That is the uniform distribution on the 256 midpoints of a 1/256 grid of
-(−0.5, 0.5): exactly representable in bf16 (8 significant bits), symmetric, mean exactly 0, variance
-1/12 − 1/(12·256²). (``jax.random.uniform(..., dtype=bfloat16)`` would give k/128 − 0.5, whose mean is −1/256:
-a biased PQN.)
+DiffQ's baseline R ~ U(−0.5, 0.5) in bf16 is :func:`symmetric_uniform`: 8 random bits per sample (four per
+32-bit word), a sign bit and a 7-bit k, R = ±(2k + 1) / 512. That is the uniform distribution on the 256
+midpoints of a 1/256 grid of (−0.5, 0.5): exactly representable in bf16 (8 significant bits), symmetric,
+mean exactly 0, variance 1/12 − 1/(12·256²). (``jax.random.uniform(..., dtype=bfloat16)`` would give
+k/128 − 0.5, whose mean is −1/256: a biased PQN.)
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -77,14 +79,35 @@ def rounded_normal_from_bits(u: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(magnitude | sign, jnp.bfloat16)  # uint16 bits -> bf16 (no arithmetic)
 
 
+def random_words(key: jax.Array, shape: tuple[int, ...], bits: int) -> jax.Array:
+    """Uniform random ``uint{bits}`` array of ``shape`` (bits ∈ {8, 16}), cut from 32-bit PRNG words.
+
+    JAX's default (partitionable) threefry spends one threefry2x32 evaluation per output element whatever its
+    width, so asking ``jax.random.bits`` for uint16 directly wastes half of every word (uint8: three quarters).
+    We draw uint32 words and split each into 32/bits consecutive samples along the last axis (or along the
+    flattened array when the last axis is not a multiple of 32/bits). Deterministic in (key, shape).
+    """
+    per_word = 32 // bits
+    dtype = jnp.uint16 if bits == 16 else jnp.uint8
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
+    if shape and shape[-1] % per_word == 0:
+        words = jax.random.bits(key, shape[:-1] + (shape[-1] // per_word,), jnp.uint32)
+        parts = (words[..., None] >> shifts).astype(dtype)  # uint32 -> uint{bits}: keeps the low bits
+        return parts.reshape(shape)
+    size = math.prod(shape)
+    words = jax.random.bits(key, (-(-size // per_word),), jnp.uint32)
+    parts = (words[:, None] >> shifts).astype(dtype)  # uint32 -> uint{bits}: keeps the low bits
+    return parts.reshape(-1)[:size].reshape(shape)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _rounded_normal(key, shape):
-    return rounded_normal_from_bits(jax.random.bits(key, shape, jnp.uint16))
+    return rounded_normal_from_bits(random_words(key, shape, 16))
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _symmetric_uniform(key, shape):
-    u = jax.random.bits(key, shape, jnp.uint8)
+    u = random_words(key, shape, 8)
     k = (u & jnp.uint8(0x7F)).astype(jnp.int32)  # uint8 -> int32 (exact)
     mag_f32 = (2 * k + 1).astype(jnp.float32) * np.float32(1.0 / 512.0)  # int32 -> f32, exact: ≤ 8 significant bits
     signed_f32 = jnp.where((u & jnp.uint8(0x80)) != 0, -mag_f32, mag_f32)
@@ -116,6 +139,7 @@ __all__ = [
     "ROUNDED_NORMAL_PMF",
     "ROUNDED_NORMAL_VALUES",
     "rounded_normal",
+    "random_words",
     "rounded_normal_from_bits",
     "symmetric_uniform",
 ]

@@ -22,16 +22,22 @@ def test_bitwidth_eq11_and_loss_eq12():
     model = pqt.assign_pqt_paths(TwoLayers(nnx.Rngs(0)))
     bw = model.out.bitwidth
     assert isinstance(bw, pqt.PQTBitwidth) and bw.shape == (2, 3) and (bw.b_init, bw.b_target) == (6.0, 4.0)
-    np.testing.assert_array_equal(np.asarray(pqt.bitwidth_of(bw)), np.full((2, 3), 6.0))  # b_i = 1 -> b_init
+    np.testing.assert_array_equal(np.asarray(bw[...]), np.ones((2, 3)))  # b_i = 1 at init: b_t = b_init
     b_i = np.array([[1.0, 0.5, -0.25], [2.0, 0.1, 0.75]], np.float32)
     model.out.bitwidth[...] = jnp.asarray(b_i)
     bt = 4.0 + b_i * 2.0  # Eq. 11
-    np.testing.assert_allclose(np.asarray(pqt.bitwidth_of(model.out.bitwidth)), bt)
     lam = 1e-2
+
+    @nnx.jit
+    def run(model):
+        loss, grads = nnx.value_and_grad(lambda m: pqt.bitwidth_loss(m, lam))(model)
+        return pqt.bitwidth_of(model.out.bitwidth), pqt.bitwidth_of(model.down.bitwidth), loss, grads
+
+    bt_out, bt_down, loss, grads = run(model)
+    np.testing.assert_allclose(np.asarray(bt_out), bt, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(bt_down), np.full((3, 2), 6.0))
     # Eq. 12: λ Σ_layers mean_tiles |b_t − b_target|; the untouched layer contributes |6 − 4| = 2
-    expected = lam * (np.mean(np.abs(bt - 4.0)) + 2.0)
-    loss, grads = nnx.jit(nnx.value_and_grad(lambda m: pqt.bitwidth_loss(m, lam)))(model)
-    np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), lam * (np.mean(np.abs(bt - 4.0)) + 2.0), rtol=1e-6)
     g = np.asarray(grads.out.bitwidth[...])
     np.testing.assert_allclose(g, lam * np.sign(bt - 4.0) * 2.0 / 6, rtol=1e-6)  # ∂/∂b_i = λ·sign·(6−4)/m_i
 
@@ -60,60 +66,46 @@ def test_bitwidth_stats_are_parameter_weighted():
 def test_linear_layer_forward_backward_and_keys():
     model = pqt.assign_pqt_paths(TwoLayers(nnx.Rngs(0)))
     assert (model.out.pqt_path, model.down.pqt_path) == ("out", "down")
-    x = jax.random.normal(jax.random.key(1), (8, 40))
-    key = pqt.step_key(jax.random.key(0), 12)
+    x = np.random.default_rng(1).standard_normal((8, 40)).astype(np.float32)
 
     @nnx.jit
-    def run(model, x, key):
-        def loss(model):
-            return jnp.sum(model.out(x, key).astype(jnp.float32) ** 2)  # bf16 -> f32
+    def run(model, x):
+        key = pqt.step_key(jax.random.key(0), 12)
+        layer = model.out
 
-        y, g = model.out(x, key), nnx.grad(loss)(model)
-        return y, model.out(x, None), g.out.bitwidth[...]
+        def loss(layer):
+            return jnp.sum(layer(x, key).astype(jnp.float32) ** 2)  # bf16 -> f32
 
-    y, y_eval, g_bi = run(model, x, key)
-    kernel, bias = model.out.kernel[...], model.out.bias[...]
-    layer_key = pqt.layer_key(key, "out")
+        got = (layer(x, key), layer(x, None), nnx.grad(loss)(layer).bitwidth[...])
+        # the same by hand: ŵ from gaussws with the layer's key, bf16 GEMM, f32 accumulation, + bias
+        kernel, bias, b_i = layer.kernel[...], layer.bias[...], layer.bitwidth[...]
+        lkey = pqt.layer_key(key, "out")
+        x_c = x.astype(jnp.bfloat16)  # f32 -> bf16
 
-    @jax.jit
-    def expected(kernel, bias, x, b_i):
-        w_hat = pqt.gaussws(kernel, pqt.effective_bitwidth(b_i), layer_key)
-        y_f32 = jnp.dot(x.astype(jnp.bfloat16), w_hat, preferred_element_type=jnp.float32) + bias  # f32 -> bf16 x
-        w_plain = kernel.astype(jnp.bfloat16)  # f32 -> bf16
-        y_plain = jnp.dot(x.astype(jnp.bfloat16), w_plain, preferred_element_type=jnp.float32) + bias
-        return y_f32.astype(jnp.bfloat16), y_plain.astype(jnp.bfloat16)  # f32 -> bf16
+        def by_hand(bt):
+            y_f32 = jnp.dot(x_c, pqt.gaussws(kernel, bt, lkey), preferred_element_type=jnp.float32) + bias
+            return y_f32.astype(jnp.bfloat16)  # f32 -> bf16
 
-    b_i = model.out.bitwidth[...]
-    y_exp, y_plain = expected(kernel, bias, x, b_i)
+        y_plain = (jnp.dot(x_c, kernel.astype(jnp.bfloat16), preferred_element_type=jnp.float32) + bias).astype(
+            jnp.bfloat16
+        )  # f32 -> bf16 kernel, f32 -> bf16 output
+        bt = pqt.effective_bitwidth(b_i)
+        g_bt = jax.grad(lambda bt: jnp.sum(by_hand(bt).astype(jnp.float32) ** 2))(bt)  # bf16 -> f32
+        return got, (by_hand(bt), y_plain, g_bt)
+
+    (y, y_eval, g_bi), (y_exp, y_plain, g_bt) = run(model, x)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_exp, np.float32))
     np.testing.assert_array_equal(np.asarray(y_eval, np.float32), np.asarray(y_plain, np.float32))
     assert np.mean(np.asarray(y, np.float32) != np.asarray(y_plain, np.float32)) > 0.5  # noise changed y
     # chain rule through Eq. 11: ∂L/∂b_i = (b_init − b_target) · ∂L/∂b_t
-    g_bt = jax.jit(
-        jax.grad(
-            lambda bt: jnp.sum(
-                (
-                    jnp.dot(
-                        x.astype(jnp.bfloat16),
-                        pqt.gaussws(kernel, bt, layer_key),
-                        preferred_element_type=jnp.float32,
-                    )
-                    + bias
-                )
-                .astype(jnp.bfloat16)
-                .astype(jnp.float32)
-                ** 2
-            )
-        )
-    )(pqt.effective_bitwidth(b_i))
     np.testing.assert_allclose(np.asarray(g_bi), 2.0 * np.asarray(g_bt), rtol=1e-4, atol=1e-6)
     assert np.all(np.asarray(g_bi) != 0)
 
 
 def test_layer_errors():
-    layer = pqt.GaussWSLinear(64, 64, rngs=nnx.Rngs(0))
+    layer = pqt.GaussWSLinear(40, 70, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="pqt_path is unset"):
-        layer(jnp.ones((2, 64)), jax.random.key(0))
+        layer(np.ones((2, 40), np.float32), jax.random.key(0))
     with pytest.raises(ValueError, match="b_target=3.0 conflicts"):
         pqt.apply_pqt(layer.kernel, layer.bitwidth, jax.random.key(0), b_target=3.0)
     with pytest.raises(ValueError, match="kernel shape"):
