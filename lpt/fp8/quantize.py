@@ -13,8 +13,8 @@ For a tile ``t`` (B consecutive elements along one axis, or a B x B block) and F
 Design decision — shapes: the tiled axis (and both axes of a weight) must be a multiple of the block size; anything
 else raises ``ValueError``. We do not pad silently, because a padded weight would change the layer's shape.
 (``lpt.fp8.blockwise_dot`` zero-pads only the *token* axis of its dW GEMM, which is exact: zeros add nothing to the
-sum and never raise a tile's amax.) Non-finite inputs make their tile's scale non-finite and its values NaN, so
-they surface instead of being clipped away.
+sum and never raise a tile's amax.) A NaN or inf input makes its tile's scale NaN or inf, so the whole tile
+dequantizes to NaN and the GEMM output surfaces it instead of clipping it away.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def compute_scale(amax_f32: jax.Array, dtype, scale_format: str = "f32") -> jax.
         e = exponent_of(ratio)  # floor(log2 ratio) from the f32 bits
         e = e + (ratio > pow2(e)).astype(jnp.int32)  # bool -> int32: ceil(log2 ratio)
         ratio = jnp.where(jnp.isfinite(ratio), pow2(e), ratio)
-    return jnp.where(amax_f32 > 0, ratio, jnp.float32(1.0))
+    return jnp.where(amax_f32 == 0, jnp.float32(1.0), ratio)  # NaN / inf amax stay non-finite
 
 
 def _quantize_grouped(x_f32: jax.Array, dtype, scale_format: str, reduce_axes: tuple[int, ...]):

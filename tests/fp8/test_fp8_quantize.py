@@ -70,12 +70,15 @@ def test_weight_blocks_are_independent():
     assert np.linalg.norm(wt[:128, 128:] - w[:128, 128:]) / np.linalg.norm(w[:128, 128:]) > 0.5
 
 
-def test_zero_tile_gets_unit_scale():
-    x = np.zeros((2, 128), np.float32)
+def test_zero_tile_gets_unit_scale_and_non_finite_tiles_surface():
+    x = np.zeros((4, 128), np.float32)
     x[1, 3] = 5.0
+    x[2, 0], x[3, 0] = np.nan, np.inf
     q, s = jax.jit(quantize_tiles)(x)
     assert float(s[0, 0]) == 1.0 and float(s[1, 0]) == pytest.approx(5.0 / 448)
     assert not np.any(np.asarray(q[0], np.float32))
+    assert np.isnan(float(s[2, 0])) and np.isinf(float(s[3, 0]))
+    assert np.all(np.isnan(np.asarray(q[2], np.float32)))  # the whole tile, not just the NaN element
 
 
 def test_bad_shapes_and_options_raise():
