@@ -79,12 +79,10 @@ def _arrayrecord_documents(paths: str) -> list[tuple[str, bytes]]:
     for f in _glob(paths, "arrayrecord"):
         try:
             reader = ArrayRecordReader(f)
-        except Exception as e:  # the reader raises a bare RuntimeError/ValueError with a C++ message
-            raise ValueError(f"cannot read {f!r} as an ArrayRecord file: {e}") from e
-        try:
             records = reader.read_all()
-        finally:
             reader.close()
+        except Exception as e:  # the reader raises bare RuntimeError/ValueError with a C++ message
+            raise ValueError(f"cannot read {f!r} as an ArrayRecord file: {e}") from e
         docs.extend((f"{f}:{i}", bytes(r)) for i, r in enumerate(records))
     return docs
 

@@ -8,8 +8,9 @@ Public API
 ``model.aux_loss() -> f32 scalar``
     seed-004 bitwidth loss ``λ Σ_layers mean_tiles |b_t − b_target|`` (0 without PQT); add it to the training loss.
 ``diagnostics(model) -> dict[str, f32 scalar]``
-    With PQT: ``pqt/bitwidth_mean``, ``pqt/bitwidth_min``, ``pqt/bitwidth_max`` and ``pqt/bitwidth_mean/<kind>`` for
-    kind in qkv/out/up/down. Empty dict otherwise. Jittable (call on a merged model inside the step).
+    Jittable (call on a merged model inside the step). With PQT: ``pqt/all/bt_mean``, ``pqt/all/frac_le{5,9,12}``,
+    ``pqt/bt_min``, ``pqt/bt_max``, ``pqt/bt_mean/<kind>`` (kind in qkv/out/up/down). With fp8 ``param_dtype``:
+    ``params/fp8_saturated_frac``, ``params/fp8_zero_frac``. Empty dict otherwise.
 ``flops_per_token(model_cfg, seq_len) -> float``, ``param_count(model_cfg)``, ``matmul_params(model_cfg)``
 ``partitioning``: ``axis_rules(mesh, rules)``, ``constrain(x, axes)``, ``logical_to_mesh(axes, rules)``,
     ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``DEFAULT_RULES``.
@@ -20,8 +21,8 @@ See docs/models_and_data.md for the precision recipe.
 
 from lpt.models import partitioning
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
+from lpt.models.diagnostics import diagnostics
 from lpt.models.flops import flops_per_token, matmul_params, param_count
-from lpt.models.pqt_wiring import diagnostics
 from lpt.models.transformer import Transformer, build_model
 
 __all__ = [

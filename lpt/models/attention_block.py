@@ -75,12 +75,20 @@ class Attention(nnx.Module):
         std, out_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
         self.spec, self.prec = spec, prec
         mk = lambda n_in, n_out, axes, kind, s, j: Linear(
-            n_in, n_out, axes=axes, layer_kind=kind, std=s, prec=prec, layer_id=8 * block + j, use_bias=bias, rngs=rngs
+            n_in,
+            n_out,
+            axes=axes,
+            layer_kind=kind,
+            std=s,
+            prec=prec,
+            path=f"blocks/{block}/attn/{j}",
+            use_bias=bias,
+            rngs=rngs,
         )
-        self.q = mk(D, H * Dh, ("embed", "heads"), "qkv", std, 0)
-        self.k = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", std, 1)
-        self.v = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", std, 2)
-        self.o = mk(H * Dh, D, ("heads", "embed"), "out", out_std, 3)
+        self.q = mk(D, H * Dh, ("embed", "heads"), "qkv", std, "q")
+        self.k = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", std, "k")
+        self.v = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", std, "v")
+        self.o = mk(H * Dh, D, ("heads", "embed"), "out", out_std, "o")
 
     def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
         B, T, _ = x_BTD.shape

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lpt import numerics
+from lpt.models import pqt_wiring
 from lpt.models.config import PrecisionSpec
 
 
@@ -113,32 +114,30 @@ def view_weight(w: jax.Array, prec: PrecisionSpec, dtype=None) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: jax.Array, kind: str, out_dtype) -> jax.Array:
-    """``x[..., K] @ w[K, N]`` with the layer kind's matmul: "bf16" = compute-dtype operands, f32 accumulation."""
+    """``x[..., K] @ w[K, N]`` with the layer kind's matmul, accumulated in float32, returned in ``out_dtype``.
+
+    "bf16": compute-dtype operands (bf16, or f32 when compute_dtype is float32), ``preferred_element_type=f32``.
+    "fp8": :func:`lpt.fp8.blockwise_dot` (e4m3 operands with 1×128 / 128×128 scales, f32 promotion every 128 of K,
+    e5m2 output gradients); K and N must be multiples of 128.
+    """
     if kind == "bf16":
         y_f32 = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-        return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype
+        return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype (RNE)
     if kind == "fp8":
-        try:
-            from lpt.fp8 import blockwise_dot
-        except ImportError as e:
-            raise NotImplementedError(
-                "precision.matmul='fp8' needs lpt.fp8.blockwise_dot, which is not available yet"
-            ) from e
-        return blockwise_dot(x, w).astype(out_dtype)  # fp8 operands, f32 accumulation -> out dtype
+        from lpt.fp8 import blockwise_dot
+
+        # blockwise_dot returns x's dtype: hand it f32 (exact widening; it quantizes to e4m3 anyway) to get the
+        # f32 accumulator back, then round once to out_dtype like the bf16 path.
+        y_f32 = blockwise_dot(x.astype(jnp.float32), w)  # compute -> f32 (exact)
+        return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
     raise ValueError(f"matmul kind {kind!r} is not supported; allowed: ['bf16', 'fp8']")
-
-
-def _pqt_weight(method: str, shape, prec: PrecisionSpec):
-    from lpt.models.pqt_wiring import PQTWeight  # deferred: lpt.pqt is optional until it lands
-
-    return PQTWeight(method, shape, prec)
 
 
 class Linear(nnx.Module):
     """``y = x @ W (+ b)`` for one layer kind ("qkv", "out", "up", "down", "lm_head").
 
-    ``layer_id`` is a static integer folded into the step key by layers that need randomness (GaussWS), so the noise
-    depends on (seed, step, layer) only.
+    ``path`` (e.g. "blocks/3/mlp/down") names the layer; PQT layers fold it into the step key, so their noise
+    depends on (seed, step, layer path) only.
     """
 
     def __init__(
@@ -150,27 +149,24 @@ class Linear(nnx.Module):
         layer_kind: str,
         std: float,
         prec: PrecisionSpec,
-        layer_id: int,
+        path: str,
         use_bias: bool = False,
         rngs: nnx.Rngs,
     ):
-        self.layer_kind = layer_kind
-        self.prec = prec
-        self.layer_id = layer_id
+        self.layer_kind, self.prec, self.path = layer_kind, prec, path
+        self.pqt_method = prec.pqt_for(layer_kind) if layer_kind != "lm_head" else "none"
         self.kernel = make_param(rngs.params(), (d_in, d_out), std, axes, prec.store_dtype)
         self.bias = make_param(None, (d_out,), 0.0, axes[1:], prec.store_dtype, const=0.0) if use_bias else None
-        method = prec.pqt_for(layer_kind) if layer_kind != "lm_head" else "none"
-        self.pqt = None if method == "none" else _pqt_weight(method, (d_in, d_out), prec)
+        self.bitwidth = None if self.pqt_method == "none" else pqt_wiring.make_bitwidth((d_in, d_out), prec)
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None, out_dtype=None) -> jax.Array:
         out_dtype = self.prec.compute if out_dtype is None else out_dtype
-        w = self.kernel[...]
-        w_hat = None
-        if self.pqt is not None and key is not None:
+        if self.bitwidth is not None and key is not None:
             # storage -> param_dtype view, then ŵ = w + PQN in the compute dtype (seed 004 Eq. 3)
-            w_view = view_weight(w, self.prec, self.prec.view_dtype)
-            w_hat = self.pqt(w_view, jax.random.fold_in(key, self.layer_id))
-        w = view_weight(w, self.prec) if w_hat is None else w_hat
+            w_view = view_weight(self.kernel[...], self.prec, self.prec.view_dtype)
+            w = pqt_wiring.sample(w_view, self.bitwidth, key, method=self.pqt_method, path=self.path, prec=self.prec)
+        else:
+            w = view_weight(self.kernel[...], self.prec)
         y = matmul(x, w, self.prec.matmul_for(self.layer_kind), out_dtype)
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)

@@ -1,9 +1,11 @@
-"""PQT (seed 004) inside the model: per-layer bitwidth parameters, noisy weights, the bitwidth loss, diagnostics.
+"""PQT (seed 004) inside the model, built on :mod:`lpt.pqt`: bitwidth parameters, noisy weights, loss, diagnostics.
 
-Each selected linear layer owns ``b_i`` (float32, one per 32×32 tile of its weight, initialised to 1) and uses
-``b_t = b_target + b_i · (b_init − b_target)`` (seed 004 Eq. 11). In training (a step key is given) the layer's
-weight is ``ŵ = lpt.pqt.pqn_sample(w, b_t, fold_in(key, layer_id), method)`` in the compute dtype; in evaluation
-(``key=None``) it is ``w`` itself. The loss term (Eq. 12) is ``λ Σ_layers mean_tiles |b_t − b_target|``.
+Each linear layer of a kind listed in ``precision.pqt.layers`` owns a :class:`lpt.pqt.PQTBitwidth` ``b_i``
+(float32, one per 32×32 tile, initialised to 1; ``b_t = b_target + b_i · (b_init − b_target)``, Eq. 11). In training
+(a step key is given) the layer uses ``ŵ = lpt.pqt.apply_pqt(w_view, b_i, key, method, path)`` in the compute dtype,
+where ``w_view`` is the weight seen through ``param_dtype`` and ``path`` (e.g. "blocks/3/mlp/down") is folded into
+the step key, so the noise is a function of (seed, step, layer path) only. In evaluation (``key=None``) the layer
+uses ``w`` itself. The loss term (Eq. 12) is ``λ Σ_layers mean_tiles |b_t − b_target|``.
 """
 
 from __future__ import annotations
@@ -17,78 +19,60 @@ from lpt.models.config import PrecisionSpec
 BLOCK = 32
 
 
-def _pqt_module():
+def _pqt():
     try:
-        import lpt.pqt.gaussws as g
-    except ImportError as e:
-        raise NotImplementedError(
-            "precision.pqt.method='gaussws'/'diffq' needs lpt.pqt.pqn_sample, which is not available yet"
-        ) from e
-    return g
+        import lpt.pqt as pqt
+    except ImportError as e:  # pragma: no cover - lpt.pqt ships with lpt
+        raise NotImplementedError("precision.pqt needs lpt.pqt, which is not importable") from e
+    return pqt
 
 
-class PQTWeight(nnx.Module):
-    """Holds ``b_i`` for one weight and applies the PQN sample to it."""
-
-    def __init__(self, method: str, shape: tuple[int, int], prec: PrecisionSpec):
-        g = _pqt_module()
-        self.method = method
-        self.b_init, self.b_target = prec.pqt_b_init, prec.pqt_b_target
-        self.compute_dtype = prec.compute
-        grid = g.block_grid(shape, BLOCK)
-        # b_i: f32 always (see lpt.models.config); tiles are replicated (their grid rarely divides a mesh axis).
-        self.b_i = nnx.Param(
-            jnp.ones(grid, jnp.float32), out_sharding=(None,) * len(grid), eager_sharding=False, init_const=1.0
-        )
-
-    def bitwidth(self) -> jax.Array:
-        """``b_t = b_target + b_i · (b_init − b_target)``, float32 per tile."""
-        return self.b_target + self.b_i[...] * (self.b_init - self.b_target)
-
-    def __call__(self, w: jax.Array, key: jax.Array | None) -> jax.Array:
-        """ŵ in the compute dtype (training) or ``None`` in evaluation (caller uses ``w``)."""
-        if key is None:
-            return None
-        return _pqt_module().pqn_sample(
-            w, self.bitwidth(), key, method=self.method, block=BLOCK, compute_dtype=self.compute_dtype
-        )
+def make_bitwidth(shape: tuple[int, int], prec: PrecisionSpec):
+    """A ``PQTBitwidth`` (b_i = 1 per tile, f32, replicated logical axes) for a kernel of ``shape``."""
+    pqt = _pqt()
+    grid = pqt.block_grid(shape, BLOCK)
+    return pqt.PQTBitwidth(
+        jnp.ones(grid, jnp.float32),
+        b_init=prec.pqt_b_init,
+        b_target=prec.pqt_b_target,
+        block=BLOCK,
+        kernel_shape=tuple(shape),
+        out_sharding=(None,) * len(grid),  # the tile grid rarely divides a mesh axis: replicate
+        eager_sharding=False,
+        init_const=1.0,
+    )
 
 
-def _pqt_layers(model) -> list[tuple[str, PQTWeight]]:
-    out = []
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, PQTWeight):
-            out.append(("/".join(str(p) for p in path), node))
-    return out
+def sample(w_view: jax.Array, bitwidth, key: jax.Array, *, method: str, path: str, prec: PrecisionSpec) -> jax.Array:
+    """ŵ of seed 004 Eq. 3 in the compute dtype (:func:`lpt.pqt.apply_pqt`)."""
+    return _pqt().apply_pqt(w_view, bitwidth, key, method=method, path=path, compute_dtype=prec.compute)
 
 
 def aux_loss(model) -> jax.Array:
     """``λ Σ_layers mean_tiles |b_t − b_target|`` (seed 004 Eq. 12), float32; 0 without PQT layers."""
-    total = jnp.zeros((), jnp.float32)
-    layers = _pqt_layers(model)
-    if not layers:
-        return total
-    for _, layer in layers:
-        total = total + jnp.mean(jnp.abs(layer.bitwidth() - layer.b_target))
-    return model.prec.pqt_loss_weight * total
+    if model.prec.pqt_method == "none":
+        return jnp.zeros((), jnp.float32)
+    return _pqt().bitwidth_loss(model, model.prec.pqt_loss_weight)
 
 
-def diagnostics(model) -> dict[str, jax.Array]:
-    """Bitwidth statistics over all PQT tiles: ``pqt/bitwidth_{mean,min,max}`` and ``pqt/bitwidth_mean/<kind>``."""
-    layers = _pqt_layers(model)
-    if not layers:
+_KIND_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "out", "up": "up", "gate": "up", "down": "down"}
+
+
+def pqt_diagnostics(model) -> dict[str, jax.Array]:
+    """``pqt/all/bt_mean``, ``pqt/all/frac_le{5,9,12}`` (from :func:`lpt.pqt.bitwidth_stats`), ``pqt/bt_min``,
+    ``pqt/bt_max`` and ``pqt/bt_mean/<kind>`` (unweighted tile mean per layer kind)."""
+    if model.prec.pqt_method == "none":
         return {}
-    out = {}
-    all_bt = jnp.concatenate([layer.bitwidth().reshape(-1) for _, layer in layers])
-    out["pqt/bitwidth_mean"] = jnp.mean(all_bt)
-    out["pqt/bitwidth_min"] = jnp.min(all_bt)
-    out["pqt/bitwidth_max"] = jnp.max(all_bt)
-    by_kind: dict[str, list] = {}
-    for path, layer in layers:
-        kind = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "out", "up": "up", "gate": "up", "down": "down"}[
-            path.split("/")[-2]
-        ]
-        by_kind.setdefault(kind, []).append(layer.bitwidth().reshape(-1))
-    for kind, parts in sorted(by_kind.items()):
-        out[f"pqt/bitwidth_mean/{kind}"] = jnp.mean(jnp.concatenate(parts))
+    pqt = _pqt()
+    out = {k: v for k, v in pqt.bitwidth_stats(model).items() if k.startswith("pqt/all/")}
+    per_kind: dict[str, list] = {}
+    all_bt = []
+    for path, var in nnx.to_flat_state(nnx.state(model, pqt.PQTBitwidth)):
+        bt = pqt.bitwidth_of(var).reshape(-1)
+        all_bt.append(bt)
+        per_kind.setdefault(_KIND_OF[str(path[-2])], []).append(bt)
+    out["pqt/bt_min"] = jnp.min(jnp.concatenate(all_bt))
+    out["pqt/bt_max"] = jnp.max(jnp.concatenate(all_bt))
+    for kind, parts in sorted(per_kind.items()):
+        out[f"pqt/bt_mean/{kind}"] = jnp.mean(jnp.concatenate(parts))
     return out

@@ -31,11 +31,19 @@ class MLP(nnx.Module):
         std, out_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
         self.kind, self.prec = spec.kind, prec
         mk = lambda n_in, n_out, axes, kind, s, j: Linear(
-            n_in, n_out, axes=axes, layer_kind=kind, std=s, prec=prec, layer_id=8 * block + j, use_bias=bias, rngs=rngs
+            n_in,
+            n_out,
+            axes=axes,
+            layer_kind=kind,
+            std=s,
+            prec=prec,
+            path=f"blocks/{block}/mlp/{j}",
+            use_bias=bias,
+            rngs=rngs,
         )
-        self.up = mk(D, F, ("embed", "mlp"), "up", std, 4)
-        self.gate = mk(D, F, ("embed", "mlp"), "up", std, 5) if spec.kind == "llama" else None
-        self.down = mk(F, D, ("mlp", "embed"), "down", out_std, 6)
+        self.up = mk(D, F, ("embed", "mlp"), "up", std, "up")
+        self.gate = mk(D, F, ("embed", "mlp"), "up", std, "gate") if spec.kind == "llama" else None
+        self.down = mk(F, D, ("mlp", "embed"), "down", out_std, "down")
 
     def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
         up_f32 = self.up(x_BTD, key=key).astype(jnp.float32)  # compute -> f32
@@ -90,7 +98,7 @@ class Transformer(nnx.Module):
                 layer_kind="lm_head",
                 std=spec.init_std,
                 prec=prec,
-                layer_id=8 * spec.n_layers,
+                path="lm_head",
                 rngs=rngs,
             )
         )

@@ -105,3 +105,34 @@ def test_clear_errors(tmp_path):
         D.make_train_iterator(CFG, seq_len=8, global_batch=8, process_count=3)
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['shuffle'\]"):
         D.make_train_iterator({"shuffle": True}, seq_len=8, global_batch=2)
+
+
+def test_text_files_by_glob(tmp_path):
+    (tmp_path / "sub").mkdir()
+    docs = {"a.txt": b"alpha " * 200, "sub/b.txt": b"beta " * 300, "c.md": b"not matched"}
+    for name, text in docs.items():
+        (tmp_path / name).write_bytes(text)
+    cfg = {"source": "text", "paths": str(tmp_path / "**" / "*.txt"), "validation_fraction": 0.2}
+    loaded = D.load_documents("text", cfg["paths"])
+    assert [d for _, d in loaded] == [docs["a.txt"], docs["sub/b.txt"]]
+    s = D.token_streams("text", cfg["paths"], 0.2)
+    assert s["train"].tobytes() == docs["a.txt"][:960] + b"\0" + docs["sub/b.txt"][:1200] + b"\0"
+    assert s["validation"].tobytes() == docs["a.txt"][960:] + b"\0" + docs["sub/b.txt"][1200:] + b"\0"
+    batch = next(D.make_train_iterator(cfg, seq_len=16, global_batch=2))
+    assert set(np.unique(batch["inputs"])) <= set(b"alphbet \0")
+
+
+def test_arrayrecord_records_are_documents(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    records = [b"first record text", b"second one", b"third " * 50]
+    path = tmp_path / "part-0.array_record"
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for r in records:
+        writer.write(r)
+    writer.close()
+    loaded = D.load_documents("arrayrecord", str(tmp_path / "*.array_record"))
+    assert [d for _, d in loaded] == records
+    (tmp_path / "bad.array_record").write_bytes(b"not an array record file")
+    with pytest.raises(ValueError, match="cannot read .*bad.array_record"):
+        D.load_documents("arrayrecord", str(tmp_path / "bad.array_record"))
