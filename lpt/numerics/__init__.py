@@ -9,6 +9,7 @@ from lpt.numerics.formats import (
     pow2,
     ulp,
 )
+from lpt.numerics.random import hash_bits, random_bits
 from lpt.numerics.rounding import round_nearest, round_stochastic, round_to_bits
 
 __all__ = [
@@ -16,8 +17,10 @@ __all__ = [
     "FloatFormat",
     "exponent_of",
     "get_format",
+    "hash_bits",
     "is_low_precision",
     "pow2",
+    "random_bits",
     "round_nearest",
     "round_stochastic",
     "round_to_bits",

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lpt.numerics.formats import FloatFormat, get_format
+from lpt.numerics.random import random_bits
 
 _F32_MANTISSA = 23
 
@@ -105,22 +106,23 @@ def round_nearest(x, dtype, *, saturate: bool | None = None, out_dtype=None) -> 
     return _finish(_overflow(x32, r, fmt, saturate), fmt, out_dtype)
 
 
-def round_stochastic(x, dtype, key, *, saturate: bool | None = None, out_dtype=None) -> jax.Array:
+def round_stochastic(x, dtype, key, *, saturate: bool | None = None, out_dtype=None, rng: str = "hash") -> jax.Array:
     """Unbiased stochastic rounding of ``x`` into ``dtype``: E[result] = x for every finite x inside the range.
 
     ``x`` rounds up in magnitude to the next grid point with probability (|x| - lo) / (hi - lo), else down to lo.
     Normal range: a uniform random integer of ``k = 23 - p`` bits is added below the kept mantissa bits and the
     result truncated (exactly unbiased). Subnormal range of the target: ``floor(|x|/s) + [u < frac(|x|/s)]`` with
     a 24-bit uniform u (bias below 2^-24 of one subnormal step). One u32 of randomness per element, from
-    ``jax.random.bits(key, x.shape)`` (sharding-invariant with JAX's partitionable threefry).
+    :func:`lpt.numerics.random_bits` (``rng="hash"``: a keyed hash of the element index, ~30x cheaper than
+    threefry on CPU; ``rng="threefry"``: ``jax.random.bits``). Both are sharding-invariant.
 
-    Args: as :func:`round_nearest`, plus ``key``, a JAX PRNG key (typed or raw uint32).
+    Args: as :func:`round_nearest`, plus ``key``, a JAX PRNG key (typed or raw uint32), and ``rng``.
     """
     fmt = get_format(dtype)
     x32 = _as_f32(x)
     if fmt.mantissa_bits >= _F32_MANTISSA:
         return _finish(x32, fmt, out_dtype)
-    rnd = jax.random.bits(key, x32.shape, jnp.uint32)
+    rnd = random_bits(key, x32.shape, rng)
     drop = _F32_MANTISSA - fmt.mantissa_bits
     b = _bits(x32) + (rnd >> jnp.uint32(32 - drop))
     r = _from_bits(b & jnp.uint32(~((1 << drop) - 1) & 0xFFFFFFFF))

@@ -38,10 +38,10 @@ def scale_by_adam(
 ) -> optax.GradientTransformation:
     """Adam's preconditioning ``m̂ / (sqrt(v̂) + eps)`` with low-precision moments (drop-in for optax's).
 
-    Per leaf, in f32: ``m = b1·m + (1−b1)·g``, ``v = b2·v + (1−b2)·g²``, ``u = m/(1−b1^t) / (sqrt(v/(1−b2^t)) + eps)``;
-    ``m`` and ``v`` are stored as ``Q(m)``, ``Q(v)`` in ``moment_dtype`` (default: the param dtype, so bf16 params get
-    bf16 moments: 4 bytes/param of state). ``Q`` is stochastic rounding keyed by ``(seed, step, leaf path, moment)``
-    or nearest rounding. The update ``u`` is f32.
+    Per leaf, in f32: ``m = Q(b1·m + (1−b1)·g)``, ``v = Q(b2·v + (1−b2)·g²)``,
+    ``u = m/(1−b1^t) / (sqrt(v/(1−b2^t)) + eps)`` (from the stored moments); ``Q`` rounds into ``moment_dtype``
+    (default: the param dtype, so bf16 params get bf16 moments: 4 bytes/param of state). ``Q`` is stochastic
+    rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding. The update ``u`` is f32.
     """
     if rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"rounding must be one of {MOMENT_ROUNDINGS}, got {rounding!r}")
@@ -75,10 +75,14 @@ def scale_by_adam(
             g32 = jnp.asarray(g).astype(jnp.float32)  # grad dtype -> f32
             m32 = jnp.float32(b1) * m.astype(jnp.float32) + jnp.float32(1 - b1) * g32  # moment dtype -> f32
             v32 = jnp.float32(b2) * v.astype(jnp.float32) + jnp.float32(1 - b2) * (g32 * g32)
-            out_u.append((m32 / c1) / (jnp.sqrt(v32 / c2) + jnp.float32(eps)))
             km, kv = jax.random.split(key)
-            out_m.append(store(m32, m, km))
-            out_v.append(store(v32, v, kv))
+            m_q, v_q = store(m32, m, km), store(v32, v, kv)
+            # the update uses the stored (rounded) moments: what the next step will see, and on XLA:CPU it lets
+            # the update fusion read the new moments instead of keeping copies of the old ones
+            m32, v32 = m_q.astype(jnp.float32), v_q.astype(jnp.float32)  # moment dtype -> f32 (exact)
+            out_u.append((m32 / c1) / (jnp.sqrt(v32 / c2) + jnp.float32(eps)))
+            out_m.append(m_q)
+            out_v.append(v_q)
         unf = treedef.unflatten
         return unf(out_u), ScaleByAdamState(count, unf(out_m), unf(out_v))
 

@@ -25,9 +25,14 @@ def kahan_step(p, u32, c, compensation_dtype=None):
 
     With ``c`` the rounding excess carried from earlier steps (``applied - intended``)::
 
-        y     = u - c                       (f32)
-        s     = Q_p(p + y)                  (rounded to nearest in p's dtype, exactly, even under jit)
-        c_new = Q_c((s - p) - y)            (s - p is exact in f32; Q_c rounds into the compensation dtype)
+        y     = u - c,  t = p + y           (f32)
+        s     = Q_p(t)                      (rounded to nearest in p's dtype, exactly, even under jit)
+        c_new = Q_c(s - t)                  (s - t is exact in f32; Q_c rounds into the compensation dtype)
+
+    ``s - t`` equals the seed's ``(s - p) - y`` up to the f32 rounding of ``p + y`` (2^-24 relative to p), far
+    below the compensation's own resolution (a bf16 c resolves 2^-9 of |c| <= ulp(p)/2, about 2^-17 of p).
+    Writing it through ``t`` lets XLA materialize ``t`` once and compute ``s`` and ``c_new`` from it, instead of
+    copying the old ``p`` and ``c`` (both outputs alias donated inputs) and recomputing everything twice.
 
     The arithmetic is f32 and both roundings go through :func:`lpt.numerics.round_nearest`, so XLA's excess
     precision cannot skip them (the seed's all-bf16 arithmetic is the special case Q = bf16 everywhere; f32
@@ -35,9 +40,9 @@ def kahan_step(p, u32, c, compensation_dtype=None):
     """
     cdt = c.dtype if compensation_dtype is None else compensation_dtype
     p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
-    y = u32 - c.astype(jnp.float32)  # compensation dtype -> f32 (exact)
-    s32 = round_nearest(p32 + y, p.dtype, out_dtype=jnp.float32)
-    c_new = round_nearest((s32 - p32) - y, cdt)  # f32 -> compensation dtype (RNE)
+    t = p32 + (u32 - c.astype(jnp.float32))  # p + y; compensation dtype -> f32 (exact)
+    s32 = round_nearest(t, p.dtype, out_dtype=jnp.float32)
+    c_new = round_nearest(s32 - t, cdt)  # f32 -> compensation dtype (RNE)
     return s32, c_new
 
 

@@ -117,7 +117,7 @@ def test_round_stochastic_bf16_matches_bit_definition():
     # bf16 SR is exactly: add 16 random bits below the kept mantissa, truncate.
     x = np.random.default_rng(3).standard_normal(10_000).astype(np.float32)
     key = jax.random.key(7)
-    bits = np.asarray(jax.random.bits(key, x.shape, jnp.uint32))
+    bits = np.asarray(N.random_bits(key, x.shape))
     ref = ((x.view(np.uint32) + (bits >> 16)) & np.uint32(0xFFFF0000)).view(np.float32)
     got = np.asarray(N.round_stochastic(x, jnp.bfloat16, key), np.float32)
     np.testing.assert_array_equal(got, ref)
@@ -160,3 +160,19 @@ def test_formats_and_ulp():
         N.get_format(jnp.int32)
     with pytest.raises(ValueError, match="floating-point"):
         N.round_nearest(jnp.arange(3), jnp.bfloat16)
+
+
+def test_hash_bits_statistics():
+    b = np.asarray(N.hash_bits(jax.random.key(0), (1 << 20,)))
+    frac = np.mean((b[:, None] >> np.arange(32, dtype=np.uint32)) & 1, axis=0)
+    assert np.max(np.abs(frac - 0.5)) < 0.003  # 5 sigma for 2^20 fair bits is 0.0024
+    u = b / 2.0**32
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.005  # neighbours look independent (sigma 0.001)
+    v = np.asarray(N.hash_bits(jax.random.fold_in(jax.random.key(0), 1), (1 << 20,))) / 2.0**32
+    assert abs(np.corrcoef(u, v)[0, 1]) < 0.005  # and so do different keys
+    np.testing.assert_array_equal(
+        np.asarray(N.random_bits(jax.random.key(3), (5,), "threefry")),
+        np.asarray(jax.random.bits(jax.random.key(3), (5,), jnp.uint32)),
+    )
+    with pytest.raises(ValueError, match="unknown rng"):
+        N.random_bits(jax.random.key(0), (3,), "mt19937")

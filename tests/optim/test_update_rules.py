@@ -85,11 +85,15 @@ def _tree(dtype, seed=0):
 
 
 def _kahan_ref(p, c, u, dtype, cdt):
-    """Seed 000 Algorithm 1 in numpy/ml_dtypes (f32 arithmetic, RNE casts), independent of lpt."""
+    """Seed 000 Algorithm 1 in numpy/ml_dtypes (f32 arithmetic, RNE casts), independent of lpt.
+
+    The error is measured as ``s - t`` with ``t = p + y`` (the seed writes ``(s - p) - y``; equal up to the f32
+    rounding of ``p + y``, see ``lpt.optim.kahan_step``)."""
     p32 = np.asarray(p).astype(np.float32)
     y = np.asarray(u, np.float32) - np.asarray(c).astype(np.float32)
-    s = (p32 + y).astype(dtype).astype(np.float32)
-    c_new = ((s - p32) - y).astype(cdt)
+    t = p32 + y
+    s = t.astype(dtype).astype(np.float32)
+    c_new = (s - t).astype(cdt)
     return s, c_new
 
 
