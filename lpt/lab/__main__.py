@@ -1,0 +1,47 @@
+"""``python -m lpt.lab [all|updates|...] --out DIR [--quick]``: reproduce the seeds' results as tables and plots.
+
+Writes ``DIR/REPORT.md`` (and PNGs beside it); each section states what the source document claims beside what was
+measured on this machine. ``--quick`` finishes in a few minutes on 2 CPU cores (what the tests run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+from lpt.lab.report import Report
+
+# section name -> module with ``run(report, quick)``; sections not built yet are listed so ``all`` can say so.
+SECTIONS = {"updates": "lpt.lab.updates"}
+PLANNED = ("gemm", "attention", "pqt", "recipes", "cost")
+
+
+def main(argv=None) -> dict:
+    """Run the sections; return ``{"report": path, <section>: headline numbers}``."""
+    ap = argparse.ArgumentParser(prog="python -m lpt.lab", description=__doc__)
+    ap.add_argument("sections", nargs="*", default=["all"], help=f"all or any of {sorted(SECTIONS)}")
+    ap.add_argument("--out", required=True, help="output directory for REPORT.md and the plots")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a few minutes on 2 CPU cores")
+    args = ap.parse_args(argv)
+    names = list(SECTIONS) if "all" in args.sections else args.sections
+    for name in names:
+        if name not in SECTIONS:
+            status = "planned, not built yet" if name in PLANNED else "unknown"
+            ap.error(f"section {name!r} is {status}; available: all, {', '.join(SECTIONS)}")
+    report = Report(args.out)
+    if "all" in args.sections:
+        report.text(f"Sections not built yet (see the issue tracker): {', '.join(PLANNED)}.")
+    results = {}
+    for name in names:
+        t = time.perf_counter()
+        print(f"[lab] {name} ...", flush=True)
+        results[name] = importlib.import_module(SECTIONS[name]).run(report, quick=args.quick)
+        print(f"[lab] {name} done in {time.perf_counter() - t:.0f}s", flush=True)
+    results["report"] = report.write()
+    print(f"[lab] wrote {results['report']}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
