@@ -2,7 +2,7 @@
 
 Command (per host; launch/slurm_gpu.sbatch and launch/tpu_pod.sh run it on every host):
 
-    python -m lpt.train --config configs/llama_1b.py --workdir gs://bucket/runs/llama_1b \
+    python -m lpt.train --config configs/llama_1b.py --workdir /mnt/shared/runs/llama_1b \
         --config.data.source=arrayrecord --config.data.paths='/data/corpus/*.array_record'
 
 Expected result: not measured here (developed on CPUs). 0.97B parameters with byte-level vocab; 8 bytes per
