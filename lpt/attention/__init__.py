@@ -10,7 +10,7 @@ See docs/attention.md for the measurements behind the defaults.
 """
 
 from lpt.attention.core import dot_product_attention
-from lpt.attention.diagnostics import delta_error, repeated_max_fraction
+from lpt.attention.diagnostics import delta_error, repeated_max_fraction, residual_output
 from lpt.kernels.flash_attention_math import AttentionPolicy, default_policy, standard_policy
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "delta_error",
     "dot_product_attention",
     "repeated_max_fraction",
+    "residual_output",
     "standard_policy",
 ]

@@ -51,23 +51,22 @@ def repeated_max_fraction(
     return repeated / jnp.maximum(jnp.sum(jnp.where(has_key, 1.0, 0.0)), 1.0)
 
 
-def delta_error(
+def residual_output(
     q,
     k,
     v,
-    do,
     *,
-    causal: bool = True,
-    stable: bool = True,
-    beta: float = 7.0,
+    causal=True,
+    stable=True,
+    beta=7.0,
     policy=None,
     kv_mask=None,
     segment_ids=None,
     scale=None,
     key=None,
+    block_k=None,
 ):
-    """δ_policy − δ_f32 per row, f32 [B, T, H]: δ from the O the policy keeps for the backward, minus δ from the
-    f32 softmax attention of the same (rounded) inputs. ``do`` is [B, T, H, D] like the output."""
+    """The O that the backward of :func:`dot_product_attention` (impl="xla") uses for δ, as f32 [B, Tq, H, D]."""
     q_t, k_t, v_t, q_seg, kv_seg, cfg = core.canonical(
         q,
         k,
@@ -81,14 +80,35 @@ def delta_error(
         scale=scale,
         policy=policy,
         block_q=None,
-        block_k=None,
+        block_k=block_k,
         interpret=None,
     )
-    tq = q.shape[1]
     o32, _ = core._forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
     _, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
-    o_true = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, scale=cfg.scale)
-    o_res = o_res.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :tq]  # residual dtype -> f32 (exact)
-    o_true = o_true.transpose(0, 2, 1, 3)[:, :tq]
+    return o_res.astype(jnp.float32).transpose(0, 2, 1, 3)[:, : q.shape[1]]  # residual dtype -> f32 (exact)
+
+
+def delta_error(
+    q,
+    k,
+    v,
+    do,
+    *,
+    causal=True,
+    stable=True,
+    beta=7.0,
+    policy=None,
+    kv_mask=None,
+    segment_ids=None,
+    scale=None,
+    key=None,
+):
+    """δ_policy − δ_f32 per row, f32 [B, T, H]: δ from the O the policy keeps for the backward, minus δ from the
+    f32 softmax attention of the same (rounded) inputs. ``do`` is [B, T, H, D] like the output."""
+    kw = dict(causal=causal, kv_mask=kv_mask, segment_ids=segment_ids, scale=scale)
+    o_res = residual_output(q, k, v, stable=stable, beta=beta, policy=policy, key=key, **kw)
+    o_true = core.dot_product_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), impl="softmax", **kw
+    )  # inputs -> f32 (exact): f32 truth
     do32 = do.astype(jnp.float32)  # dO dtype -> f32 (exact)
     return jnp.sum(do32 * o_res, axis=-1) - jnp.sum(do32 * o_true, axis=-1)

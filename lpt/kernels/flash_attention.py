@@ -69,7 +69,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, pol
         s = _dot(q, k, _NT) * jnp.float32(scale)
         m_new, n_new = fm.update_max_count(m, n, s, valid, policy.tie_tol)
         c_new = fm.shift_of(m_new, n_new, policy)
-        alpha = fm.rescale(c, c_new, m)
+        alpha = fm.rescale(c, c_new, m, policy, pv_dtype, native)
         p = fm.probs(s, valid, c_new)
         p_pv = fm.round_to(p, pv_dtype, native)
         p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact

@@ -156,9 +156,17 @@ def shift_of(m, n, policy: AttentionPolicy):
     return jnp.where(m == -jnp.inf, 0.0, c)
 
 
-def rescale(c_old, c_new, m_old):
-    """α = exp(c_old − c_new), or 1 while the row has seen no unmasked key (acc = ℓ = 0 then)."""
-    return jnp.where(m_old == -jnp.inf, 1.0, jnp.exp(c_old - c_new))
+def rescale(c_old, c_new, m_old, policy: AttentionPolicy, pv_dtype, native: bool = False):
+    """α = exp(c_old − c_new), or 1 while the row has seen no unmasked key (acc = ℓ = 0 then).
+
+    Under the "beta" rule α is rounded to the P̃ grid: when a repeat switches the shift from M to M + o, the
+    earlier maximum (which entered with P̃ = 1) is then weighted round(exp(−o)), exactly the P̃ of the later
+    copies; with an f32 α the copies would get different weights. Any α is exact math (acc and ℓ share it).
+    """
+    alpha = jnp.exp(c_old - c_new)
+    if policy.shift == "beta":
+        alpha = round_grid_f32(alpha, pv_dtype, native)
+    return jnp.where(m_old == -jnp.inf, 1.0, alpha)
 
 
 def probs(s, valid, c):

@@ -55,7 +55,7 @@ def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, cau
         s = s * jnp.float32(scale)
         m_new, n_new = fm.update_max_count(m, n, s, valid, policy.tie_tol)
         c_new = fm.shift_of(m_new, n_new, policy)
-        alpha = fm.rescale(c, c_new, m)
+        alpha = fm.rescale(c, c_new, m, policy, pv_dtype)
         p = fm.probs(s, valid, c_new)
         p_pv = fm.round_to(p, pv_dtype)
         p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
