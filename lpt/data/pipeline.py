@@ -125,6 +125,10 @@ def make_train_iterator(
     rows = rows.shuffle(seed=_shuffle_seed(opts, seed)).repeat()
     ds = ProcessBatches(rows, global_batch, process_index, process_count).to_iter_dataset()
     if opts["worker_count"] > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside absl.app nobody parsed them
+            flags.FLAGS.mark_as_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=opts["worker_count"]))
     return iter(ds)
 

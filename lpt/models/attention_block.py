@@ -1,8 +1,8 @@
 """Causal self-attention with grouped-query heads (GQA), RoPE for Llama, and the attention switch of the recipe.
 
-``precision.attention.impl`` "xla" | "pallas", ``stable``, ``beta`` go to ``lpt.attention.dot_product_attention``
-when that module is importable; otherwise only impl="xla" works, through :func:`reference_attention` (float32
-scores and softmax, float32 P·V), and the stable switch has nothing to fix (no bf16 P̄ exists there).
+``precision.attention.impl`` ("xla": blockwise XLA twin of the flash kernel, "pallas": the flash kernel,
+"softmax": plain f32 softmax attention), ``stable`` and ``beta`` (seed 001's fix) go to
+``lpt.attention.dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from lpt.models.config import ModelSpec, PrecisionSpec
@@ -18,44 +17,14 @@ from lpt.models.layers import Linear, rope
 from lpt.models.partitioning import constrain
 
 
-def reference_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array) -> jax.Array:
-    """``softmax(q kᵀ / sqrt(D) + causal mask) v`` for H query heads sharing K = H/G kv heads, all in float32.
+def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: PrecisionSpec) -> jax.Array:
+    """Causal GQA attention by the recipe: ``lpt.attention.dot_product_attention`` with its impl / stable / beta.
 
-    Query head h uses kv head ``h // (H // K)``. Returns the compute dtype of ``q``.
+    ``q[B, T, H, Dh]``, ``k, v[B, T, K, Dh]`` (query head h uses kv head ``h // (H / K)``); returns q's dtype.
     """
-    B, T, H, D = q_BTHD.shape
-    K = k_BSKD.shape[2]
-    G = H // K
-    q_f32 = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)  # compute -> f32
-    k_f32 = k_BSKD.astype(jnp.float32)  # compute -> f32
-    v_f32 = v_BSKD.astype(jnp.float32)  # compute -> f32
-    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_f32, k_f32) * (1.0 / math.sqrt(D))
-    mask_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
-    s_BKGTS = jnp.where(mask_TS, s_BKGTS, -jnp.inf)
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
-    o_BTKGD = jnp.einsum("bkgts,bskd->btkgd", p_BKGTS, v_f32)
-    return o_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)  # f32 -> compute
+    import lpt.attention  # looked up per call so tests can substitute it
 
-
-def _lpt_attention():
-    try:
-        from lpt.attention import dot_product_attention
-    except ImportError:
-        return None
-    return dot_product_attention
-
-
-def attend(q_BTHD, k_BSKD, v_BSKD, prec: PrecisionSpec) -> jax.Array:
-    """Dispatch by the recipe; see the module docstring."""
-    dpa = _lpt_attention()
-    if dpa is None:
-        if prec.attention_impl != "xla":
-            raise NotImplementedError(
-                f"precision.attention.impl={prec.attention_impl!r} needs lpt.attention.dot_product_attention, "
-                "which is not available yet; use impl='xla'"
-            )
-        return reference_attention(q_BTHD, k_BSKD, v_BSKD)
-    return dpa(
+    return lpt.attention.dot_product_attention(
         q_BTHD,
         k_BSKD,
         v_BSKD,
