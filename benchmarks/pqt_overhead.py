@@ -21,15 +21,28 @@ import jax.numpy as jnp
 import lpt.pqt as pqt
 
 
+def timed(f, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    return time.perf_counter() - t0
+
+
 def bench(f, *args, reps: int) -> float:
     """Median wall time (s) of the jitted ``f(*args)``."""
     jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    return statistics.median(timed(f, *args) for _ in range(reps))
+
+
+def bench_round_robin(fns: dict, args, reps: int) -> dict:
+    """Median time per function and median per-round ratio to the first one (robust to load drift)."""
+    for f in fns.values():
         jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    rounds = [{name: timed(f, *args) for name, f in fns.items()} for _ in range(reps)]
+    base = next(iter(fns))
+    return {
+        name: (statistics.median(r[name] for r in rounds), statistics.median(r[name] / r[base] for r in rounds))
+        for name in fns
+    }
 
 
 def linear(x, w_c):
@@ -84,14 +97,13 @@ def main():
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.device_count()}, key {args.key_impl}")
     print(f"linear layer: x[{t}, {k}] @ W[{k}, {n}], bf16 GEMM with f32 accumulation, median of {args.reps}")
 
-    results = {}
-    for method in ("bf16", "gaussws", "diffq"):
-        fwd, grad = make_steps(method)
-        results[method] = (bench(fwd, x, w, bt, kr, reps=args.reps), bench(grad, x, w, bt, kr, reps=args.reps))
-    base_f, base_fb = results["bf16"]
+    steps = {m: make_steps(m) for m in ("bf16", "gaussws", "diffq")}
+    fwd = bench_round_robin({m: s[0] for m, s in steps.items()}, (x, w, bt, kr), args.reps)
+    fwd_bwd = bench_round_robin({m: s[1] for m, s in steps.items()}, (x, w, bt, kr), args.reps)
+    print("median time and median per-round ratio to plain bf16 (methods interleaved round by round)")
     print(f"{'method':10s} {'fwd ms':>9s} {'ratio':>7s} {'fwd+bwd ms':>11s} {'ratio':>7s}")
-    for method, (tf, tfb) in results.items():
-        print(f"{method:10s} {tf * 1e3:9.3f} {tf / base_f:7.3f} {tfb * 1e3:11.3f} {tfb / base_fb:7.3f}")
+    for m in steps:
+        print(f"{m:10s} {fwd[m][0] * 1e3:9.3f} {fwd[m][1]:7.3f} {fwd_bwd[m][0] * 1e3:11.3f} {fwd_bwd[m][1]:7.3f}")
 
     shape = (k, n)
     gens = {
