@@ -125,7 +125,6 @@ def _pqn_sample_fwd(w, bt_f32, key, method, block, compute_dtype, w_dtype):
 
 def _pqn_sample_bwd(method, block, compute_dtype, w_dtype, res, g):
     step_f32, key = res
-    m, n = g.shape[-2:]
     g_t = _to_tiles(_pad_to_blocks(g, block), block)
     r = pqn_noise(key, g.shape[:-2] + (g_t.shape[-4] * block, g_t.shape[-2] * block), method)  # same R as forward
     r_t = _to_tiles(r, block)
