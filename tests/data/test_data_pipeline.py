@@ -1,6 +1,8 @@
 """Data: determinism, split disjointness, per-process shards, iterator state round trip, errors, unigram."""
 
 import json
+import os
+import pickle
 
 import numpy as np
 import pytest
@@ -107,19 +109,33 @@ def test_clear_errors(tmp_path):
         D.make_train_iterator({"shuffle": True}, seq_len=8, global_batch=2)
 
 
-def test_text_files_by_glob(tmp_path):
+def test_text_files_by_glob_through_the_disk_cache(tmp_path):
     (tmp_path / "sub").mkdir()
     docs = {"a.txt": b"alpha " * 200, "sub/b.txt": b"beta " * 300, "c.md": b"not matched"}
     for name, text in docs.items():
         (tmp_path / name).write_bytes(text)
-    cfg = {"source": "text", "paths": str(tmp_path / "**" / "*.txt"), "validation_fraction": 0.2}
+    cache = str(tmp_path / "cache")
+    cfg = {"source": "text", "paths": str(tmp_path / "**" / "*.txt"), "validation_fraction": 0.2, "cache_dir": cache}
     loaded = D.load_documents("text", cfg["paths"])
     assert [d for _, d in loaded] == [docs["a.txt"], docs["sub/b.txt"]]
-    s = D.token_streams("text", cfg["paths"], 0.2)
+    s = D.token_streams("text", cfg["paths"], 0.2, cache)
+    assert isinstance(s["train"], np.memmap)
     assert s["train"].tobytes() == docs["a.txt"][:960] + b"\0" + docs["sub/b.txt"][:1200] + b"\0"
     assert s["validation"].tobytes() == docs["a.txt"][960:] + b"\0" + docs["sub/b.txt"][1200:] + b"\0"
     batch = next(D.make_train_iterator(cfg, seq_len=16, global_batch=2))
     assert set(np.unique(batch["inputs"])) <= set(b"alphbet \0")
+    # unigram from the cached counts equals the direct computation
+    train, val = s["train"], s["validation"]
+    p = (np.bincount(train, minlength=256) + 1.0) / (train.size + 256)
+    assert D.unigram_loss(cfg) == pytest.approx(-np.mean(np.log(p[val[1:]])), rel=1e-12)
+    # grain pickles the window source into workers: a memory-mapped stream travels as its file name
+    assert len(pickle.dumps(D.Windows(train, 16))) < 500
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(D.Windows(train, 16)))[5], D.Windows(train, 16)[5])
+    # editing a file builds a new cache entry, with the new text
+    (tmp_path / "a.txt").write_bytes(b"gamma " * 200)
+    s2 = D.token_streams("text", cfg["paths"], 0.2, cache)
+    assert s2["train"].tobytes().startswith(b"gamma")
+    assert len([d for d in os.listdir(cache) if ".tmp-" not in d]) == 2
 
 
 def test_arrayrecord_records_are_documents(tmp_path):
