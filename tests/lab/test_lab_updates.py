@@ -26,7 +26,7 @@ def test_lab_updates_quick(tmp_path):
 
 def test_lab_rejects_unbuilt_and_unknown_sections(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["gemm", "--out", str(tmp_path)])
+        main(["cost", "--out", str(tmp_path)])
     assert "planned, not built yet" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["nonsense", "--out", str(tmp_path)])
