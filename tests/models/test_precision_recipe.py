@@ -20,17 +20,35 @@ def _forward(cfg, prec, seed=0):
     return np.asarray(jax.jit(lambda s, t: nnx.merge(g, s)(t))(st, TOKENS)), st
 
 
+def _forward_and_grad(cfg, prec, seed=0):
+    """Logits and d(sum of logits · fixed weights)/d(params), jitted together."""
+    model = M.build_model(cfg, prec, rngs=nnx.Rngs(seed))
+    g, st = nnx.split(model)
+    w = jnp.asarray(np.random.RandomState(0).randn(1, 8, 256), jnp.float32)
+
+    def f(s):
+        logits = nnx.merge(g, s)(TOKENS)
+        return jnp.sum(logits * w), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(st)
+    return np.asarray(logits), st, grads
+
+
 def test_bf16_storage_equals_f32_master_viewed_in_bf16():
-    """Storing bf16 (kahan) and storing f32 viewed through bf16 (f32_master) give bit-identical logits; the view
-    rounding is real: an f32-viewed model differs."""
-    view, st_view = _forward(CFG, {"param_dtype": "bfloat16", "update_rule": "f32_master"})
-    stored, st_stored = _forward(CFG, {"param_dtype": "bfloat16", "update_rule": "kahan"})
+    """Storing bf16 (kahan) and storing f32 viewed through bf16 (f32_master) give bit-identical logits and, through
+    the straight-through view, gradients equal up to the bf16 rounding of the stored-bf16 gradient; the view rounding
+    is real: an f32-viewed model differs."""
+    view, st_view, g_view = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "update_rule": "f32_master"})
+    stored, st_stored, g_stored = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "update_rule": "kahan"})
     plain, _ = _forward(CFG, {"param_dtype": "float32"})
-    dtypes = {x.dtype for x in jax.tree.leaves(st_stored)}
-    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(st_stored)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(st_view)} == {jnp.dtype(jnp.float32)}
     np.testing.assert_array_equal(view, stored)
     assert np.abs(view - plain).max() > 1e-5  # bf16 weights change the logits measurably
+    for gv, gs in zip(jax.tree.leaves(g_view), jax.tree.leaves(g_stored), strict=True):
+        assert gv.dtype == jnp.float32 and gs.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(gv.astype(jnp.bfloat16), np.float32), np.asarray(gs, np.float32))
+    assert float(jnp.abs(g_view["blocks"][0]["attn"]["q"]["kernel"][...]).max()) > 0  # gradients reach the master
 
 
 def test_fp8_storage_dtypes_and_saturation_diagnostics():
