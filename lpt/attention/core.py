@@ -203,6 +203,8 @@ def dot_product_attention(
         interpret=interpret,
     )
     tq = q.shape[1]
+    if impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:
+        raise ValueError("AttentionPolicy.residual='stochastic' needs a PRNG key: pass key=...")
     if impl == "softmax":
         o = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, scale=cfg.scale)
         o = o.astype(q.dtype)  # f32 -> input dtype (RNE; differentiable, unlike the bit-exact rounding)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lpt.attention import AttentionPolicy, dot_product_attention, repeated_max_fraction
+from lpt.attention import AttentionPolicy, dot_product_attention, repeated_max_fraction, residual_output
 
 B, T, H, HKV, D = 2, 40, 4, 2, 16
 
@@ -75,12 +75,17 @@ def test_f32_policy_matches_softmax(policy, mask):
     assert float(jnp.max(jnp.abs(grads_t[1]))) > 0.1  # gradients are not trivially zero
 
 
-def test_repeats_exercised_and_beta_shift_changes_rounding():
+def test_repeats_diagnostic_and_default_residual_closer_to_truth():
+    """Causal GQA bf16 with repeated maxima in >80% of rows: the O kept for δ is far closer to f32 attention with
+    the default policy (f32 residual; only the bf16 P̃ weights err) than with the standard kernel (bf16 O)."""
     q, k, v = _inputs(jnp.bfloat16)
-    assert float(repeated_max_fraction(q, k, causal=True)) > 0.8
-    standard = dot_product_attention(q, k, v, stable=False, block_k=16)
-    stable = dot_product_attention(q, k, v, stable=True, block_k=16)
-    assert float(jnp.mean(jnp.abs(standard.astype(jnp.float32) - stable.astype(jnp.float32)))) > 0
+    assert float(jax.jit(repeated_max_fraction)(q, k)) > 0.8
+    truth = dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), impl="softmax")
+    rms = {}
+    for stable in (False, True):
+        res = jax.jit(lambda q, k, v, s=stable: residual_output(q, k, v, stable=s, block_k=16))(q, k, v)
+        rms[stable] = float(jnp.sqrt(jnp.mean((res - truth) ** 2)))
+    assert rms[True] < 0.5 * rms[False], rms  # measured 3.8e-4 vs 1.2e-3
 
 
 @pytest.mark.parametrize("policy", POLICIES[:3], ids=["standard", "default", "beta2-pv-stochastic"])
