@@ -6,7 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lpt.attention import AttentionPolicy, dot_product_attention, repeated_max_fraction, residual_output
+from lpt.attention import (
+    AttentionPolicy,
+    delta_error,
+    dot_product_attention,
+    repeated_max_fraction,
+    residual_output,
+)
 
 B, T, H, HKV, D = 2, 40, 4, 2, 16
 
@@ -151,3 +157,13 @@ def test_bad_policy_raises():
         AttentionPolicy(shift="min")
     with pytest.raises(ValueError, match="beta"):
         AttentionPolicy(beta=1.0)
+
+
+def test_delta_error_diagnostic():
+    """δ_policy − δ_f32 per row: the default's f32 residual makes it several times smaller than the standard's."""
+    q, k, v = _inputs(jnp.bfloat16)
+    do = -0.5 + 0.5 * jax.random.normal(jax.random.PRNGKey(5), (B, T, H, D))
+    errs = {s: jax.jit(lambda q, k, v, s=s: delta_error(q, k, v, do, stable=s))(q, k, v) for s in (False, True)}
+    assert errs[True].shape == (B, T, H)
+    rms = {s: float(jnp.sqrt(jnp.mean(e**2))) for s, e in errs.items()}
+    assert 0 < rms[True] < 0.5 * rms[False], rms
