@@ -24,11 +24,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.kind = "llama"  # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
     c.model.vocab_size = 256  # byte-level tokens
     c.model.d_model = 128  # residual stream width
-    c.model.n_layers = 4  # transformer blocks
+    c.model.n_layers = 2  # transformer blocks
     c.model.n_heads = 4  # query heads (head_dim = d_model / n_heads = 32)
     c.model.n_kv_heads = 2  # key/value heads (GQA: 2 query heads share one KV head)
     c.model.d_ff = 384  # SwiGLU hidden width
-    c.model.max_seq_len = 128  # longest sequence the model accepts (RoPE table / position embedding size)
+    c.model.max_seq_len = 64  # longest sequence the model accepts (RoPE table / position embedding size)
     c.model.rope_theta = 10000.0  # RoPE base frequency (llama only)
     c.model.norm_eps = 1e-5  # epsilon of RMSNorm / LayerNorm
     c.model.tie_embeddings = False  # share the input embedding with the output projection
@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.source = "embedded"  # "embedded" (pydoc_data.topics) | "text" (files) | "arrayrecord"
     c.data.paths = ""  # glob of input files for "text" / "arrayrecord" (unused for "embedded")
-    c.data.seq_len = 128  # tokens per training sequence
+    c.data.seq_len = 64  # tokens per training sequence
     c.data.validation_fraction = 0.1  # share of the corpus held out for validation
     c.data.worker_count = 0  # grain worker processes (0 = in-process; recorded in checkpoints)
     c.data.shuffle_seed = 0  # seed of the training data order
@@ -75,13 +75,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.microbatches = 1  # gradient accumulation steps per optimizer step
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 400  # optimizer steps
+    c.train.steps = 600  # optimizer steps
     c.train.global_batch = 32  # sequences per step, summed over all devices and processes
     c.train.seed = 0  # model init and per-step randomness: key = fold_in(PRNGKey(seed), step)
     c.train.eval_every = 100  # validation every N steps (and at the end)
     c.train.eval_batches = 4  # validation batches per evaluation
     c.train.log_every = 10  # JSONL/TensorBoard logging interval
-    c.train.checkpoint_every = 100  # checkpoint interval (and at the end, and on SIGTERM)
+    c.train.checkpoint_every = 200  # checkpoint interval (and at the end, and on SIGTERM)
     c.train.keep_checkpoints = 3  # newest checkpoints to keep
     c.train.mesh = ml_collections.ConfigDict()
     c.train.mesh.data = -1  # data-parallel axis (-1: all devices not used by the other axes)

@@ -16,6 +16,7 @@ EXPECTED = "filled in after measurement"
 
 def get_config():
     c = tiny_cpu_config()
+    c.model.n_kv_heads = 4  # no GQA: k/v projections 128 wide (FP8 blocks need K, N multiples of 128)
     c.precision.param_dtype = "float32"  # master weights in float32
     c.precision.compute_dtype = "bfloat16"  # activations between matmuls in bf16
     c.precision.update_rule = "f32_master"  # AdamW on the float32 master weights

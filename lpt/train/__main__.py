@@ -86,7 +86,7 @@ def train(cfg, workdir: str | Path) -> dict:
     eval_step = step_lib.make_eval_step(cfg, model_def, mesh, shardings)
     flops_per_token = _flops_per_token(cfg)
     peak = metrics.device_peak_flops()
-    writer = metrics.MetricsWriter(workdir, enabled=is_main)
+    writer = metrics.MetricsWriter(workdir, enabled=is_main, drop_after=start)  # forget steps a crash re-runs
     preempt = distributed.PreemptionFlag()
     metadata = lambda s: _metadata(cfg, mesh, s)
     fault = _FaultInjection()
@@ -139,6 +139,7 @@ def train(cfg, workdir: str | Path) -> dict:
                 drain()
                 eval_loss = evaluate(s)
                 postfix["eval"] = f"{eval_loss:.3f}"
+                bar.set_postfix(postfix, refresh=False)
             if s % cfg.train.checkpoint_every == 0 or s == steps or stop:
                 drain()
                 ckpt.save(s, state, data_iter, metadata(s), force=True)
@@ -148,6 +149,8 @@ def train(cfg, workdir: str | Path) -> dict:
                 log.warning("preempted: saved checkpoint at step %d in %s; exiting cleanly", s, ckpt.directory)
                 return {"preempted_at": s}
         drain()
+        if eval_loss is None:  # resumed at the final step
+            eval_loss = evaluate(steps)
     finally:
         bar.close()
         ckpt.close()

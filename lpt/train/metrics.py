@@ -40,7 +40,8 @@ def device_peak_flops(device: jax.Device | None = None) -> float | None:
 class MetricsWriter:
     """Appends scalars to ``<workdir>/metrics.jsonl`` and TensorBoard event files in ``<workdir>/tensorboard``."""
 
-    def __init__(self, workdir: str | Path, *, enabled: bool = True):
+    def __init__(self, workdir: str | Path, *, enabled: bool = True, drop_after: int | None = None):
+        """``drop_after``: on resume from step r, records with step > r (written before a crash) are removed."""
         self.enabled = enabled
         self.workdir = Path(workdir)
         self.jsonl_path = self.workdir / "metrics.jsonl"
@@ -50,6 +51,9 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self.workdir.mkdir(parents=True, exist_ok=True)
+            if drop_after is not None and self.jsonl_path.exists():
+                kept = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= drop_after]
+                self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             self._file = self.jsonl_path.open("a")
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
 

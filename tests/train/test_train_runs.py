@@ -76,14 +76,14 @@ def run(workdir, cache_dir, *extra, devices=1, env=None, check=True, background=
 
 
 def records(workdir) -> tuple[dict, dict]:
-    """(train loss by step, eval loss by step); a step logged twice (re-run after a crash) keeps the last value."""
+    """(train loss by step, eval loss by step); each step must appear once (a resume drops re-run steps)."""
     train, evals = {}, {}
     for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        if "loss" in r:
-            train[r["step"]] = r["loss"]
-        if "eval_loss" in r:
-            evals[r["step"]] = r["eval_loss"]
+        for key, out in (("loss", train), ("eval_loss", evals)):
+            if key in r:
+                assert r["step"] not in out, f"step {r['step']} logged twice in {workdir}"
+                out[r["step"]] = r[key]
     return train, evals
 
 
