@@ -9,7 +9,8 @@ kv_seg [B, Tk] int32 (query i attends key j iff segments match and, if causal, j
 blocks. Grids:
 
 * forward ``(B, H, Tq/bq)``: one query block per program; a ``fori_loop`` over key blocks (causal: only up to
-  the diagonal) runs the online softmax; writes O (f32) and lse = c + log ℓ (f32, −inf for rows without keys).
+  the diagonal) runs the online softmax; writes O (f32, or bf16 for the "input" residual) and
+  lse = c + log ℓ (f32, −inf for rows without keys).
 * backward dK/dV ``(B, H, Tk/bk)``: per query head, loop over query blocks from the diagonal; the wrapper sums the
   per-query-head dK, dV over each group. Backward dQ ``(B, H, Tq/bq)``: loop over key blocks. δ comes in from the
   caller (it is where the residual policy acts).
@@ -89,7 +90,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, pol
     init = (col - jnp.inf, col, col, col, jnp.zeros(q.shape, jnp.float32))
     _, _, c, l, acc = lax.fori_loop(0, hi, body, init)
     o, lse = fm.finalize(acc, l, c)
-    o_ref[...] = o
+    o_ref[...] = fm.round_to(o, o_ref.dtype, native)  # f32 -> O dtype (bf16 for residual "input")
     lse_ref[...] = lse
 
 
@@ -192,7 +193,8 @@ def _check(q, k, block_q, block_k):
 
 
 def flash_forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, interpret=None):
-    """Forward kernel. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq])."""
+    """Forward kernel. Returns (O [B, H, Tq, D], lse f32 [B, H, Tq]); O is f32, or already rounded to nearest in
+    q's dtype when ``policy.residual == "input"`` (the wrapper's rounding is then exact)."""
     b, h, tq, d = q.shape
     tk = k.shape[2]
     g = _check(q, k, block_q, block_k)
@@ -208,7 +210,8 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, blo
         pl.BlockSpec((None, None, block_q, d), lambda bi, hi, i: (bi, hi, i, 0)),
         pl.BlockSpec((None, None, block_q, 1), lambda bi, hi, i: (bi, hi, i, 0)),
     ]
-    out_shape = [jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)]
+    o_dtype = q.dtype if policy.residual == "input" else jnp.float32  # bf16 O halves the write when it suffices
+    out_shape = [jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)]
 
     def build(mode):
         return pl.pallas_call(
