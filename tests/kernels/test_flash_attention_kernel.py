@@ -9,7 +9,7 @@ import pytest
 from lpt.attention import AttentionPolicy, dot_product_attention
 from lpt.kernels import flash_attention_math as fm
 
-B, T, H, HKV, D = 1, 32, 2, 1, 16
+B, T, H, HKV, D = 1, 30, 2, 1, 16  # T padded to 32 internally
 BLOCK = 8
 
 
@@ -47,19 +47,21 @@ POLICIES = {
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_interpret_kernel_matches_reference(name):
-    """Interpreted kernel vs the XLA twin, forward O and dq, dk, dv (causal, GQA, padding mask).
+    """Interpreted kernel vs the XLA twin, forward O and dq, dk, dv (causal, GQA, padding or segments, T padded).
 
     "standard" runs with interpret=None, i.e. through lax.platform_dependent (whose cpu branch interprets)."""
     policy = POLICIES[name]
     interpret = None if name == "standard" else True
     q, k, v = _inputs()
-    kv_mask = jnp.arange(T)[None, :] != 5
+    masks = {"kv_mask": jnp.arange(T)[None, :] != 5}
+    if name == "default":  # packed sequences instead of padding
+        masks = {"segment_ids": (jnp.arange(T)[None, :] >= 17).astype(jnp.int32)}
     w = jax.random.normal(jax.random.PRNGKey(4), (B, T, H, D)).astype(jnp.bfloat16)
 
     def run(impl):
         def f(q, k, v):
             return dot_product_attention(
-                q, k, v, policy=policy, impl=impl, kv_mask=kv_mask, block_q=BLOCK, block_k=BLOCK, interpret=interpret
+                q, k, v, policy=policy, impl=impl, block_q=BLOCK, block_k=BLOCK, interpret=interpret, **masks
             )
 
         def both(q, k, v):
