@@ -116,7 +116,10 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + self.pos_embed(jnp.arange(T))[None]
         x_BTD = constrain(x_BTD, _BTD)
         for block in self.blocks:
-            x_BTD = block(x_BTD, key=key)
+            if self.spec.remat:  # recompute the block's activations in the backward pass instead of storing them
+                x_BTD = nnx.remat(lambda blk, x, k: blk(x, key=k))(block, x_BTD, key)
+            else:
+                x_BTD = block(x_BTD, key=key)
         h_BTD = self.final_norm(x_BTD)
         if self.lm_head is None:
             w_DV = view_weight(self.embed.embedding[...], self.prec).T

@@ -171,3 +171,15 @@ def test_bad_configs_raise_clear_errors():
     model = M.build_model(LLAMA, {}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="exceeds config.model.max_seq_len=16"):
         model(jnp.zeros((1, 17), jnp.int32))
+
+
+def test_remat_wraps_each_block_in_a_checkpoint():
+    def n_checkpoints(remat):
+        cfg = {**LLAMA, "remat": remat}
+        model = nnx.eval_shape(lambda: M.build_model(cfg, {}, rngs=nnx.Rngs(0)))
+        g, st = nnx.split(model)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda s: nnx.merge(g, s)(TOKENS).sum()))(st)
+        return str(jaxpr).count("remat2[")  # jax.checkpoint's primitive
+
+    assert n_checkpoints(False) == 0
+    assert n_checkpoints(True) == LLAMA["n_layers"]
