@@ -55,6 +55,13 @@ def _nearest_even_bits(x_f32: jax.Array, drop: int) -> jax.Array:
     return _from_bits(b)
 
 
+def _copysign(mag_f32: jax.Array, sign_of_f32: jax.Array) -> jax.Array:
+    """|mag| with the sign bit of ``sign_of`` (bit operations: no ``sign`` op, which Mosaic TPU cannot lower
+    without a device)."""
+    m = _bits(jnp.broadcast_to(mag_f32, sign_of_f32.shape)) & jnp.uint32(0x7FFFFFFF)
+    return _from_bits(m | (_bits(sign_of_f32) & jnp.uint32(0x80000000)))
+
+
 def _overflow(x_f32: jax.Array, r_f32: jax.Array, fmt: FloatFormat, saturate: bool | None) -> jax.Array:
     """Apply the overflow policy to a rounded f32 value ``r`` and pass non-finite inputs through."""
     if saturate is None:
@@ -63,10 +70,10 @@ def _overflow(x_f32: jax.Array, r_f32: jax.Array, fmt: FloatFormat, saturate: bo
         big = jnp.float32(fmt.max)
     else:
         big = jnp.float32(jnp.inf if fmt.has_inf else jnp.nan)
-    r = jnp.where(jnp.abs(r_f32) > jnp.float32(fmt.max), jnp.copysign(big, x_f32), r_f32)
+    r = jnp.where(jnp.abs(r_f32) > jnp.float32(fmt.max), _copysign(big, x_f32), r_f32)
     if not (fmt.has_inf or fmt.has_nan):  # ±inf -> ±max; NaN stays NaN in the f32 result
         return jnp.where(
-            jnp.isinf(x_f32), jnp.copysign(jnp.float32(fmt.max), x_f32), jnp.where(jnp.isnan(x_f32), x_f32, r)
+            jnp.isinf(x_f32), _copysign(jnp.float32(fmt.max), x_f32), jnp.where(jnp.isnan(x_f32), x_f32, r)
         )
     return jnp.where(jnp.isfinite(x_f32), r, x_f32)
 
@@ -131,7 +138,7 @@ def round_stochastic(x, dtype, key, *, saturate: bool | None = None, out_dtype=N
         y = jnp.abs(x32) * jnp.float32(1.0 / s)  # exact power-of-two scaling
         fl = jnp.floor(y)
         u = (rnd >> jnp.uint32(8)).astype(jnp.float32) * jnp.float32(2.0**-24)  # u32 -> f32, exact (< 2^24)
-        r_sub = jnp.copysign((fl + (u < y - fl).astype(jnp.float32)) * jnp.float32(s), x32)  # bool -> f32
+        r_sub = _copysign((fl + (u < y - fl).astype(jnp.float32)) * jnp.float32(s), x32)  # bool -> f32
         r = jnp.where(jnp.abs(x32) < jnp.float32(fmt.smallest_normal), r_sub, r)
     return _finish(_overflow(x32, r, fmt, saturate), fmt, out_dtype)
 
