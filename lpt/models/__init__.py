@@ -16,6 +16,8 @@ Public API
     ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``DEFAULT_RULES``.
 ``model_spec(cfg)`` / ``precision_spec(cfg)``: validated frozen views of the configs (ValueError on bad keys).
 
+Optional ``config.model`` switches beyond the trainer contract: ``remat`` (``nnx.remat`` per block) and
+``scan_layers`` (parameters stacked on a leading "layers" axis, ``nnx.scan`` over them); both default False.
 See docs/models_and_data.md for the precision recipe.
 """
 

@@ -80,6 +80,7 @@ class ModelSpec:
     tie_embeddings: bool
     init_std: float
     remat: bool = False
+    scan_layers: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -139,6 +140,7 @@ def model_spec(model_cfg) -> ModelSpec:
             "tie_embeddings": False,
             "init_std": 0.02,
             "remat": False,
+            "scan_layers": False,
         },
         "config.model",
     )
@@ -147,8 +149,9 @@ def model_spec(model_cfg) -> ModelSpec:
         d["n_kv_heads"] = d["n_heads"]
     if d["kind"] == "gpt2" and d["n_kv_heads"] != d["n_heads"]:
         raise ValueError(f"gpt2 has no GQA: n_kv_heads={d['n_kv_heads']} must equal n_heads={d['n_heads']}")
-    if not isinstance(d["remat"], bool):
-        raise ValueError(f"config.model.remat={d['remat']!r} must be a bool")
+    for k in ("remat", "scan_layers", "tie_embeddings"):
+        if not isinstance(d[k], bool):
+            raise ValueError(f"config.model.{k}={d[k]!r} must be a bool")
     for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         if not isinstance(d[k], int) or d[k] <= 0:
             raise ValueError(f"config.model.{k}={d[k]!r} must be a positive int")

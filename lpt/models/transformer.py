@@ -25,7 +25,7 @@ _BTF = ("batch", "length", "mlp")
 class MLP(nnx.Module):
     """Llama: ``down(silu(gate(x)) * up(x))``; GPT-2: ``down(gelu_tanh(up(x)))``. Nonlinearity in float32."""
 
-    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
         D, F = spec.d_model, spec.d_ff
         bias = spec.kind == "gpt2"
         std, out_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
@@ -57,7 +57,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
         Norm = RMSNorm if spec.kind == "llama" else LayerNorm
         self.norm1 = Norm(spec.d_model, eps=spec.norm_eps, prec=prec)
         self.attn = Attention(spec, prec, block=block, rngs=rngs)
@@ -67,6 +67,36 @@ class Block(nnx.Module):
     def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
         x_BTD = constrain(x_BTD + self.attn(self.norm1(x_BTD), key=key), _BTD)
         return constrain(x_BTD + self.mlp(self.norm2(x_BTD), key=key), _BTD)
+
+
+def _layers_metadata(spec: ModelSpec) -> dict:
+    # the stacked axis is named "layers" in every parameter's logical axes; PQT bitwidths also record it in their
+    # kernel_shape metadata, so lpt.pqt's statistics see the stacked kernel and each scanned slice its own
+    return {nnx.PARTITION_NAME: "layers", "kernel_shape": spec.n_layers}
+
+
+def _stacked_blocks(spec: ModelSpec, prec: PrecisionSpec, rngs: nnx.Rngs) -> Block:
+    """One :class:`Block` whose parameters carry a leading ``n_layers`` axis (logical name "layers")."""
+
+    @nnx.split_rngs(splits=spec.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_layers_metadata(spec))
+    def make(r: nnx.Rngs) -> Block:
+        return Block(spec, prec, block="scan", rngs=r)
+
+    return make(rngs)
+
+
+def _scan_blocks(blocks: Block, x_BTD: jax.Array, key: jax.Array | None, spec: ModelSpec) -> jax.Array:
+    """``x ← block_i(x)`` for i < n_layers with ``nnx.scan``; layer i's PQT key is ``fold_in(key, i)``."""
+
+    def body(x, block, i):
+        k = None if key is None else jax.random.fold_in(key, i)
+        return block(x, key=k)
+
+    if spec.remat:  # recompute each layer's activations in the backward pass
+        body = nnx.remat(body)
+    scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata=_layers_metadata(spec))
+    return scan(x_BTD, blocks, jnp.arange(spec.n_layers, dtype=jnp.int32))
 
 
 class Transformer(nnx.Module):
@@ -85,7 +115,10 @@ class Transformer(nnx.Module):
             if spec.kind == "gpt2"
             else None
         )
-        self.blocks = nnx.List([Block(spec, prec, block=i, rngs=rngs) for i in range(spec.n_layers)])
+        if spec.scan_layers:
+            self.blocks = _stacked_blocks(spec, prec, rngs)
+        else:
+            self.blocks = nnx.List([Block(spec, prec, block=i, rngs=rngs) for i in range(spec.n_layers)])
         Norm = RMSNorm if spec.kind == "llama" else LayerNorm
         self.final_norm = Norm(D, eps=spec.norm_eps, prec=prec)
         self.lm_head = (
@@ -115,11 +148,14 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:
             x_BTD = x_BTD + self.pos_embed(jnp.arange(T))[None]
         x_BTD = constrain(x_BTD, _BTD)
-        for block in self.blocks:
-            if self.spec.remat:  # recompute the block's activations in the backward pass instead of storing them
-                x_BTD = nnx.remat(lambda blk, x, k: blk(x, key=k))(block, x_BTD, key)
-            else:
-                x_BTD = block(x_BTD, key=key)
+        if self.spec.scan_layers:
+            x_BTD = _scan_blocks(self.blocks, x_BTD, key, self.spec)
+        else:
+            for block in self.blocks:
+                if self.spec.remat:  # recompute the block's activations in the backward pass instead of storing them
+                    x_BTD = nnx.remat(lambda blk, x, k: blk(x, key=k))(block, x_BTD, key)
+                else:
+                    x_BTD = block(x_BTD, key=key)
         h_BTD = self.final_norm(x_BTD)
         if self.lm_head is None:
             w_DV = view_weight(self.embed.embedding[...], self.prec).T

@@ -86,13 +86,26 @@ def _ref_forward(model, cfg, tokens):
 GPT2_TIED = {**GPT2, "tie_embeddings": True}
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2_tied"])
-def built(request):
-    """(cfg, model, jitted forward, state) built once per module for each architecture."""
-    cfg = {"llama": LLAMA, "gpt2_tied": GPT2_TIED}[request.param]
+def _built(cfg):
     model = M.build_model(cfg, {}, rngs=nnx.Rngs(1))
     f, state = _jit_forward(model)
     return cfg, model, f, state
+
+
+@pytest.fixture(scope="module")
+def llama_built():
+    return _built(LLAMA)
+
+
+@pytest.fixture(scope="module")
+def gpt2_tied_built():
+    return _built(GPT2_TIED)
+
+
+@pytest.fixture(params=["llama", "gpt2_tied"])
+def built(request):
+    """(cfg, model, jitted forward, state), built once per module for each architecture."""
+    return request.getfixturevalue(f"{request.param}_built")
 
 
 def test_f32_forward_matches_numpy_reference(built):
@@ -183,3 +196,22 @@ def test_remat_wraps_each_block_in_a_checkpoint():
 
     assert n_checkpoints(False) == 0
     assert n_checkpoints(True) == LLAMA["n_layers"]
+
+
+def test_scanned_layers_equal_the_unrolled_model(llama_built):
+    """scan_layers=True stacks each block parameter on a leading "layers" axis; with the unrolled model's weights
+    stacked in, the f32 logits are bit-identical."""
+    cfg, _, f, state = llama_built
+    scanned = M.build_model({**cfg, "scan_layers": True}, {}, rngs=nnx.Rngs(1))
+    g_scan, s_scan = nnx.split(scanned)
+    unrolled = {p: v for p, v in nnx.to_flat_state(state)}
+    n = cfg["n_layers"]
+    for path, var in nnx.to_flat_state(s_scan):
+        if path[0] == "blocks":
+            assert M.partitioning.logical_axes_of(var)[0] == "layers" and var.shape[0] == n
+            var.set_value(jnp.stack([unrolled[("blocks", i, *path[1:])][...] for i in range(n)]))
+        else:
+            var.set_value(unrolled[path][...])
+    assert sum(x.size for x in jax.tree.leaves(s_scan)) == M.param_count(cfg)
+    out = np.asarray(jax.jit(lambda st, t: nnx.merge(g_scan, st)(t))(s_scan, TOKENS))
+    np.testing.assert_array_equal(out, np.asarray(f(state, TOKENS)))
