@@ -38,7 +38,7 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: Precis
 class Attention(nnx.Module):
     """x -> (q, k, v) projections (layer kind "qkv") -> [RoPE] -> causal GQA attention -> out projection ("out")."""
 
-    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
         D, H, K, Dh = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
         bias = spec.kind == "gpt2"
         std, out_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lpt.models import pqt_wiring
 from lpt.models.attention_block import Attention
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
 from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, init_state, matmul, view_weight
@@ -103,7 +104,8 @@ class Transformer(nnx.Module):
     """``model(tokens_BT, *, key=None) -> logits_BTV`` (float32).
 
     ``key`` is the per-step key (the trainer passes ``fold_in(seed_key, step)``); only GaussWS/DiffQ layers use it,
-    folding in their static layer id. ``key=None`` means evaluation: no weight noise.
+    folding in their layer path (and, with ``scan_layers``, the layer index). ``key=None`` means evaluation: no
+    weight noise.
     """
 
     def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, rngs: nnx.Rngs):
@@ -165,10 +167,10 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def aux_loss(self) -> jax.Array:
-        """The PQT bitwidth loss ``λ Σ_layers mean_blocks |b_t - b_target|`` (float32 0 without PQT)."""
-        from lpt.models.pqt_wiring import aux_loss
+        """The PQT bitwidth loss ``λ Σ_layers mean_tiles |b_t − b_target|`` (seed 004 Eq. 12; float32 0 without PQT).
 
-        return aux_loss(self)
+        Add it to the training loss."""
+        return pqt_wiring.aux_loss(self)
 
 
 def build_model(model_cfg, precision_cfg, *, rngs: nnx.Rngs) -> Transformer:
