@@ -5,8 +5,9 @@
 Baseline: the same ``lpt.models`` transformer built with the float32 recipe, ``optax.adamw`` (same
 hyperparameters), a ``jax.jit`` step with donated params/opt state, nothing else. lpt step: what ``python -m
 lpt.train`` runs for the given config (sharded state, f32 loss, clipping, update rule and diagnostics, finiteness
-check). Both see the same batches; each is timed over ``--steps`` steps after two warm-up steps, best of 3 rounds
-(min is the least noisy estimate on a shared machine). Prints tokens/s of both and the ratio lpt / baseline.
+check). Both see the same batches; each is timed over ``--steps`` steps after two warm-up steps, best of 5
+interleaved rounds (min is the least noisy estimate on a shared machine). Prints tokens/s of both and
+the ratio lpt / baseline.
 """
 
 from __future__ import annotations
@@ -79,17 +80,19 @@ def lpt_step_fn(cfg):
     return run
 
 
-def time_steps(run, batches, rounds: int = 3) -> float:
-    """Best-of-``rounds`` seconds per step (after two warm-up steps)."""
-    for b in batches[:2]:
-        jax.block_until_ready(run(b))
-    best = float("inf")
+def time_steps(runs: dict, batches, rounds: int = 5) -> dict:
+    """Best-of-``rounds`` seconds per step for each runner, rounds interleaved (after two warm-up steps each)."""
+    for run in runs.values():
+        for b in batches[:2]:
+            jax.block_until_ready(run(b))
+    best = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
-        t = time.perf_counter()
-        for b in batches[2:]:
-            out = run(b)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / (len(batches) - 2))
+        for name, run in runs.items():
+            t = time.perf_counter()
+            for b in batches[2:]:
+                out = run(b)
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (time.perf_counter() - t) / (len(batches) - 2))
     return best
 
 
@@ -104,11 +107,10 @@ def main(argv):
     )
     batches = [{k: jnp.asarray(np.asarray(v)) for k, v in next(it).items()} for _ in range(args.steps + 2)]
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    results = {}
-    for name, make in (("plain flax+optax f32", plain_step_fn), ("lpt", lpt_step_fn)):
-        sec = time_steps(make(cfg), batches)
-        results[name] = tokens / sec
-        print(f"{name:>22}: {sec * 1e3:8.1f} ms/step  {tokens / sec:10.0f} tokens/s", flush=True)
+    sec = time_steps({"plain flax+optax f32": plain_step_fn(cfg), "lpt": lpt_step_fn(cfg)}, batches)
+    results = {name: tokens / t for name, t in sec.items()}
+    for name, t in sec.items():
+        print(f"{name:>22}: {t * 1e3:8.1f} ms/step  {tokens / t:10.0f} tokens/s", flush=True)
     p = cfg.precision
     print(
         f"lpt / plain = {results['lpt'] / results['plain flax+optax f32']:.3f}  "
