@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -41,6 +41,32 @@ def split_document(doc: bytes, validation_fraction: float) -> tuple[bytes, bytes
     return doc[:cut], doc[cut:]
 
 
+CHUNK_BYTES = 1 << 26  # 64 MiB: files are copied into the cache in pieces of this size
+
+
+def _read_range(path: str, start: int, stop: int) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        pos = start
+        while pos < stop:
+            piece = fh.read(min(CHUNK_BYTES, stop - pos))
+            if not piece:
+                raise ValueError(f"{path!r} shrank while it was being read into the data cache")
+            pos += len(piece)
+            yield piece
+
+
+def document_parts(doc: bytes | str, validation_fraction: float) -> tuple[Iterable[bytes], Iterable[bytes]]:
+    """(train pieces, validation pieces) of one document, given as bytes or as a file path (read in pieces, so a
+    single huge file never sits in memory). Same cut as :func:`split_document`."""
+    if isinstance(doc, bytes | bytearray):
+        train, val = split_document(bytes(doc), validation_fraction)
+        return [train], [val]
+    size = os.path.getsize(doc)
+    cut = size - round(validation_fraction * size)
+    return _read_range(doc, 0, cut), _read_range(doc, cut, size)
+
+
 def _open(directory: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     with open(os.path.join(directory, "meta.json")) as fh:
         meta = json.load(fh)
@@ -54,14 +80,15 @@ def _open(directory: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 
 def build_or_open(
     key: str,
-    documents: Callable[[], Iterable[bytes]],
+    documents: Callable[[], Iterable[bytes | str]],
     validation_fraction: float,
     separator: int,
     cache_dir: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Memory-mapped ``{split: uint8 stream}`` and ``{split: int64[256] byte counts}`` for the fingerprint ``key``.
 
-    ``documents()`` yields the documents' bytes in order; it is only called when the cache does not exist yet.
+    ``documents()`` yields the documents in order, each as bytes or as the path of a file holding it; it is only
+    called when the cache does not exist yet.
     """
     root = cache_dir or default_cache_dir()
     final = os.path.join(root, key)
@@ -74,14 +101,18 @@ def build_or_open(
             sep = bytes([separator])
             with open(os.path.join(tmp, "train.u8"), "wb") as ft, open(os.path.join(tmp, "validation.u8"), "wb") as fv:
                 for doc in documents():
-                    for split, part, fh in zip(SPLITS, split_document(doc, validation_fraction), (ft, fv), strict=True):
-                        if not part:
-                            continue
-                        fh.write(part)
-                        fh.write(sep)
-                        counts[split] += np.bincount(np.frombuffer(part, np.uint8), minlength=256)
-                        counts[split][separator] += 1
-                        sizes[split] += len(part) + 1
+                    for split, pieces, fh in zip(
+                        SPLITS, document_parts(doc, validation_fraction), (ft, fv), strict=True
+                    ):
+                        n = 0
+                        for piece in pieces:
+                            fh.write(piece)
+                            counts[split] += np.bincount(np.frombuffer(piece, np.uint8), minlength=256)
+                            n += len(piece)
+                        if n:  # an empty part gets no separator either
+                            fh.write(sep)
+                            counts[split][separator] += 1
+                            sizes[split] += n + 1
             meta = {"version": CACHE_VERSION, "tokens": sizes, "counts": {s: counts[s].tolist() for s in SPLITS}}
             with open(os.path.join(tmp, "meta.json"), "w") as fh:
                 json.dump(meta, fh)

@@ -133,7 +133,10 @@ def _embedded_streams(validation_fraction: float):
 
 @functools.lru_cache(maxsize=8)
 def _file_streams(source: str, files: tuple[str, ...], key: str, validation_fraction: float, cache_dir: str | None):
-    docs = lambda: (doc for _, doc in _FILE_SOURCES[source](list(files)))
+    if source == "text":
+        docs = lambda: iter(files)  # paths: the cache copies each file in pieces
+    else:
+        docs = lambda: (doc for _, doc in _FILE_SOURCES[source](list(files)))
     return cache.build_or_open(key, docs, validation_fraction, SEPARATOR, cache_dir)
 
 
