@@ -126,8 +126,9 @@ def test_exact_resume_after_kill_and_sigterm(reference, tmp_path, cache_dir):
     assert p.returncode == -9, p.stderr[-2000:]  # hard crash after step 3; newest checkpoint is step 2
     p = run(tmp_path, cache_dir, env={"LPT_FAULT_SIGTERM_AT_STEP": "5"})
     assert "resumed from step 2" in p.stderr and "preempted: saved checkpoint at step 5" in p.stderr
-    p = run(tmp_path, cache_dir)
+    p = run(tmp_path, cache_dir, "--config.train.keep_checkpoints=2")
     assert "resumed from step 5" in p.stderr
+    assert sorted(int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()) == [5, 6]
     assert records(tmp_path) == records(reference)  # bitwise: every train loss and both validation losses
     ref, got = params_at(reference, 6), params_at(tmp_path, 6)
     assert ref.keys() == got.keys() and len(ref) > 5
