@@ -4,17 +4,20 @@ Command (the README's main job):
 
     python -m lpt.train --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
-Expected result (measured on 2 CPU cores, XLA:CPU, jax 0.10.2): see EXPECTED below; the run writes
+Expected result (measured on a 2-core machine, XLA:CPU, jax 0.10.2): validation loss 1.395 nats/token after 600
+steps (1.2M tokens; evaluations at steps 100..600: 2.27, 1.79, 1.60, 1.51, 1.42, 1.40) against the unigram baseline
+3.367 of the validation split. 3.3 CPU-minutes (user+sys); 6.7 min wall while sharing the 2 cores with 4+ other jobs
+(load average ~9), so a few minutes on an idle machine. Deterministic: a rerun gives the same 1.3955. The run writes
 runs/tiny_cpu/{checkpoints/, metrics.jsonl, tensorboard/, loss.png, summary.json}.
 
 Data: the English text CPython ships in ``pydoc_data.topics`` (no download), bytes as tokens (vocab 256).
-Recipe: float32 master weights, float32 compute (bf16 matmuls are emulated and slow on CPU; the bf16 recipes are
-the other configs/tiny_cpu_*.py files).
+Recipe: float32 params and compute: the reference that the low-precision recipes (the other configs/tiny_cpu_*.py
+files, which change only config.precision) are compared with.
 """
 
 import ml_collections
 
-EXPECTED = "validation loss ~? nats/token vs unigram baseline ~? (filled in after measurement)"
+EXPECTED = {"eval_loss": 1.3955, "unigram_loss": 3.3670, "steps": 600}
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -4,14 +4,14 @@ Command:
 
     python -m lpt.train --config configs/tiny_cpu_bf16_kahan.py --workdir runs/tiny_cpu_bf16_kahan
 
-Expected result: see EXPECTED (2 CPU cores): validation loss within 1% of tiny_cpu_fp32.py's, while storing 8 bytes per
-parameter (bf16 param, Adam moments and compensation) instead of 16. The compensation buffer carries the part of each
-update that bf16 rounding would lose; diagnostics update/cancelled_fraction etc. are logged.
+Expected result (2 CPU cores): validation loss 1.4038 with --config.optim.lr=1e-3, -0.03% vs the float32
+run's 1.4043 (bf16+nearest: 1.4372, +2.35%). At the default lr=3e-3 the update rule hardly matters (updates are
+many bf16 ulps): 1.4136 vs 1.3955, +1.3%, within the spread of the bf16 recipes (nearest +0.7%, SR -0.5%).
 """
 
 from tiny_cpu import get_config as tiny_cpu_config
 
-EXPECTED = "filled in after measurement"
+EXPECTED = {"eval_loss": 1.4136, "eval_loss_lr1e-3": 1.4038}
 
 
 def get_config():

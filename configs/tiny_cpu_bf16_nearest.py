@@ -4,13 +4,14 @@ Command:
 
     python -m lpt.train --config configs/tiny_cpu_bf16_nearest.py --workdir runs/tiny_cpu_bf16_nearest
 
-Expected result: see EXPECTED (2 CPU cores): measurably worse than tiny_cpu_fp32.py / tiny_cpu_bf16_kahan.py, because
-updates smaller than half a bf16 ulp of the weight are rounded away (update/cancelled_fraction shows how many).
+Expected result (2 CPU cores): with --config.optim.lr=1e-3 validation loss 1.4372, +2.35% vs float32 (1.4043)
+and Kahan (1.4038); at step 600 69% of the intended element updates are cancelled (update/cancelled_fraction).
+At the default lr=3e-3 updates are large enough that it barely matters: 1.4046 (+0.7%).
 """
 
 from tiny_cpu import get_config as tiny_cpu_config
 
-EXPECTED = "filled in after measurement"
+EXPECTED = {"eval_loss": 1.4046, "eval_loss_lr1e-3": 1.4372}
 
 
 def get_config():

@@ -4,12 +4,13 @@ Command:
 
     python -m lpt.train --config configs/tiny_cpu_fp32.py --workdir runs/tiny_cpu_fp32
 
-Expected result: see EXPECTED (2 CPU cores). Same model, data and schedule as tiny_cpu.py; float32 everywhere.
+Expected result (2 CPU cores): validation loss 1.3955 at step 600 (unigram baseline 3.367); with
+--config.optim.lr=1e-3: 1.4043. About 100 s on an idle 2-core machine.
 """
 
 from tiny_cpu import get_config as tiny_cpu_config
 
-EXPECTED = "filled in after measurement"
+EXPECTED = {"eval_loss": 1.3955, "eval_loss_lr1e-3": 1.4043}
 
 
 def get_config():
