@@ -30,6 +30,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5  # LayerNorm epsilon
     c.model.tie_embeddings = True  # GPT-2 ties input and output embeddings
     c.model.init_std = 0.02  # GPT-2 init
+    c.model.remat = False  # recompute block activations in the backward pass (turn on if activations do not fit)
+    c.model.scan_layers = True  # stack the blocks and nnx.scan over them (compile once per block, not 12 times)
 
     c.precision = ml_collections.ConfigDict()
     c.precision.param_dtype = "bfloat16"  # params stored in bf16

@@ -30,6 +30,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5  # RMSNorm epsilon
     c.model.tie_embeddings = False  # separate LM head
     c.model.init_std = 0.02  # normal init std
+    c.model.remat = True  # recompute block activations in the backward pass (2048-token sequences)
+    c.model.scan_layers = True  # stack the blocks and nnx.scan over them (params get a replicated 'layers' axis)
 
     c.precision = ml_collections.ConfigDict()
     c.precision.param_dtype = "bfloat16"  # params stored in bf16

@@ -36,6 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5  # epsilon of RMSNorm / LayerNorm
     c.model.tie_embeddings = False  # share the input embedding with the output projection
     c.model.init_std = 0.02  # std of the normal init of weight matrices
+    c.model.remat = False  # recompute block activations in the backward pass (less memory, ~1/3 more compute)
+    c.model.scan_layers = False  # nnx.scan over stacked blocks (one compiled block: faster compiles when deep)
 
     c.precision = ml_collections.ConfigDict()
     c.precision.param_dtype = "float32"  # dtype params are stored in (f32_master: the dtype layers view them in)

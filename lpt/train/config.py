@@ -34,6 +34,8 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "model.norm_eps": (float, None),
     "model.tie_embeddings": (bool, None),
     "model.init_std": (float, None),
+    "model.remat": (bool, None),
+    "model.scan_layers": (bool, None),
     "precision.param_dtype": (str, ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")),
     "precision.compute_dtype": (str, ("bfloat16", "float32")),
     "precision.update_rule": (str, ("f32_master", "nearest", "kahan", "stochastic", "norm_preserving")),
