@@ -6,8 +6,8 @@ Command (the README's main job):
 
 Expected result (measured on a 2-core machine, XLA:CPU, jax 0.10.2): validation loss 1.395 nats/token after 600
 steps (1.2M tokens; evaluations at steps 100..600: 2.27, 1.79, 1.60, 1.51, 1.42, 1.40) against the unigram baseline
-3.367 of the validation split. 3.3 CPU-minutes (user+sys); 6.7 min wall while sharing the 2 cores with 4+ other jobs
-(load average ~9), so a few minutes on an idle machine. Deterministic: a rerun gives the same 1.3955. The run writes
+3.367 of the validation split. This exact command: 138 s wall (3.2 CPU-minutes) with the 2 cores lightly shared
+(load ~3); 6.7 min wall when shared with 4+ busy jobs (load ~9). Deterministic: every rerun gives 1.3955. It writes
 runs/tiny_cpu/{checkpoints/, metrics.jsonl, tensorboard/, loss.png, summary.json}.
 
 Data: the English text CPython ships in ``pydoc_data.topics`` (no download), bytes as tokens (vocab 256).
