@@ -32,7 +32,7 @@ log = logging.getLogger("lpt.train")
 
 
 class NonFiniteLossError(RuntimeError):
-    """Raised when the training loss or gradient norm becomes NaN or inf."""
+    """Raised when the training loss, the gradient norm or a parameter becomes NaN or inf."""
 
 
 def train(cfg, workdir: str | Path) -> dict:
@@ -134,7 +134,7 @@ def train(cfg, workdir: str | Path) -> dict:
             drain()
             pending.append((s, step_metrics))
             fault.sigterm(s)
-            stop = preempt.requested()
+            stop = preempt.requested(s, sync_every=cfg.train.log_every)
             if s % cfg.train.eval_every == 0 or s == steps:
                 drain()
                 eval_loss = evaluate(s)
@@ -211,11 +211,14 @@ def _title(cfg) -> str:
 
 
 class _FaultInjection:
-    """Test hooks: LPT_FAULT_SIGTERM_AT_STEP=k sends SIGTERM to itself after step k; LPT_FAULT_KILL_AT_STEP=k
-    waits for the pending checkpoint and then SIGKILLs itself after step k (a hard crash)."""
+    """Test hooks: LPT_FAULT_SIGTERM_AT_STEP=k sends SIGTERM to itself after step k (only in process
+    LPT_FAULT_PROCESS if set); LPT_FAULT_KILL_AT_STEP=k waits for the pending checkpoint and then SIGKILLs itself
+    after step k (a hard crash)."""
 
     def __init__(self):
-        self.sigterm_at = int(os.environ.get("LPT_FAULT_SIGTERM_AT_STEP", "-1"))
+        only = os.environ.get("LPT_FAULT_PROCESS")
+        mine = only is None or int(only) == jax.process_index()
+        self.sigterm_at = int(os.environ.get("LPT_FAULT_SIGTERM_AT_STEP", "-1")) if mine else -1
         self.kill_at = int(os.environ.get("LPT_FAULT_KILL_AT_STEP", "-1"))
 
     def sigterm(self, s: int) -> None:

@@ -9,7 +9,8 @@
 * not at all otherwise (one process, all local devices).
 
 ``PreemptionFlag`` turns SIGTERM (what SLURM, Kubernetes and TPU maintenance send before killing a job) into a flag
-the loop polls; with several processes the flag is OR-ed across processes so that all of them save the same step.
+the loop polls; with several processes the flag is OR-ed across processes (every ``train.log_every`` steps) so that
+all of them save the same step.
 """
 
 from __future__ import annotations
@@ -61,9 +62,13 @@ class PreemptionFlag:
         log.warning("SIGTERM received: will save a checkpoint after the current step and exit")
         self._flag = True
 
-    def requested(self) -> bool:
+    def requested(self, step: int, sync_every: int = 1) -> bool:
+        """Whether to stop after ``step``. With several processes the flags are OR-ed (an all-gather, which waits for
+        the device queue) only every ``sync_every`` steps, so that all processes stop at the same step."""
         if jax.process_count() == 1:
             return self._flag
+        if step % sync_every:
+            return False
         from jax.experimental import multihost_utils
 
         flags = multihost_utils.process_allgather(np.asarray(self._flag, np.int32))

@@ -4,7 +4,8 @@
   + resume to 6, bitwise in the loss sequence, the validation loss and every parameter;
 * the same losses on a 4-device CPU mesh with fsdp=4, and with data=2 x tensor=2 restored from the 1-device run's
   step-4 checkpoint (restore onto a different mesh);
-* the same losses in a 2-process ``jax.distributed`` run on localhost.
+* the same losses in a 2-process ``jax.distributed`` run on localhost, preempted (SIGTERM to one process) and
+  resumed.
 
 The subprocesses share a persistent compilation cache so that runs of the same program compile once.
 """
@@ -168,23 +169,32 @@ def test_bad_batch_for_mesh_is_a_clear_error(tmp_path, cache_dir):
 
 
 def test_two_process_distributed_matches_single_process(reference, tmp_path, cache_dir):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = [
-        run(
-            tmp_path,
-            cache_dir,
-            f"--coordinator=localhost:{port}",
-            "--num_processes=2",
-            f"--process_id={i}",
-            background=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    def two_processes(env=None):
+        with socket.socket() as sock:
+            sock.bind(("localhost", 0))
+            port = sock.getsockname()[1]
+        procs = [
+            run(
+                tmp_path,
+                cache_dir,
+                f"--coordinator=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                background=True,
+                env=env,
+            )
+            for i in range(2)
+        ]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+        return outs
+
+    # SIGTERM reaches only process 1 after step 3: both processes must save step 3 and exit cleanly
+    outs = two_processes({"LPT_FAULT_SIGTERM_AT_STEP": "3", "LPT_FAULT_PROCESS": "1"})
     assert "explicit (localhost" in outs[1] and "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in outs[0]
+    assert all("preempted: saved checkpoint at step 3" in out for out in outs)
+    outs = two_processes()
+    assert all("resumed from step 3" in out for out in outs)
     ref_train, ref_eval = records(reference)
     train, evals = records(tmp_path)
     np.testing.assert_allclose([train[s] for s in range(1, 7)], [ref_train[s] for s in range(1, 7)], rtol=2e-5)
