@@ -6,7 +6,8 @@
 #
 #   launch/local_multiprocess.sh 2 configs/tiny_cpu.py runs/tiny_2proc [--config.key=value ...]
 #
-# Process 0's output goes to the terminal; the others' to <workdir>/process_<i>.log.
+# Process 0's output goes to the terminal; the others' to <workdir>/process_<i>.log. PYTHON=.venv/bin/python selects
+# the interpreter (default: python on PATH).
 set -euo pipefail
 NUM_PROCESSES=${1:?number of processes}
 CONFIG=${2:?config file}

@@ -6,12 +6,15 @@
 chosen rounding makes to the low-precision params. This module is the one place where that switch lives.
 
 Learning rate: linear warmup from 0 to ``optim.lr`` over ``optim.warmup_steps``, then constant or cosine decay to
-``0.1 * lr`` at ``train.steps``. Weight decay (decoupled, AdamW) applies only to matrices (ndim >= 2).
+``0.1 * lr`` at ``train.steps``. Weight decay (decoupled, AdamW) applies only to matrices (ndim >= 2). Adam's moments
+take the param dtype (bf16 params: bf16 moments), except for float8 params, where clipping and AdamW run on a float32
+view (``f32_view``) and only the update rule touches the fp8 values.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import lpt.optim
@@ -39,6 +42,23 @@ def update_rule_transform(update_rule: str, seed: int) -> optax.GradientTransfor
     return lpt.optim.update_rule(update_rule, seed=seed, diagnostics=True)
 
 
+def f32_view(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run ``inner`` on float32 copies of the gradients and params (its state, e.g. Adam moments, is float32).
+
+    Used for float8 params: Adam's moments in e4m3/e5m2 would underflow (eps = 1e-8 rounds to 0, 0/0 = NaN) and JAX
+    refuses implicit fp8 promotion. The returned updates are float32; the update rule after it rounds them into fp8.
+    """
+    to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # fp8 -> f32 (exact)
+
+    def init(params):
+        return inner.init(to_f32(params))
+
+    def update(grads, state, params=None):
+        return inner.update(to_f32(grads), state, None if params is None else to_f32(params))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg) -> optax.GradientTransformation:
     """``optax.chain(clip_by_global_norm, adamw(schedule), update rule)`` from ``cfg.optim`` and ``cfg.precision``."""
     o = cfg.optim
@@ -49,6 +69,8 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
         parts.append(optax.clip_by_global_norm(o.grad_clip))
     parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
     last = update_rule_transform(cfg.precision.update_rule, cfg.train.seed)
+    if cfg.precision.param_dtype.startswith("float8") and last is not None:
+        parts = [f32_view(optax.chain(*parts))]  # fp8 params: moments and update in f32, rounded by ``last``
     if last is not None:
         parts.append(last)
     return optax.chain(*parts)
