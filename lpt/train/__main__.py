@@ -104,6 +104,12 @@ def train(cfg, workdir: str | Path) -> dict:
     postfix: dict[str, str] = {}
     bar = tqdm(total=steps, initial=start, disable=not is_main, desc="train", dynamic_ncols=True, mininterval=1.0)
 
+    def last_good() -> str:
+        latest = ckpt.manager.latest_step()
+        if latest is None:
+            return "No checkpoint had been written yet."
+        return f"The last good checkpoint is step {latest} in {ckpt.directory} (kept intact)."
+
     def drain() -> None:
         nonlocal last_log_time, last_log_step
         while pending:
@@ -112,8 +118,7 @@ def train(cfg, workdir: str | Path) -> dict:
             if not (np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"]) and host["params_finite"] == 1.0):
                 raise NonFiniteLossError(
                     f"non-finite training state at step {s} (loss={host['loss']}, grad_norm={host['grad_norm']}, "
-                    f"all params finite: {host['params_finite'] == 1.0}): stopping. The last good "
-                    f"checkpoint is step {ckpt.manager.latest_step()} in {ckpt.directory} (kept intact). Try a lower "
+                    f"all params finite: {host['params_finite'] == 1.0}): stopping. {last_good()} Try a lower "
                     f"optim.lr, a larger optim.warmup_steps or another precision recipe."
                 )
             bar.update(s - bar.n)

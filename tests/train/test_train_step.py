@@ -59,3 +59,22 @@ def test_microbatched_step_matches_full_batch():
     assert full_losses[2][0] < full_losses[0][0]  # the steps do update the model
     for a, b in zip(full_params, micro_params, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_float8_params_get_float32_adam_moments():
+    import jax.numpy as jnp
+
+    cfg = config_lib.apply_overrides(
+        config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"),
+        {"precision.param_dtype": "float8_e4m3fn", "precision.update_rule": "stochastic", "optim.warmup_steps": "0"},
+    )
+    tx = optimizer.make_optimizer(cfg)
+    params = {"w": jnp.full((64, 8), 0.5, jnp.float8_e4m3fn)}
+    grads = {"w": jnp.zeros((64, 8), jnp.float8_e4m3fn).at[:32].set(0.25)}  # zero rows: what fp8 grads underflow to
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    # Adam with e4m3 moments: eps = 1e-8 rounds to 0, so zero-gradient rows give 0/0 = NaN. On the f32 view every
+    # update is finite, and rows with gradient move down on average (-lr per step, rounded stochastically)
+    u = np.asarray(updates["w"], np.float32)
+    assert np.isfinite(u).all()
+    assert u[:32].mean() < 0
