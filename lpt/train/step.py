@@ -44,6 +44,16 @@ def _model_diagnostics(model) -> dict:
     return {f"model/{k}": jnp.asarray(v, jnp.float32) for k, v in lpt.models.diagnostics(model).items()}
 
 
+def grad_view(params):
+    """What the loss is differentiated against: float8 leaves as float32 views, the rest as stored.
+
+    JAX gives a cotangent the primal's dtype, so gradients w.r.t. float8 params would be float8 and most of them
+    underflow to 0 (a tiny model's grad norm was exactly 0.0). The f32 view holds the same values (exact), so the
+    forward pass is unchanged and the gradient keeps its precision; the update rule rounds into float8 at the end.
+    """
+    return jax.tree.map(lambda p: p.astype(jnp.float32) if p.dtype.itemsize == 1 else p, params)  # fp8 -> f32
+
+
 def make_train_step(
     cfg, model_def: ModelDef, tx: optax.GradientTransformation, schedule, mesh: Mesh, shardings: TrainState
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
@@ -65,7 +75,9 @@ def make_train_step(
         with partitioning.axis_rules(mesh, mesh_lib.RULES):
             key = jax.random.fold_in(seed_key, state.step)
             if m == 1:
-                (_, (ce, aux)), grads = grad_fn(state.params, state.rest, batch["inputs"], batch["targets"], key)
+                (_, (ce, aux)), grads = grad_fn(
+                    grad_view(state.params), state.rest, batch["inputs"], batch["targets"], key
+                )
             else:
                 split = lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:])
                 micro = (split(batch["inputs"]), split(batch["targets"]), jnp.arange(m))
@@ -73,7 +85,7 @@ def make_train_step(
                 def body(acc, xs):
                     inputs, targets, i = xs
                     (_, (ce_i, aux_i)), g = grad_fn(
-                        state.params, state.rest, inputs, targets, jax.random.fold_in(key, i)
+                        grad_view(state.params), state.rest, inputs, targets, jax.random.fold_in(key, i)
                     )
                     g_f32 = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[0], g)  # grad dtype -> f32
                     return (g_f32, acc[1] + ce_i, acc[2] + aux_i), None
@@ -81,7 +93,8 @@ def make_train_step(
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
                 z = jnp.zeros((), jnp.float32)
                 (g_sum, ce_sum, aux_sum), _ = jax.lax.scan(body, (zeros, z, z), micro)
-                grads = jax.tree.map(lambda g, p: (g / m).astype(p.dtype), g_sum, state.params)  # f32 -> param
+                view = grad_view(state.params)
+                grads = jax.tree.map(lambda g, p: (g / m).astype(p.dtype), g_sum, view)  # f32 -> grad dtype
                 ce, aux = ce_sum / m, aux_sum / m
             grad_norm = optax.global_norm(grads).astype(jnp.float32)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -27,10 +27,10 @@ SMALL = {
 }
 
 
-def _run(microbatches: int, batches):
+def _run(microbatches: int, batches, **overrides):
     cfg = config_lib.apply_overrides(
         config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"),
-        {**SMALL, "optim.microbatches": str(microbatches)},
+        {**SMALL, "optim.microbatches": str(microbatches), **overrides},
     )
     mesh = mesh_lib.make_mesh(cfg.train.mesh)
     tx = optimizer.make_optimizer(cfg)
@@ -78,3 +78,16 @@ def test_float8_params_get_float32_adam_moments():
     u = np.asarray(updates["w"], np.float32)
     assert np.isfinite(u).all()
     assert u[:32].mean() < 0
+
+
+def test_float8_stored_params_get_float32_gradients():
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 256, size=(8, 17), dtype=np.int32)
+    batches = [{"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}] * 3
+    fp8 = {"precision.param_dtype": "float8_e4m3fn", "precision.update_rule": "stochastic"}
+    losses, params = _run(2, batches, **fp8)
+    assert all(p.dtype == jax.numpy.float8_e4m3fn for p in params if p.ndim >= 2)  # still stored in fp8
+    # differentiated through float32 views; float8 cotangents underflow and lose most of the gradient
+    # (measured first-step grad norm: 0.717 through f32 views, 0.109 with fp8 cotangents)
+    assert losses[0][1] > 0.4, losses
+    assert losses[-1][0] < losses[0][0], losses
