@@ -7,30 +7,18 @@ one 64 × 64 attention matrix); t = mean(draw means) / (sd / √draws). Numbers 
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lpt.attention import AttentionPolicy, default_policy, residual_output, standard_policy
+from lpt.lab.attention import D, T, repeated_max_draws
 
-N, T, D = 256, 64, 16
+N = 256
 
 
 def _draws(seed=0, n=N):
-    rng = np.random.default_rng(seed)
-    q = rng.normal(size=(n, T, 1, D))
-    k = rng.normal(size=(n, T, 1, D))
-    v = rng.normal(-1.0, 0.5, size=(n, T, 1, D))
-    q[..., 0], k[..., 0] = 2.0, -14.0
-    for i in range(n):
-        pos = rng.choice(T, size=rng.integers(2, 5), replace=False)
-        k[i, pos] = k[i, pos[0]]
-        k[i, pos, :, 0] = 16.0  # sink logit ≈ 8 ± 1, the rest ≈ −7: (β − 1)·8 stays below the 64 underflow cap
-    qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    q64, k64, v64 = (np.asarray(x.astype(jnp.float32), np.float64) for x in (qb, kb, vb))
-    s = np.einsum("bqhd,bkhd->bhqk", q64, k64) / np.sqrt(D)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return qb, kb, vb, np.einsum("bhqk,bkhd->bqhd", p, v64)
+    """The lab's repeated-maximum draws (lpt.lab.attention): bf16 q, k, v and the f64 truth."""
+    (q, k, v), o64 = repeated_max_draws(n, seed)
+    return q, k, v, o64
 
 
 _DATA = {}
