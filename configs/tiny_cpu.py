@@ -86,6 +86,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 100  # validation every N steps (and at the end)
     c.train.eval_batches = 4  # validation batches per evaluation
     c.train.log_every = 10  # JSONL/TensorBoard logging interval
+    c.train.diagnostics_every = 50  # forward pass logging FP8 underflow / attention repeated max; 0 = off
     c.train.checkpoint_every = 200  # checkpoint interval (and at the end, and on SIGTERM)
     c.train.keep_checkpoints = 3  # newest checkpoints to keep
     c.train.mesh = ml_collections.ConfigDict()

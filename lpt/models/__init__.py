@@ -11,6 +11,11 @@ Public API
     Jittable (call on a merged model inside the step). With PQT: ``pqt/all/bt_mean``, ``pqt/all/frac_le{5,9,12}``,
     ``pqt/bt_min``, ``pqt/bt_max``, ``pqt/bt_mean/<kind>`` (kind in qkv/out/up/down). With fp8 ``param_dtype``:
     ``params/fp8_saturated_frac``, ``params/fp8_zero_frac``. Empty dict otherwise.
+``activation_diagnostics(model, tokens_BT, *, key=None) -> dict[str, f32 scalar]``
+    Jittable forward pass with the layers' probes on (:mod:`lpt.models.probes`): ``attn/repeated_max_frac``,
+    ``attn/repeated_max_frac_max`` and, per layer kind with an "fp8" matmul, ``fp8/<kind>/x_underflow_frac``,
+    ``x_subnormal_frac``, ``w_underflow_frac``, ``w_subnormal_frac``, ``x_scale_range_log2``, ``snr_db``. The
+    trainer runs it every ``train.diagnostics_every`` steps; without it the layers add no operation.
 ``flops_per_token(model_cfg, seq_len) -> float``, ``param_count(model_cfg)``, ``matmul_params(model_cfg)``
 ``partitioning``: ``axis_rules(mesh, rules)``, ``constrain(x, axes)``, ``logical_to_mesh(axes, rules)``,
     ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``DEFAULT_RULES``.
@@ -21,9 +26,9 @@ Optional ``config.model`` switches beyond the trainer contract: ``remat`` (``nnx
 See docs/models_and_data.md for the precision recipe.
 """
 
-from lpt.models import partitioning
+from lpt.models import partitioning, probes
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
-from lpt.models.diagnostics import diagnostics
+from lpt.models.diagnostics import activation_diagnostics, diagnostics
 from lpt.models.flops import flops_per_token, matmul_params, param_count
 from lpt.models.transformer import Transformer, build_model
 
@@ -31,6 +36,7 @@ __all__ = [
     "ModelSpec",
     "PrecisionSpec",
     "Transformer",
+    "activation_diagnostics",
     "build_model",
     "diagnostics",
     "flops_per_token",
@@ -39,4 +45,5 @@ __all__ = [
     "param_count",
     "partitioning",
     "precision_spec",
+    "probes",
 ]

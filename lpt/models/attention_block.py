@@ -12,6 +12,7 @@ import math
 import jax
 from flax import nnx
 
+from lpt.models import probes
 from lpt.models.config import ModelSpec, PrecisionSpec
 from lpt.models.layers import Linear, rope
 from lpt.models.partitioning import constrain
@@ -70,6 +71,8 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        if probes.active():  # diagnostics pass only: repeated-max rate of the logits q kᵀ (trace-time switch)
+            probes.record_attention(q, k)
         o_BTHD = attend(q, k, v, self.prec)
         o_BTHD = constrain(o_BTHD, ("batch", "length", "heads", "head_dim"))
         return self.o(o_BTHD.reshape(B, T, H * Dh), key=key)

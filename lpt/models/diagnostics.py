@@ -9,6 +9,13 @@
   (underflowed or dead).
 
 Empty dict for a plain f32/bf16 model.
+
+``activation_diagnostics(model, tokens_BT, *, key=None)`` runs one forward pass with the layers' probes on
+(:mod:`lpt.models.probes`) and returns the activation statistics: ``attn/repeated_max_frac``,
+``attn/repeated_max_frac_max`` always, and for every layer kind whose matmul is "fp8"
+``fp8/<kind>/{x,w}_{underflow,subnormal}_frac``, ``fp8/<kind>/x_scale_range_log2`` and ``fp8/<kind>/snr_db``.
+Jittable; costs about one forward pass plus, per attention layer, the logits of a few sequences and, per FP8 matmul,
+one extra quantization and a reference GEMM: call it on logging steps only.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lpt import numerics
+from lpt.models import probes
 from lpt.models.layers import Linear, view_weight
 from lpt.models.pqt_wiring import pqt_diagnostics
 
@@ -43,3 +51,11 @@ def diagnostics(model) -> dict[str, jax.Array]:
     if model.prec.param_dtype.startswith("float8"):
         out.update(_fp8_weight_stats(model))
     return out
+
+
+def activation_diagnostics(model, tokens_BT: jax.Array, *, key: jax.Array | None = None) -> dict[str, jax.Array]:
+    """See the module docstring. ``key`` is the step key the training forward used (PQT noise); the logits are
+    discarded, so XLA keeps only what the statistics need."""
+    with probes.collecting() as c:
+        model(tokens_BT, key=key)
+    return c.summary()

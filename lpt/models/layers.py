@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lpt import numerics
-from lpt.models import pqt_wiring
+from lpt.models import pqt_wiring, probes
 from lpt.models.config import PrecisionSpec
 
 
@@ -113,12 +113,15 @@ def view_weight(w: jax.Array, prec: PrecisionSpec, dtype=None) -> jax.Array:
     return round_ste(w, dtype)  # f32/f16 -> bf16 by RNE
 
 
-def matmul(x: jax.Array, w: jax.Array, kind: str, out_dtype) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, kind: str, out_dtype, *, name: str = "matmul") -> jax.Array:
     """``x[..., K] @ w[K, N]`` with the layer kind's matmul, accumulated in float32, returned in ``out_dtype``.
 
     "bf16": compute-dtype operands (bf16, or f32 when compute_dtype is float32), ``preferred_element_type=f32``.
     "fp8": :func:`lpt.fp8.blockwise_dot` (e4m3 operands with 1×128 / 128×128 scales, f32 promotion every 128 of K,
     e5m2 output gradients); K and N must be multiples of 128.
+
+    ``name`` (the layer kind, e.g. "qkv") labels the FP8 statistics recorded in a diagnostics pass
+    (:mod:`lpt.models.probes`); outside one nothing is recorded and no operation is added.
     """
     if kind == "bf16":
         y_f32 = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
@@ -129,6 +132,8 @@ def matmul(x: jax.Array, w: jax.Array, kind: str, out_dtype) -> jax.Array:
         # blockwise_dot returns x's dtype: hand it f32 (exact widening; it quantizes to e4m3 anyway) to get the
         # f32 accumulator back, then round once to out_dtype like the bf16 path.
         y_f32 = blockwise_dot(x.astype(jnp.float32), w)  # compute -> f32 (exact)
+        if probes.active():  # diagnostics pass only (trace-time switch)
+            probes.record_fp8(name, x, w, y_f32)
         return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
     raise ValueError(f"matmul kind {kind!r} is not supported; allowed: ['bf16', 'fp8']")
 
@@ -167,7 +172,7 @@ class Linear(nnx.Module):
             w = pqt_wiring.sample(w_view, self.bitwidth, key, method=self.pqt_method, path=self.path, prec=self.prec)
         else:
             w = view_weight(self.kernel[...], self.prec)
-        y = matmul(x, w, self.prec.matmul_for(self.layer_kind), out_dtype)
+        y = matmul(x, w, self.prec.matmul_for(self.layer_kind), out_dtype, name=self.layer_kind)
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)
         return y

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lpt.models import pqt_wiring
+from lpt.models import pqt_wiring, probes
 from lpt.models.attention_block import Attention
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
 from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, init_state, matmul, view_weight
@@ -88,7 +88,27 @@ def _stacked_blocks(spec: ModelSpec, prec: PrecisionSpec, rngs: nnx.Rngs) -> Blo
 
 
 def _scan_blocks(blocks: Block, x_BTD: jax.Array, key: jax.Array | None, spec: ModelSpec) -> jax.Array:
-    """``x ← block_i(x)`` for i < n_layers with ``nnx.scan``; layer i's PQT key is ``fold_in(key, i)``."""
+    """``x ← block_i(x)`` for i < n_layers with ``nnx.scan``; layer i's PQT key is ``fold_in(key, i)``.
+
+    In a diagnostics pass (:func:`lpt.models.probes.active`) each layer collects its statistics into its own
+    collector, returned as a scan output and reduced over the layers into the caller's; no remat (no backward)."""
+    layer_ids = jnp.arange(spec.n_layers, dtype=jnp.int32)
+    if probes.active():
+        hows: dict[str, str] = {}
+
+        def probed_body(x, block, i):
+            with probes.collecting() as c:
+                x = block(x, key=None if key is None else jax.random.fold_in(key, i))
+            layer_hows, raw = c.raw()
+            hows.update(layer_hows)  # static: the same names and rules for every layer
+            return x, raw
+
+        scan = nnx.scan(
+            probed_body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata=_layers_metadata(spec)
+        )
+        x_BTD, stacked = scan(x_BTD, blocks, layer_ids)
+        probes.current().add_stacked(hows, stacked)
+        return x_BTD
 
     def body(x, block, i):
         k = None if key is None else jax.random.fold_in(key, i)
@@ -97,7 +117,7 @@ def _scan_blocks(blocks: Block, x_BTD: jax.Array, key: jax.Array | None, spec: M
     if spec.remat:  # recompute each layer's activations in the backward pass
         body = nnx.remat(body)
     scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata=_layers_metadata(spec))
-    return scan(x_BTD, blocks, jnp.arange(spec.n_layers, dtype=jnp.int32))
+    return scan(x_BTD, blocks, layer_ids)
 
 
 class Transformer(nnx.Module):
@@ -154,14 +174,14 @@ class Transformer(nnx.Module):
             x_BTD = _scan_blocks(self.blocks, x_BTD, key, self.spec)
         else:
             for block in self.blocks:
-                if self.spec.remat:  # recompute the block's activations in the backward pass instead of storing them
+                if self.spec.remat and not probes.active():  # recompute the block's activations in the backward pass
                     x_BTD = nnx.remat(lambda blk, x, k: blk(x, key=k))(block, x_BTD, key)
                 else:
                     x_BTD = block(x_BTD, key=key)
         h_BTD = self.final_norm(x_BTD)
         if self.lm_head is None:
             w_DV = view_weight(self.embed.embedding[...], self.prec).T
-            logits = matmul(h_BTD, w_DV, self.prec.matmul_for("lm_head"), jnp.float32)
+            logits = matmul(h_BTD, w_DV, self.prec.matmul_for("lm_head"), jnp.float32, name="lm_head")
         else:
             logits = self.lm_head(h_BTD, key=key, out_dtype=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))

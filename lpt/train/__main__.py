@@ -84,6 +84,8 @@ def train(cfg, workdir: str | Path) -> dict:
     # 5. Jitted steps (state donated) and throughput bookkeeping.
     train_step = step_lib.make_train_step(cfg, model_def, tx, schedule, mesh, shardings)
     eval_step = step_lib.make_eval_step(cfg, model_def, mesh, shardings)
+    diag_every = config_lib.get(cfg, "train.diagnostics_every")  # 0 = no activation diagnostics pass
+    diag_step = step_lib.make_diagnostics_step(cfg, model_def, mesh, shardings) if diag_every else None
     flops_per_token = _flops_per_token(cfg)
     peak = metrics.device_peak_flops()
     writer = metrics.MetricsWriter(workdir, enabled=is_main, drop_after=start)  # forget steps a crash re-runs
@@ -99,7 +101,9 @@ def train(cfg, workdir: str | Path) -> dict:
 
     # 6. The loop. Step s's metrics are fetched after step s+1 is dispatched (keeps the device busy); every
     #    checkpoint is preceded by a finiteness check of all steps so far, so a NaN never reaches a checkpoint.
-    pending: list[tuple[int, dict]] = []
+    #    Every diagnostics_every steps a forward pass on the step's batch and params adds the activation statistics
+    #    (model/fp8/..., model/attn/...) to that step's metrics, which are then logged.
+    pending: list[tuple[int, dict, bool]] = []
     last_log_time, last_log_step, eval_loss = time.time(), start, None
     postfix: dict[str, str] = {}
     bar = tqdm(total=steps, initial=start, disable=not is_main, desc="train", dynamic_ncols=True, mininterval=1.0)
@@ -113,7 +117,7 @@ def train(cfg, workdir: str | Path) -> dict:
     def drain() -> None:
         nonlocal last_log_time, last_log_step
         while pending:
-            s, m = pending.pop(0)
+            s, m, has_diag = pending.pop(0)
             host = {k: float(v) for k, v in m.items()}
             if not (np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"]) and host["params_finite"] == 1.0):
                 raise NonFiniteLossError(
@@ -122,7 +126,7 @@ def train(cfg, workdir: str | Path) -> dict:
                     f"optim.lr, a larger optim.warmup_steps or another precision recipe."
                 )
             bar.update(s - bar.n)
-            if s % cfg.train.log_every == 0 or s == steps:
+            if s % cfg.train.log_every == 0 or s == steps or has_diag:
                 now = time.time()
                 tok_s = (s - last_log_step) * global_batch * seq_len / max(now - last_log_time, 1e-9)
                 host["tokens_per_sec"] = tok_s
@@ -135,9 +139,13 @@ def train(cfg, workdir: str | Path) -> dict:
 
     try:
         for s in range(start + 1, steps + 1):
-            state, step_metrics = train_step(state, to_global(next(data_iter)))
+            batch = to_global(next(data_iter))
+            diag = None
+            if diag_every and s % diag_every == 0:  # before the step: same params, batch and key as its forward
+                diag = diag_step(state.params, state.rest, batch, state.step)
+            state, step_metrics = train_step(state, batch)
             drain()
-            pending.append((s, step_metrics))
+            pending.append((s, {**step_metrics, **diag} if diag else step_metrics, diag is not None))
             fault.sigterm(s)
             stop = preempt.requested(s, sync_every=cfg.train.log_every)
             if s % cfg.train.eval_every == 0 or s == steps:

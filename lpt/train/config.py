@@ -5,6 +5,7 @@ puts the file's directory on ``sys.path`` while it runs, so a recipe config can 
 (``from tiny_cpu import get_config as base``). The loaded config is checked against ``SCHEMA`` (every key, its type,
 its allowed values): a missing key, an unknown key or a value outside the allowed set raises ``ValueError`` naming
 the key and listing what is valid. ``--config.a.b=value`` overrides are parsed with the type recorded in the schema.
+Keys added after the configs were written (``DEFAULTS``) may be omitted; read them with :func:`get`.
 """
 
 from __future__ import annotations
@@ -69,12 +70,28 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "train.eval_every": (int, None),
     "train.eval_batches": (int, None),
     "train.log_every": (int, None),
+    "train.diagnostics_every": (int, None),  # activation diagnostics pass every N steps (0 = off); may be omitted
     "train.checkpoint_every": (int, None),
     "train.keep_checkpoints": (int, None),
     "train.mesh.data": (int, None),
     "train.mesh.fsdp": (int, None),
     "train.mesh.tensor": (int, None),
 }
+
+# keys added after configs were written: a config may omit them and gets this value (older configs keep working)
+DEFAULTS: dict[str, Any] = {"train.diagnostics_every": 0}
+
+
+def get(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    """``cfg[key]`` for a dotted ``key`` of the schema, or its ``DEFAULTS`` value if the config omits it."""
+    node = cfg
+    for part in key.split("."):
+        if part not in node:
+            if key in DEFAULTS:
+                return DEFAULTS[key]
+            raise KeyError(f"config has no key {key!r}")
+        node = node[part]
+    return node
 
 
 def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
@@ -117,11 +134,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     unknown = sorted(set(flat) - set(SCHEMA))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; {_close_matches(unknown[0])}")
-    missing = sorted(set(SCHEMA) - set(flat))
+    missing = sorted(set(SCHEMA) - set(flat) - set(DEFAULTS))
     if missing:
         raise ValueError(f"config is missing key(s) {missing}; every config must set all keys of lpt.train.SCHEMA")
     for key, value in flat.items():
         _check_value(key, value)
+    diag_every = get(cfg, "train.diagnostics_every")
+    if diag_every < 0:
+        raise ValueError(f"config key train.diagnostics_every={diag_every} must be >= 0 (0 = off)")
     mesh = cfg.train.mesh
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
     if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):

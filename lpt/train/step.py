@@ -9,6 +9,12 @@ With ``optim.microbatches = m > 1`` the batch is split into m equal slices along
 summed in float32 over a ``lax.scan`` and divided by m (cast back to the param dtype before the optimizer).
 
 Both steps are ``jax.jit``-ed with explicit in/out shardings; the train step donates the incoming state.
+
+The diagnostics step (``make_diagnostics_step``) is a separate jitted forward pass with the model's probes on
+(``lpt.models.activation_diagnostics``: FP8 underflow/subnormal fractions, scale range and GEMM SNR per layer kind,
+attention repeated-max rate); the trainer calls it every ``train.diagnostics_every`` steps on the batch and the
+params of the train step it precedes, with that step's key. The train step itself never records them (its jaxpr
+is the same whether diagnostics are on or off).
 """
 
 from __future__ import annotations
@@ -134,4 +140,27 @@ def make_eval_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
         step,
         in_shardings=(shardings.params, shardings.rest, mesh_lib.batch_sharding(mesh)),
         out_shardings=mesh_lib.replicated(mesh),
+    )
+
+
+def make_diagnostics_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
+    """``diag_step(params, rest, batch, step) -> {"model/<name>": f32 scalar}`` from
+    ``lpt.models.activation_diagnostics`` on ``batch["inputs"]`` with the key ``fold_in(PRNGKey(seed), step)``
+    (the train step's key for step ``step``; with microbatches the train step folds in the microbatch index too)."""
+    import lpt.models
+
+    seed_key = jax.random.PRNGKey(cfg.train.seed)
+
+    def step(params, rest, batch, step):
+        with partitioning.axis_rules(mesh, mesh_lib.RULES):
+            model = model_def.merge(params, rest)
+            key = jax.random.fold_in(seed_key, step)
+            stats = lpt.models.activation_diagnostics(model, batch["inputs"], key=key)
+            return {f"model/{k}": v for k, v in stats.items()}
+
+    repl = mesh_lib.replicated(mesh)
+    return jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.rest, mesh_lib.batch_sharding(mesh), repl),
+        out_shardings=repl,
     )

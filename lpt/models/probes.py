@@ -1,0 +1,159 @@
+"""Activation statistics recorded during a forward pass: the diagnostics pass (off unless inside ``collecting()``).
+
+Mechanism: a trace-time collector. Inside ``with collecting() as c: model(tokens)`` the layers add statistics to
+``c`` (jnp scalars); outside it :func:`active` is False and the layers add no operation at all, so the training
+step's jaxpr is exactly what it was without diagnostics (tested). Every statistic is an entry ``(how, a, b)`` that
+combines over the layers (and over several matmuls of one kind, e.g. q, k, v) as
+
+* ``RATIO``: ``a`` and ``b`` are summed; reported ``a / b`` (a count over a count, or a per-layer fraction over 1);
+* ``DB``: ``a`` (signal energy) and ``b`` (noise energy) are summed; reported ``10 log10(a / b)``;
+* ``MAX``: ``a`` is maxed; reported ``a``.
+
+Inside ``nnx.scan`` (``config.model.scan_layers``) each layer collects into its own collector whose raw entries are
+scan outputs; :meth:`Collector.add_stacked` reduces them over the layer axis (no tracer leaves the scan).
+
+What the layers record (names without the trainer's ``model/`` prefix):
+
+* every "fp8" matmul of layer kind ``<kind>`` (:func:`record_fp8`), quantized exactly as ``lpt.fp8.blockwise_dot``
+  does (e4m3, 1×128 tiles of x along K, 128×128 blocks of w, f32 amax scales):
+  ``fp8/<kind>/x_underflow_frac`` (nonzero entries flushed to 0 / all entries), ``fp8/<kind>/x_subnormal_frac``
+  (nonzero entries whose scaled value ``|x / s|`` lands below e4m3's smallest normal 2⁻⁶, flushed ones included:
+  they keep fewer than 3 mantissa bits), ``fp8/<kind>/w_underflow_frac``, ``fp8/<kind>/w_subnormal_frac`` (same for
+  the weight), ``fp8/<kind>/x_scale_range_log2`` (max over the layers of ``log2(max tile scale / min nonzero tile
+  scale)``: the dynamic range that per-tile scaling absorbs and one per-tensor scale would not) and
+  ``fp8/<kind>/snr_db`` (``10 log10(Σ y_ref² / Σ (y_fp8 − y_ref)²)`` with ``y_ref`` the same GEMM on the
+  compute-dtype operands with f32 accumulation, i.e. what the "bf16" matmul computes).
+  Saturation is not reported: with amax scaling the largest entry of every tile maps to ±448 exactly, so clipping
+  cannot happen (only f32 round-off of ``amax / (amax / 448)``, which rounds back to 448).
+* every attention layer (:func:`record_attention`): ``attn/repeated_max_frac`` (mean over layers) and
+  ``attn/repeated_max_frac_max`` (max over layers) of :func:`lpt.attention.repeated_max_fraction` — the fraction of
+  causal query rows whose scaled logits hold ≥ 2 entries within 2⁻⁹ of the row max, where a bf16 ``exp(s − m)``
+  gives several exact 1s (seed 001's trigger). The logits matrix is materialised here (the flash path never does),
+  for the first ``n`` sequences of the batch with ``n · H · T² ≤ ATTENTION_LOGITS_BUDGET`` (at least one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from lpt import numerics
+
+RATIO, DB, MAX = "ratio", "db", "max"
+ATTENTION_LOGITS_BUDGET = 2**26  # f32 logits materialised per attention layer by the repeated-max probe (256 MiB)
+
+_local = threading.local()
+
+
+class Collector:
+    """Named statistics ``name -> (how, a, b)``; entries with the same name combine by ``how`` (module docstring)."""
+
+    def __init__(self):
+        self.entries: dict[str, tuple[str, jax.Array, jax.Array]] = {}
+
+    def add(self, name: str, how: str, a, b=1.0) -> None:
+        if how not in (RATIO, DB, MAX):
+            raise ValueError(f"statistic {name!r}: how={how!r} is not one of {(RATIO, DB, MAX)}")
+        a = jnp.asarray(a).astype(jnp.float32)  # count / fraction / energy -> f32
+        b = jnp.asarray(b).astype(jnp.float32)  # -> f32
+        if name in self.entries:
+            how0, a0, b0 = self.entries[name]
+            if how0 != how:
+                raise ValueError(f"statistic {name!r} recorded as {how0!r} and as {how!r}")
+            a, b = (jnp.maximum(a0, a), b0) if how == MAX else (a0 + a, b0 + b)
+        self.entries[name] = (how, a, b)
+
+    def raw(self) -> tuple[dict[str, str], dict[str, tuple[jax.Array, jax.Array]]]:
+        """(static ``name -> how``, array pytree ``name -> (a, b)``): what a scan body returns."""
+        return {k: v[0] for k, v in self.entries.items()}, {k: (v[1], v[2]) for k, v in self.entries.items()}
+
+    def add_stacked(self, hows: dict[str, str], stacked: dict[str, tuple[jax.Array, jax.Array]]) -> None:
+        """Add raw entries that carry a leading layer axis (scan outputs), reduced over that axis."""
+        for name, (a, b) in stacked.items():
+            if hows[name] == MAX:
+                self.add(name, MAX, jnp.max(a, axis=0))
+            else:
+                self.add(name, hows[name], jnp.sum(a, axis=0), jnp.sum(b, axis=0))
+
+    def summary(self) -> dict[str, jax.Array]:
+        """``name -> f32 scalar`` per the combination rules, sorted by name."""
+        out = {}
+        for name, (how, a, b) in sorted(self.entries.items()):
+            out[name] = a if how == MAX else (a / b if how == RATIO else 10.0 * jnp.log10(a / b))
+        return out
+
+
+def _stack() -> list[Collector]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+@contextlib.contextmanager
+def collecting():
+    """Collect the statistics the layers record while tracing the body; yields the :class:`Collector`."""
+    c = Collector()
+    _stack().append(c)
+    try:
+        yield c
+    finally:
+        _stack().pop()
+
+
+def active() -> bool:
+    """True inside :func:`collecting` (checked at trace time by the layers)."""
+    return bool(_stack())
+
+
+def current() -> Collector:
+    if not active():
+        raise RuntimeError("no statistics collector is active; use `with lpt.models.probes.collecting():`")
+    return _stack()[-1]
+
+
+def _count(mask) -> jax.Array:
+    return jnp.sum(mask.astype(jnp.float32))  # bool -> f32 count
+
+
+def _fp8_counts(x_f32, q, prefix: str, c: Collector) -> None:
+    """Underflow / subnormal counts of ``q`` (the e4m3 codes of ``x / scale``) over all entries of ``x``."""
+    tiny = jnp.float32(numerics.get_format(q.dtype).smallest_normal)
+    q_f32 = q.astype(jnp.float32)  # fp8 -> f32 (exact)
+    nonzero = x_f32 != 0
+    c.add(f"{prefix}_underflow_frac", RATIO, _count(nonzero & (q_f32 == 0)), x_f32.size)
+    c.add(f"{prefix}_subnormal_frac", RATIO, _count(nonzero & (jnp.abs(q_f32) < tiny)), x_f32.size)
+
+
+def record_fp8(name: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
+    """Record the statistics of one FP8 GEMM ``y_f32 = blockwise_dot(x, w)`` of layer kind ``name``."""
+    from lpt.fp8 import BlockwiseConfig, quantize_blocks, quantize_tiles
+
+    c, cfg = current(), BlockwiseConfig()
+    k = w.shape[0]
+    x_f32 = x.reshape(-1, k).astype(jnp.float32)  # compute -> f32 (exact), what blockwise_dot quantizes
+    w_f32 = w.astype(jnp.float32)  # compute -> f32 (exact)
+    qx, sx = quantize_tiles(x_f32, cfg.fwd_dtype, axis=-1, block=cfg.block, scale_format=cfg.scale_format)
+    qw, _ = quantize_blocks(w_f32, cfg.fwd_dtype, block=cfg.block, scale_format=cfg.scale_format)
+    _fp8_counts(x_f32, qx, f"fp8/{name}/x", c)
+    _fp8_counts(w_f32, qw, f"fp8/{name}/w", c)
+    amax_pos = jnp.max(jnp.abs(x_f32).reshape(sx.shape + (cfg.block,)), axis=-1) > 0
+    lo = jnp.min(jnp.where(amax_pos, sx, jnp.inf))
+    hi = jnp.max(jnp.where(amax_pos, sx, 0.0))
+    c.add(f"fp8/{name}/x_scale_range_log2", MAX, jnp.where(hi > 0, jnp.log2(hi / lo), 0.0))
+    y_ref = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    c.add(f"fp8/{name}/snr_db", DB, jnp.sum(y_ref * y_ref), jnp.sum(jnp.square(y_f32 - y_ref)))
+
+
+def record_attention(q_BTHD: jax.Array, k_BTKD: jax.Array) -> None:
+    """Record the causal repeated-max fraction of one attention layer (GQA: k has K ≤ H heads)."""
+    import lpt.attention
+
+    B, T, H, _ = q_BTHD.shape
+    n = max(1, min(B, ATTENTION_LOGITS_BUDGET // (H * T * T)))
+    frac = lpt.attention.repeated_max_fraction(q_BTHD[:n], k_BTKD[:n], causal=True)
+    c = current()
+    c.add("attn/repeated_max_frac", RATIO, frac, 1.0)
+    c.add("attn/repeated_max_frac_max", MAX, frac)
