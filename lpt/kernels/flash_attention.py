@@ -74,8 +74,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, pol
         p = fm.probs(s, valid, c_new)
         p_pv = fm.round_to(p, pv_dtype, native)
         p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
-        l_new = alpha * l + jnp.sum(p_sum, axis=-1, keepdims=True)
-        pv = _dot(p_pv, fm.round_to(v.astype(jnp.float32), pv_dtype, native))  # v dtype -> f32 -> pv dtype
+        v_pv = fm.round_to(v.astype(jnp.float32), pv_dtype, native)  # v dtype -> f32 -> pv dtype
+        if policy.accumulator == "split":  # large and small weights in separate matmuls, summed once
+            p_big, p_small = fm.split_weights(p_pv, s, m_new, policy)
+            sum_big, sum_small = fm.split_weights(p_sum, s, m_new, policy)
+            pv = _dot(p_big, v_pv) + _dot(p_small, v_pv)
+            p_rowsum = jnp.sum(sum_big, axis=-1, keepdims=True) + jnp.sum(sum_small, axis=-1, keepdims=True)
+        else:
+            pv = _dot(p_pv, v_pv)
+            p_rowsum = jnp.sum(p_sum, axis=-1, keepdims=True)
+        l_new = alpha * l + p_rowsum
         if policy.accumulator == "pv":
             acc_new = fm.round_grid_f32(
                 fm.round_grid_f32(alpha * acc, pv_dtype, native) + fm.round_grid_f32(pv, pv_dtype, native),

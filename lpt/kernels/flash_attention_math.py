@@ -12,7 +12,8 @@ the denominator ``ℓ`` and the unnormalized output ``acc``. For every key block
     P̃  = round(P̄, pv_dtype)                                              (the matmul input)
     ℓ' = α ℓ + rowsum(P̃ if denominator == "rounded" else P̄)              (f32)
     acc' = α acc + P̃ V          (f32 accumulate; with accumulator == "pv" both terms and the sum are rounded
-                                 to pv_dtype, emulating the all-bf16 arithmetic of the seed-001 paper code)
+                                 to pv_dtype, emulating the all-bf16 arithmetic of the seed-001 paper code;
+                                 with accumulator == "split" P̃ V = P̃_big V + P̃_small V, below)
 
 and finally ``O = acc / ℓ`` (0 for a row without any unmasked key) and ``lse = c + log ℓ`` (−inf there).
 
@@ -27,6 +28,17 @@ Shift rules. ``"max"``: ``c = M`` (standard). ``"beta"`` (seed 001, Algorithm 1,
 rounding to bf16 even when ``|M|`` is tiny (the paper leaves ``M = 0`` rows unchanged). Deviations from the paper's
 Algorithm 1: it detects repeats only inside one block and its line 10 overwrites the shifted maximum; here the
 count runs over all blocks seen so far, so a block maximum equal to the running maximum counts as a repeat.
+
+Split accumulation (``accumulator="split"``). Inside one f32 matmul a dominant product (a maximum's P̃ times its
+v) swamps the tiny same-signed products of the far logits: each is rounded against the ulp of the large partial sum,
+and the ones below half an ulp are lost, so the sum is biased towards zero (seed 001's mechanism one level down,
+in f32; measured in docs/attention.md). The split sums the weights within ``2**-split_bits`` of the row's largest
+weight and the others in two matmuls and adds the two f32 results once::
+
+    big = s >= M' − split_bits·ln 2;   P̃V = (P̃ ∘ big) V + (P̃ ∘ ¬big) V
+
+(and ℓ the same way), so the small products are summed among themselves and meet the large sum in one rounding.
+In exact arithmetic it changes nothing; it costs a second P̃V matmul per key block.
 
 Nothing here imports Flax; the functions are pure jnp on arrays whose last axis is the key axis and so run both
 inside a Pallas kernel body (rows = a query block) and in the batched XLA reference.
@@ -43,7 +55,7 @@ from lpt.numerics import round_nearest, round_stochastic
 
 _SHIFTS = ("max", "beta")
 _DENOMINATORS = ("f32", "rounded")
-_ACCUMULATORS = ("f32", "pv")
+_ACCUMULATORS = ("f32", "pv", "split")
 _RESIDUALS = ("input", "f32", "stochastic")
 _PV_DTYPES = (None, "bfloat16", "float16", "float32")
 
@@ -61,7 +73,10 @@ class AttentionPolicy:
       denominator: "f32" sums ℓ from the f32 P̄ (what every JAX flash kernel does); "rounded" sums ℓ from the
         rounded P̃ that feeds the P̃V matmul, so numerator and denominator see the same weights.
       pv_dtype: dtype name of the P̃V matmul inputs; None = the dtype of V.
-      accumulator: "f32" (FA2) or "pv" (the running output is rounded to pv_dtype each block: all-bf16 emulation).
+      accumulator: "f32" (FA2: one f32 P̃V matmul per block), "split" (two matmuls, large and small weights, summed
+        once: no f32 swamping bias; module docstring) or "pv" (the running output is rounded to pv_dtype each
+        block: all-bf16 emulation).
+      split_bits: "split" puts weights within 2**-split_bits of the row's largest weight in the large part.
       residual: the O kept for the backward's δ = rowsum(dO ∘ O): "input" (O rounded to nearest in the input dtype,
         the returned output), "f32" (the f32 O; the returned output is still rounded to nearest), "stochastic"
         (O stochastically rounded to the input dtype, used as both output and residual; needs a key).
@@ -74,7 +89,8 @@ class AttentionPolicy:
     max_offset: float = 64.0
     denominator: str = "rounded"
     pv_dtype: str | None = None
-    accumulator: str = "f32"
+    accumulator: str = "split"
+    split_bits: float = 8.0
     residual: str = "f32"
 
     def __post_init__(self):
@@ -91,6 +107,8 @@ class AttentionPolicy:
             raise ValueError(f"AttentionPolicy.beta must be > 1, got {self.beta!r}")
         if not 0.0 <= self.tie_tol < 1.0:
             raise ValueError(f"AttentionPolicy.tie_tol must be in [0, 1), got {self.tie_tol!r}")
+        if not 0.0 < self.split_bits <= 64.0:
+            raise ValueError(f"AttentionPolicy.split_bits must be in (0, 64], got {self.split_bits!r}")
         if not 0.0 < self.min_offset <= self.max_offset <= 80.0:
             raise ValueError(
                 f"need 0 < min_offset <= max_offset <= 80, got min_offset={self.min_offset!r}, "
@@ -103,12 +121,15 @@ class AttentionPolicy:
 
 
 def standard_policy(**overrides) -> AttentionPolicy:
-    """The standard FA2 kernel: row-max shift, ℓ from f32 P̄, P̃ in V's dtype, O stored in the input dtype."""
-    return AttentionPolicy(**{"shift": "max", "denominator": "f32", "residual": "input", **overrides})
+    """The standard FA2 kernel: row-max shift, ℓ from f32 P̄, one f32 P̃V matmul, O stored in the input dtype."""
+    return AttentionPolicy(
+        **{"shift": "max", "denominator": "f32", "accumulator": "f32", "residual": "input", **overrides}
+    )
 
 
 def default_policy(beta: float = 7.0, **overrides) -> AttentionPolicy:
-    """The bias-free default (``stable=True``): β shift, ℓ from the rounded P̃, f32 O residual for δ."""
+    """The bias-free default (``stable=True``): β shift, ℓ from the rounded P̃, split P̃V accumulation, f32 O
+    residual for δ."""
     return AttentionPolicy(**{"shift": "beta", "beta": beta, **overrides})
 
 
@@ -176,6 +197,16 @@ def probs(s, valid, c):
     """
     ok = valid & (c != -jnp.inf)
     return jnp.where(ok, jnp.exp(jnp.where(ok, jnp.minimum(s - c, 0.0), -jnp.inf)), 0.0)
+
+
+def split_weights(p, s, m, policy: AttentionPolicy):
+    """(P̃ ∘ big, P̃ ∘ ¬big) with big = s >= m − split_bits·ln 2 (``accumulator="split"``); p in any dtype.
+
+    m is the running max after this block ([..., 1]); masked entries have p = 0 and may land in either part.
+    """
+    big = s >= m - jnp.float32(policy.split_bits * 0.6931471805599453)  # ln 2
+    zero = jnp.zeros_like(p)
+    return jnp.where(big, p, zero), jnp.where(big, zero, p)
 
 
 def finalize(acc, l, c):

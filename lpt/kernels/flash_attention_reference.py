@@ -59,9 +59,20 @@ def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, cau
         p = fm.probs(s, valid, c_new)
         p_pv = fm.round_to(p, pv_dtype)
         p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
-        l_new = alpha * l + jnp.sum(p_sum, axis=-1, keepdims=True)
         v_pv = fm.round_to(v_blk.astype(jnp.float32), pv_dtype)  # v dtype -> f32 (exact) -> pv dtype
-        pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_pv, v_pv, preferred_element_type=jnp.float32)
+
+        def matmul(p_part):
+            return jnp.einsum("bhgqk,bhkd->bhgqd", p_part, v_pv, preferred_element_type=jnp.float32)
+
+        if policy.accumulator == "split":
+            p_big, p_small = fm.split_weights(p_pv, s, m_new, policy)
+            sum_big, sum_small = fm.split_weights(p_sum, s, m_new, policy)
+            pv = matmul(p_big) + matmul(p_small)
+            p_rowsum = jnp.sum(sum_big, axis=-1, keepdims=True) + jnp.sum(sum_small, axis=-1, keepdims=True)
+        else:
+            pv = matmul(p_pv)
+            p_rowsum = jnp.sum(p_sum, axis=-1, keepdims=True)
+        l_new = alpha * l + p_rowsum
         if policy.accumulator == "pv":
             acc_new = fm.round_grid_f32(
                 fm.round_grid_f32(alpha * acc, pv_dtype) + fm.round_grid_f32(pv, pv_dtype), pv_dtype

@@ -58,9 +58,10 @@ def run(report, quick: bool) -> dict:
         "paper all-bf16, β = 7 rule (1 block)": (paper("beta"), T),
         "FA2 kernel, standard (blocks of 16)": (standard_policy(), 16),
         "FA2 kernel, β rule only, ℓ from f32 P (blocks of 16)": (
-            AttentionPolicy(shift="beta", denominator="f32", residual="f32"),
+            AttentionPolicy(shift="beta", denominator="f32", accumulator="f32", residual="f32"),
             16,
         ),
+        "FA2 kernel, lpt default but one f32 P̃V matmul (blocks of 16)": (default_policy(accumulator="f32"), 16),
         "FA2 kernel, lpt default (blocks of 16)": (default_policy(), 16),
     }
     stats = {
