@@ -11,15 +11,18 @@ import importlib
 import time
 
 from lpt.lab.report import Report
+from lpt.lab.runs import RECIPES
 
-# section name -> module with ``run(report, quick)``; sections not built yet are listed so ``all`` can say so.
+# section name -> module with ``run(report, quick)`` (the recipe sections also take ``recipes=``)
 SECTIONS = {
     "updates": "lpt.lab.updates",
     "gemm": "lpt.lab.gemm",
     "attention": "lpt.lab.attention",
     "pqt": "lpt.lab.pqt",
+    "recipes": "lpt.lab.recipes",
+    "cost": "lpt.lab.cost",
 }
-PLANNED = ("recipes", "cost")
+RECIPE_SECTIONS = ("recipes", "cost")
 
 
 def main(argv=None) -> dict:
@@ -28,20 +31,27 @@ def main(argv=None) -> dict:
     ap.add_argument("sections", nargs="*", default=["all"], help=f"all or any of {sorted(SECTIONS)}")
     ap.add_argument("--out", required=True, help="output directory for REPORT.md and the plots")
     ap.add_argument("--quick", action="store_true", help="small sizes: a few minutes on 2 CPU cores")
+    ap.add_argument(
+        "--recipes",
+        default=None,
+        help=f"comma-separated subset for the recipes/cost sections (default: all of {', '.join(RECIPES)})",
+    )
     args = ap.parse_args(argv)
+    recipes = args.recipes.split(",") if args.recipes else None
+    for r in recipes or ():
+        if r not in RECIPES:
+            ap.error(f"--recipes: {r!r} is not a recipe; available: {', '.join(RECIPES)}")
     names = list(SECTIONS) if "all" in args.sections else args.sections
     for name in names:
         if name not in SECTIONS:
-            status = "planned, not built yet" if name in PLANNED else "unknown"
-            ap.error(f"section {name!r} is {status}; available: all, {', '.join(SECTIONS)}")
+            ap.error(f"section {name!r} is unknown; available: all, {', '.join(SECTIONS)}")
     report = Report(args.out)
-    if "all" in args.sections:
-        report.text(f"Sections not built yet (see the issue tracker): {', '.join(PLANNED)}.")
     results = {}
     for name in names:
         t = time.perf_counter()
         print(f"[lab] {name} ...", flush=True)
-        results[name] = importlib.import_module(SECTIONS[name]).run(report, quick=args.quick)
+        kwargs = {"recipes": recipes} if name in RECIPE_SECTIONS else {}
+        results[name] = importlib.import_module(SECTIONS[name]).run(report, quick=args.quick, **kwargs)
         print(f"[lab] {name} done in {time.perf_counter() - t:.0f}s", flush=True)
     results["report"] = report.write()
     print(f"[lab] wrote {results['report']}")
