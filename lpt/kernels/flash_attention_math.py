@@ -21,13 +21,20 @@ Shift rules. ``"max"``: ``c = M`` (standard). ``"beta"`` (seed 001, Algorithm 1,
 (``n > 1``) the largest exponent is moved below zero by an offset ``o`` so that no ``P̄`` equals 1::
 
     o = (β − 1)·M if M > 0;   −M if M < 0 (the paper's shift 0);   0 if M = 0
-    o = clip(o, min_offset, max_offset);   c = M + o      (unrepeated rows: c = M)
+    o = max_offset − w·frac(o) if o > max_offset;   min_offset + o if o < min_offset;   c = M + o
+                                            (w = min(1, max_offset − min_offset); unrepeated rows: c = M)
 
 ``max_offset`` is the underflow guard (``exp(−64)`` is far from f32/bf16 underflow, while the paper's ``β·M`` with
 ``M = 20, β = 7`` would flush every ``P̄`` to zero and divide by zero). ``min_offset`` keeps ``exp(−o)`` below 1 after
-rounding to bf16 even when ``|M|`` is tiny (the paper leaves ``M = 0`` rows unchanged). Deviations from the paper's
-Algorithm 1: it detects repeats only inside one block and its line 10 overwrites the shifted maximum; here the
-count runs over all blocks seen so far, so a block maximum equal to the running maximum counts as a repeat.
+rounding to bf16 even when ``|M|`` is tiny (the paper leaves ``M = 0`` rows unchanged). Both guards keep the offset
+dynamic (a function of M) instead of clipping it to a constant: with a constant, every guarded row shares one bf16
+rounding of ``exp(−o)`` (``exp(−64)`` rounds down by 0.15%), which is the fixed offset that seed 001's Appendix C
+rules out; with ℓ summed from f32 P̄ that gave the β = 8 all-bf16 sweep point t = +12.5 (256 draws; see
+docs/attention.md).
+
+Deviations from the paper's Algorithm 1: it detects repeats only inside one block and its line 10 overwrites the
+shifted maximum; here the count runs over all blocks seen so far, so a block maximum equal to the running maximum
+counts as a repeat.
 
 Split accumulation (``accumulator="split"``). Inside one f32 matmul a dominant product (a maximum's P̃ times its
 v) swamps the tiny same-signed products of the far logits: each is rounded against the ulp of the large partial sum,
@@ -171,8 +178,11 @@ def shift_of(m, n, policy: AttentionPolicy):
     if policy.shift == "max":
         c = m
     else:
-        raw = jnp.where(m > 0, jnp.float32(policy.beta - 1.0) * m, -m)  # m = 0 gives 0, clipped below
-        offset = jnp.clip(raw, jnp.float32(policy.min_offset), jnp.float32(policy.max_offset))
+        raw = jnp.where(m > 0, jnp.float32(policy.beta - 1.0) * m, -m)  # >= 0; m = 0 gives 0
+        raw = jnp.minimum(raw, jnp.float32(2.0**20))  # finite (m = −inf gives inf; that row's c is 0 below)
+        lo, hi = jnp.float32(policy.min_offset), jnp.float32(policy.max_offset)
+        width = jnp.float32(min(1.0, policy.max_offset - policy.min_offset))  # dither of the upper guard
+        offset = jnp.where(raw > hi, hi - width * (raw - jnp.floor(raw)), jnp.where(raw < lo, lo + raw, raw))
         c = jnp.where(n > 1.5, m + offset, m)
     return jnp.where(m == -jnp.inf, 0.0, c)
 
@@ -182,7 +192,8 @@ def rescale(c_old, c_new, m_old, policy: AttentionPolicy, pv_dtype, native: bool
 
     Under the "beta" rule α is rounded to the P̃ grid: when a repeat switches the shift from M to M + o, the
     earlier maximum (which entered with P̃ = 1) is then weighted round(exp(−o)), exactly the P̃ of the later
-    copies; with an f32 α the copies would get different weights. Any α is exact math (acc and ℓ share it).
+    copies; with an f32 α the copies would get different weights. Rounding α perturbs the weights of the earlier
+    blocks' entries (by < 2**-9 relative, like P̃'s own rounding); acc and ℓ share it, so O stays a weighted mean.
     """
     alpha = jnp.exp(c_old - c_new)
     if policy.shift == "beta":
