@@ -36,8 +36,21 @@ def main(argv=None) -> dict:
         default=None,
         help=f"comma-separated subset for the recipes/cost sections (default: all of {', '.join(RECIPES)})",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every recipe run, e.g. --set train.seed=1 (repeatable; recipes/cost sections)",
+    )
     args = ap.parse_args(argv)
     recipes = args.recipes.split(",") if args.recipes else None
+    overrides = {}
+    for item in args.set:
+        if "=" not in item:
+            ap.error(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.seed=1")
+        key, value = item.split("=", 1)
+        overrides[key] = value
     for r in recipes or ():
         if r not in RECIPES:
             ap.error(f"--recipes: {r!r} is not a recipe; available: {', '.join(RECIPES)}")
@@ -50,7 +63,7 @@ def main(argv=None) -> dict:
     for name in names:
         t = time.perf_counter()
         print(f"[lab] {name} ...", flush=True)
-        kwargs = {"recipes": recipes} if name in RECIPE_SECTIONS else {}
+        kwargs = {"recipes": recipes, "overrides": overrides} if name in RECIPE_SECTIONS else {}
         results[name] = importlib.import_module(SECTIONS[name]).run(report, quick=args.quick, **kwargs)
         print(f"[lab] {name} done in {time.perf_counter() - t:.0f}s", flush=True)
     results["report"] = report.write()

@@ -57,8 +57,11 @@ def measure(names, overrides: dict[str, str], rounds: int, batches: int) -> dict
     return out
 
 
-def run(report, quick: bool, recipes=None) -> dict:
+def run(report, quick: bool, recipes=None, overrides=None) -> dict:
+    """Measure ``recipes`` (default: all) plus the f32 baseline at the tiny size (``--quick``) or both sizes, with
+    ``overrides`` applied after each size's own."""
     names = list(recipes or runs.RECIPES)
+    extra = overrides or {}
     sizes = ["tiny"] if quick else list(SIZES)
     rounds, batches = (2, 3) if quick else (5, 6)
     report.section(
@@ -70,9 +73,9 @@ def run(report, quick: bool, recipes=None) -> dict:
     )
     out = {}
     for size in sizes:
-        res = measure(names, SIZES[size], rounds, batches)
+        res = measure(names, {**SIZES[size], **extra}, rounds, batches)
         out[size] = res
-        cfg = runs.recipe_config(runs.BASELINE, SIZES[size])
+        cfg = runs.recipe_config(runs.BASELINE, {**SIZES[size], **extra})
         m = cfg.model
         report.text(
             f"**{size}** model: d_model {m.d_model}, {m.n_layers} layers, {res[runs.BASELINE]['params']:,} params, "

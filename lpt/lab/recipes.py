@@ -62,11 +62,13 @@ def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, 
     return out
 
 
-def run(report, quick: bool, recipes=None) -> dict:
+def run(report, quick: bool, recipes=None, overrides=None) -> dict:
+    """Train ``recipes`` (default: all; ``--quick``: a smaller budget and four recipes) plus the f32 baseline, with
+    the section's budget and then ``overrides`` (e.g. ``{"train.seed": "1"}``) applied to every run."""
     names = list(recipes or (QUICK_RECIPES if quick else runs.RECIPES))
     if runs.BASELINE not in names:
         names.insert(0, runs.BASELINE)
-    overrides = QUICK if quick else FULL
+    overrides = {**(QUICK if quick else FULL), **(overrides or {})}
     workdir = Path(report.out_dir) / "recipes_runs"
     results = train_recipes(names, overrides, workdir)
 
@@ -112,7 +114,8 @@ def run(report, quick: bool, recipes=None) -> dict:
     )
     report.text(
         f"Budget: {steps} steps of {cfgs[runs.BASELINE].train.global_batch} x {cfgs[runs.BASELINE].data.seq_len} "
-        f"tokens, lr {LR} (cosine), same init and data order; overrides {overrides}. Unigram baseline "
+        f"tokens, lr {cfgs[runs.BASELINE].optim.lr:g} (cosine), same init and data order; overrides {overrides}. "
+        f"Unigram baseline "
         f"{out['unigram']:.4f}. *cancelled* = fraction of update elements that left their weight unchanged, mean over "
         f"the last fifth of the run. Step time: median tokens/s of the run's logging intervals relative to fp32's "
         "(XLA:CPU; FP8 is emulated on CPU; the `cost` section times the steps interleaved, which is the steadier "
@@ -126,7 +129,8 @@ def run(report, quick: bool, recipes=None) -> dict:
         (line,) = ax.plot(tr["step"], tr["loss"], lw=1, alpha=0.6, label=n)
         ax.plot(ev["step"], ev["eval_loss"], "o-", color=line.get_color(), ms=3)
     ax.axhline(out["unigram"], color="grey", ls=":", lw=1, label="unigram")
-    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"tiny_cpu recipes, lr {LR} (dots: validation)")
+    title = f"tiny_cpu recipes, lr {cfgs[runs.BASELINE].optim.lr:g} (dots: validation)"
+    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=title)
     ax.set_ylim(top=out["unigram"] + 0.3)
     ax.legend(fontsize=7)
     report.figure(fig, "recipes_loss", "Training loss (lines) and validation loss (dots) of every recipe.")
