@@ -17,10 +17,11 @@ What the layers record (names without the trainer's ``model/`` prefix):
 * every "fp8" matmul of layer kind ``<kind>`` (:func:`record_fp8`), quantized exactly as ``lpt.fp8.blockwise_dot``
   does (e4m3, 1×128 tiles of x along K, 128×128 blocks of w, f32 amax scales):
   ``fp8/<kind>/x_underflow_frac`` (nonzero entries flushed to 0 / all entries), ``fp8/<kind>/x_subnormal_frac``
-  (nonzero entries whose scaled value ``|x / s|`` lands below e4m3's smallest normal 2⁻⁶, flushed ones included:
-  they keep fewer than 3 mantissa bits), ``fp8/<kind>/w_underflow_frac``, ``fp8/<kind>/w_subnormal_frac`` (same for
-  the weight), ``fp8/<kind>/x_scale_range_log2`` (max over the layers of ``log2(max tile scale / min nonzero tile
-  scale)``: the dynamic range that per-tile scaling absorbs and one per-tensor scale would not) and
+  (nonzero entries whose scaled value ``|x / s|`` lands below e4m3's smallest normal 2⁻⁶, flushed ones included,
+  / all entries: they keep fewer than 3 mantissa bits), ``fp8/<kind>/w_underflow_frac``,
+  ``fp8/<kind>/w_subnormal_frac`` (same for the weight), ``fp8/<kind>/x_scale_range_log2`` (max over the layers
+  of ``log2(max tile scale / min nonzero tile scale)``: the dynamic range that per-tile scaling absorbs and one
+  per-tensor scale would not) and
   ``fp8/<kind>/snr_db`` (``10 log10(Σ y_ref² / Σ (y_fp8 − y_ref)²)`` with ``y_ref`` the same GEMM on the
   compute-dtype operands with f32 accumulation, i.e. what the "bf16" matmul computes).
   Saturation is not reported: with amax scaling the largest entry of every tile maps to ±448 exactly, so clipping
