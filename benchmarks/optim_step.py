@@ -1,16 +1,26 @@
 """Benchmark: one optimizer step of bf16 AdamW + Kahan vs optax.adamw with f32 master weights, in one run.
 
-    python benchmarks/optim_step.py [--params 50e6] [--repeats 10]
+    python benchmarks/optim_step.py [--params 50e6] [--rounds 7] [--rows base,base_nocopy,fused,chain]
 
-Prints the step time of each (wall and process CPU time: on a shared machine the CPU time is the steadier
-number), the ratio lpt / baseline, and bytes per parameter (params + optimizer state, plus the
-bf16 compute copy the f32-master recipe has to keep). Steps are jitted with donated buffers (without donation
-timings are dominated by allocation).
+Rows (all jitted with the params and optimizer state donated; without donation timings are dominated by allocation):
+
+* ``base``: ``optax.adamw`` on f32 master weights with f32 moments, returning the bf16 compute copy the model
+  needs for its forward pass (the honest baseline: 14 bytes/param resident, 28 moved per param in one fused pass).
+* ``base_nocopy``: the same without producing the bf16 copy (what the step alone costs).
+* ``fused``: ``lpt.optim.kahan_adamw`` (one fused transform, ``impl="xla"``), per moment rounding.
+* ``chain``: ``lpt.optim.adamw(update="kahan")``, the composable chain with the same numbers.
+
+The rows run interleaved (round robin) so that load from other processes hits them alike; it prints medians of wall
+and process CPU time (on a shared machine the CPU time is the steadier number), ratios against ``base``, bytes per
+parameter resident (params + optimizer state [+ bf16 copy]), and the compiled step's structure on this backend
+(loop fusions over whole leaves and copies per leaf). The Pallas kernel (``impl="pallas"``) cannot be timed on a
+CPU; its analytic traffic per parameter is printed beside the measured rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import jax
@@ -19,6 +29,8 @@ import numpy as np
 import optax
 
 import lpt.optim as O
+
+LR, WD = 1e-3, 0.1
 
 
 def make_tree(n_params: float, dtype, seed=0):
@@ -32,67 +44,101 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def time_step(step, params, state, grads, repeats):
-    params, state = step(params, state, grads)  # compile + warm up
-    jax.block_until_ready(params)
-    wall, cpu = [], []
-    for _ in range(repeats):
-        t, c = time.perf_counter(), time.process_time()
-        params, state = step(params, state, grads)
-        jax.block_until_ready((params, state))
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    return (float(np.median(wall)), float(np.median(cpu))), params, state
+def structure(jitted, *args, n_leaves: int) -> str:
+    """Loop fusions with a non-scalar output, and copies, per leaf of the compiled step."""
+    text = jitted.lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    big = [ln for ln in entry.splitlines() if re.search(r"= \S+\[\d", ln)]
+    fusions = sum(" fusion(" in ln for ln in big)
+    copies = sum(" copy(" in ln for ln in big)
+    return f"{fusions / n_leaves:.0f} fusions + {copies / n_leaves:.0f} copies per leaf"
+
+
+def build(row: str, n_params: float):
+    """(step, params, state, resident bytes) of one row; the step maps (params, state, grads) -> (params, state)."""
+    if row in ("base", "base_nocopy"):
+        tx = optax.adamw(LR, weight_decay=WD)
+
+        def step(params, state, grads):
+            g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # bf16 grads -> f32
+            updates, state = tx.update(g32, state, params)
+            params = optax.apply_updates(params, updates)
+            if row == "base":  # the model computes with a bf16 copy made every step
+                return (params, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)), state  # f32 -> bf16
+            return params, state
+
+        params = make_tree(n_params, jnp.float32)
+        state = tx.init(params)
+        extra = nbytes(params) // 2 if row == "base" else 0
+        return step, params, state, nbytes(params) + nbytes(state) + extra
+    kind, rounding = row.split(":")
+    if kind == "fused":
+        tx = O.kahan_adamw(LR, weight_decay=WD, moment_rounding=rounding)
+    else:
+        tx = O.adamw(LR, weight_decay=WD, update="kahan", moment_rounding=rounding)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = make_tree(n_params, jnp.bfloat16)
+    state = tx.init(params)
+    return step, params, state, nbytes(params) + nbytes(state)
+
+
+# Analytic HBM traffic of one step on a GPU/TPU (bytes per parameter, reads + writes, one fused pass each):
+ANALYTIC = {
+    "optax.adamw f32 master (+ bf16 copy)": "read g 2 + p 4 + mu 4 + nu 4, write p 4 + mu 4 + nu 4 + copy 2 = 28",
+    "lpt adamw_kahan Pallas kernel": "read g 2 + p 2 + c 2 + mv 4, write p 2 + c 2 + mv 4 = 18 (+ 6 for the "
+    "delta that optax.apply_updates adds back: read p, p', write p = 24)",
+}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=50e6)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--moment-rounding", default="nearest", choices=["nearest", "stochastic"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rows", default="base,base_nocopy,fused:nearest,fused:stochastic,chain:nearest,chain:stochastic")
     args = ap.parse_args()
-    lr, wd = 1e-3, 0.1
-
-    # baseline: f32 master weights + f32 moments; the model computes with a bf16 copy made every step
-    base_tx = optax.adamw(lr, weight_decay=wd)
-
-    def base_step(params, state, grads):
-        g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # bf16 grads -> f32
-        updates, state = base_tx.update(g32, state, params)
-        params = optax.apply_updates(params, updates)
-        compute_copy = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)  # f32 -> bf16 for the forward
-        return (params, compute_copy), state
-
-    lpt_tx = O.kahan_adamw(lr, weight_decay=wd, moment_rounding=args.moment_rounding)
-
-    def lpt_step(params, state, grads):
-        updates, state = lpt_tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    rows = args.rows.split(",")
     grads = make_tree(args.params, jnp.bfloat16, seed=1)
     n = sum(x.size for x in jax.tree.leaves(grads))
     print(f"tree: {len(grads)} x 2048x2048 = {n / 1e6:.1f}M params, backend {jax.default_backend()}")
 
-    p32 = make_tree(args.params, jnp.float32)
-    s32 = base_tx.init(p32)
-    base_bytes = (nbytes(p32) + nbytes(s32) + n * 2) / n  # + the bf16 compute copy
-    step_b = jax.jit(lambda p, s, g: (lambda out, s: (out[0], s))(*base_step(p, s, g)), donate_argnums=(0, 1))
-    t_base, p32, s32 = time_step(step_b, p32, s32, grads, args.repeats)
-    del p32, s32
+    runs = {}
+    for row in rows:
+        step, params, state, resident = build(row, args.params)
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+        shape = structure(jitted, params, state, grads, n_leaves=len(grads))
+        params, state = jitted(params, state, grads)  # compile + warm up
+        params = params[0] if row == "base" else params
+        jax.block_until_ready(params)
+        runs[row] = dict(jit=jitted, params=params, state=state, wall=[], cpu=[], bytes=resident / n, shape=shape)
+    for _ in range(args.rounds):
+        for row in rows:
+            r = runs[row]
+            t, c = time.perf_counter(), time.process_time()
+            params, r["state"] = r["jit"](r["params"], r["state"], grads)
+            jax.block_until_ready((params, r["state"]))
+            r["wall"].append(time.perf_counter() - t)
+            r["cpu"].append(time.process_time() - c)
+            r["params"] = params[0] if row == "base" else params
 
-    p16 = make_tree(args.params, jnp.bfloat16)
-    s16 = lpt_tx.init(p16)
-    lpt_bytes = (nbytes(p16) + nbytes(s16)) / n
-    step_l = jax.jit(lpt_step, donate_argnums=(0, 1))
-    t_lpt, p16, s16 = time_step(step_l, p16, s16, grads, args.repeats)
-
-    row = "{:36s}: {:8.1f} ms wall {:8.1f} ms cpu  {:5.1f} bytes/param"
-    print(row.format("optax.adamw, f32 master + bf16 copy", t_base[0] * 1e3, t_base[1] * 1e3, base_bytes))
-    print(row.format(f"lpt kahan_adamw ({args.moment_rounding} moments)", t_lpt[0] * 1e3, t_lpt[1] * 1e3, lpt_bytes))
-    print(
-        f"ratio lpt / baseline                : {t_lpt[0] / t_base[0]:8.2f}x wall {t_lpt[1] / t_base[1]:8.2f}x cpu  "
-        f"{lpt_bytes / base_bytes:5.2f}x memory"
-    )
+    ref = runs[rows[0]]
+    ref_wall, ref_cpu = np.median(ref["wall"]), np.median(ref["cpu"])
+    head = f"{'row':18s} {'wall ms':>8s} {'cpu ms':>8s} {'wall x':>7s} {'cpu x':>7s} {'B/param':>8s}"
+    print(head + "  compiled (this backend)")
+    for row in rows:
+        r = runs[row]
+        w, c = np.median(r["wall"]), np.median(r["cpu"])
+        print(
+            f"{row:18s} {w * 1e3:8.1f} {c * 1e3:8.1f} {w / ref_wall:7.2f} {c / ref_cpu:7.2f} {r['bytes']:8.1f}  "
+            f"{r['shape']}"
+        )
+    print(f"(ratios against {rows[0]}; medians of {args.rounds} interleaved rounds)")
+    print("analytic traffic per parameter, one fused pass (GPU/TPU):")
+    for k, v in ANALYTIC.items():
+        print(f"  {k}: {v}")
 
 
 if __name__ == "__main__":

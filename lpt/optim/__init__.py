@@ -11,7 +11,8 @@ For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit 
 
 Rules: :func:`kahan_summation` (seed 000 Alg. 1), :func:`stochastic_rounding` (seed 000), :func:`nearest_rounding`
 (the baseline), :func:`norm_preserving_update` (seed 003). Helpers: compensated gradient accumulation, diagnostics,
-f32-checkpoint conversion, and recipes (:func:`adamw`, :func:`kahan_adamw`, :func:`update_rule`).
+f32-checkpoint conversion, and recipes (:func:`adamw`, :func:`kahan_adamw`: one fused transform with
+``impl="xla" | "pallas"``, :func:`update_rule`).
 """
 
 from lpt.optim.accumulation import (
@@ -24,10 +25,11 @@ from lpt.optim.accumulation import (
 from lpt.optim.adam import ScaleByAdamState, scale_by_adam
 from lpt.optim.apply import apply_updates
 from lpt.optim.diagnostics import find_compensation, get_diagnostics, replace_compensation
+from lpt.optim.fused_adamw import KahanAdamWState, kahan_adamw_moments
 from lpt.optim.kahan import KahanSummationState, compensation_from_f32, kahan_step, kahan_summation, to_f32
 from lpt.optim.leaves import UpdateDiagnostics
 from lpt.optim.norm_preserving import NormPreservingState, norm_preserving_step, norm_preserving_update
-from lpt.optim.recipes import UPDATE_RULES, adamw, kahan_adamw, update_rule
+from lpt.optim.recipes import UPDATE_RULES, adamw, add_decayed_weights, kahan_adamw, update_rule
 from lpt.optim.rounding_rules import (
     NearestRoundingState,
     StochasticRoundingState,
@@ -38,12 +40,14 @@ from lpt.optim.rounding_rules import (
 __all__ = [
     "UPDATE_RULES",
     "CompensatedSum",
+    "KahanAdamWState",
     "KahanSummationState",
     "NearestRoundingState",
     "NormPreservingState",
     "StochasticRoundingState",
     "UpdateDiagnostics",
     "ScaleByAdamState",
+    "add_decayed_weights",
     "adamw",
     "apply_updates",
     "compensated_sum_add",
@@ -54,6 +58,7 @@ __all__ = [
     "find_compensation",
     "get_diagnostics",
     "kahan_adamw",
+    "kahan_adamw_moments",
     "kahan_step",
     "kahan_summation",
     "nearest_rounding",

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lpt.kernels.adamw_kahan import moment_update, runtime_zero
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.leaves import leaf_id
 
@@ -39,7 +40,7 @@ def scale_by_adam(
     """Adam's preconditioning ``m̂ / (sqrt(v̂) + eps)`` with low-precision moments (drop-in for optax's).
 
     Per leaf, in f32: ``m = Q(b1·m + (1−b1)·g)``, ``v = Q(b2·v + (1−b2)·g²)``,
-    ``u = m/(1−b1^t) / (sqrt(v/(1−b2^t)) + eps)`` (from the stored moments); ``Q`` rounds into ``moment_dtype``
+    ``u = m·(1/(1−b1^t)) / (sqrt(v·(1/(1−b2^t))) + eps)`` (from the stored moments); ``Q`` rounds into ``moment_dtype``
     (default: the param dtype, so bf16 params get bf16 moments: 4 bytes/param of state). ``Q`` is stochastic
     rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding. The update ``u`` is f32.
     """
@@ -64,23 +65,23 @@ def scale_by_adam(
         del params
         count = optax.safe_int32_increment(state.count)
         t = count.astype(jnp.float32)  # int32 -> f32
-        c1 = 1.0 - jnp.float32(b1) ** t
-        c2 = 1.0 - jnp.float32(b2) ** t
+        inv_c1 = 1.0 / (1.0 - jnp.float32(b1) ** t)  # bias corrections as reciprocals: the same bits on every
+        inv_c2 = 1.0 / (1.0 - jnp.float32(b2) ** t)  # backend (XLA rewrites x / scalar into x * (1 / scalar))
         step_key = jax.random.fold_in(jax.random.key(seed), count)
+        zero = runtime_zero(count)  # keeps products out of FMAs: the same bits in every fusion (see no_fma)
         flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
         flat_m, flat_v = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         out_u, out_m, out_v = [], [], []
         for (path, g), m, v in zip(flat_g, flat_m, flat_v, strict=True):
             key = jax.random.fold_in(step_key, leaf_id(jax.tree_util.keystr(path)))
             g32 = jnp.asarray(g).astype(jnp.float32)  # grad dtype -> f32
-            m32 = jnp.float32(b1) * m.astype(jnp.float32) + jnp.float32(1 - b1) * g32  # moment dtype -> f32
-            v32 = jnp.float32(b2) * v.astype(jnp.float32) + jnp.float32(1 - b2) * (g32 * g32)
+            m32, v32 = moment_update(g32, m.astype(jnp.float32), v.astype(jnp.float32), zero, b1=b1, b2=b2)
             km, kv = jax.random.split(key)
             m_q, v_q = store(m32, m, km), store(v32, v, kv)
             # the update uses the stored (rounded) moments: what the next step will see, and on XLA:CPU it lets
             # the update fusion read the new moments instead of keeping copies of the old ones
             m32, v32 = m_q.astype(jnp.float32), v_q.astype(jnp.float32)  # moment dtype -> f32 (exact)
-            out_u.append((m32 / c1) / (jnp.sqrt(v32 / c2) + jnp.float32(eps)))
+            out_u.append((m32 * inv_c1) / (jnp.sqrt(v32 * inv_c2) + jnp.float32(eps)))
             out_m.append(m_q)
             out_v.append(v_q)
         unf = treedef.unflatten

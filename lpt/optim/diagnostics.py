@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 
+from lpt.optim.fused_adamw import KahanAdamWState
 from lpt.optim.kahan import KahanSummationState
 from lpt.optim.leaves import UpdateDiagnostics
 
@@ -29,22 +30,30 @@ def get_diagnostics(opt_state: Any) -> dict[str, jax.Array]:
     return out
 
 
+def _is_compensated(x) -> bool:
+    return isinstance(x, (KahanSummationState, KahanAdamWState))
+
+
 def replace_compensation(opt_state: Any, compensation: Any) -> Any:
-    """Return ``opt_state`` with the compensation of its (single) :class:`KahanSummationState` replaced.
+    """Return ``opt_state`` with the compensation of its (single) Kahan state replaced.
+
+    The Kahan state is a :class:`KahanSummationState` (chains) or a :class:`KahanAdamWState` (``kahan_adamw``).
 
     Used with :func:`lpt.optim.compensation_from_f32` to start from an f32 checkpoint.
     """
-    is_k = lambda x: isinstance(x, KahanSummationState)
+    is_k = _is_compensated
     n = sum(1 for x in jax.tree.leaves(opt_state, is_leaf=is_k) if is_k(x))
     if n != 1:
-        raise ValueError(f"expected exactly one KahanSummationState in opt_state, found {n}")
+        raise ValueError(f"expected exactly one KahanSummationState or KahanAdamWState in opt_state, found {n}")
     return jax.tree.map(lambda x: x._replace(compensation=compensation) if is_k(x) else x, opt_state, is_leaf=is_k)
 
 
 def find_compensation(opt_state: Any) -> Any:
-    """The compensation tree of the (single) :class:`KahanSummationState` in ``opt_state``."""
-    is_k = lambda x: isinstance(x, KahanSummationState)
+    """The compensation tree of the (single) ``KahanSummationState`` or ``KahanAdamWState`` in ``opt_state``."""
+    is_k = _is_compensated
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_k) if is_k(x)]
     if len(found) != 1:
-        raise ValueError(f"expected exactly one KahanSummationState in opt_state, found {len(found)}")
+        raise ValueError(
+            f"expected exactly one KahanSummationState or KahanAdamWState in opt_state, found {len(found)}"
+        )
     return found[0].compensation

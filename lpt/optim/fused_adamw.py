@@ -1,0 +1,259 @@
+"""AdamW + Kahan-compensated update in ONE GradientTransformation (the fast path behind :func:`kahan_adamw`).
+
+Same math as the composable chain ``scale_by_adam -> add_decayed_weights -> scale_by_learning_rate ->
+kahan_summation`` (bit for bit, tested), see :mod:`lpt.kernels.adamw_kahan`. What differs is how XLA sees it:
+
+* **Packed moments.** Both Adam moments of an element live in one integer (16-bit moments: one ``uint32``, m's bits
+  high; 8-bit: ``uint16``; f32 moments: one ``complex64``, m real, v imaginary). XLA:CPU has no multi-output
+  fusion, so every output array costs one pass over memory: one moments array instead of two saves a pass.
+  Same 4 bytes/param, same shape as the param (the state still shards like the params).
+* **One materialized intermediate.** ``t = p + (u − c)`` feeds both outputs ``p' = Q(t)`` and ``c' = Q(p' − t)``.
+  XLA duplicates cheap producers into each consumer but never an "expensive" one, so ``t`` is divided by a
+  runtime 1.0 (``_runtime_one``; exact, ``x / 1 = x``) to make its last op a division: XLA then writes ``t`` once
+  and both outputs read it, instead of recomputing the Adam step twice and copying the donated ``p`` and ``c``
+  (which the two in-place outputs would otherwise overwrite under each other's feet).
+
+Per low-precision leaf the compiled step (XLA:CPU) is 4 loop fusions and no copies: moments (reads g, mv; writes
+mv), ``t`` (reads mv, p, c), ``p'`` (inside ``optax.apply_updates``: reads t, p) and ``c'`` (reads t).
+``impl="pallas"`` runs :func:`lpt.kernels.adamw_kahan.adamw_kahan` instead: one pass for GPU/TPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from lpt.kernels import adamw_kahan as K
+from lpt.numerics import round_nearest, round_stochastic
+from lpt.optim.adam import MOMENT_ROUNDINGS
+from lpt.optim.leaves import UpdateDiagnostics, _check, leaf_id, needs_rounding, zeros_like_rounded
+
+IMPLS = ("xla", "pallas")
+
+
+class KahanAdamWState(NamedTuple):
+    """State of :func:`kahan_adamw`; every tree mirrors the params (same shapes)."""
+
+    count: jax.Array  # int32 step count
+    moments: Any  # (m, v) packed per element: uint32 for 16-bit moments, uint16 for 8-bit, complex64 for f32
+    compensation: Any  # Kahan compensation in the compensation dtype (f32 scalar placeholder for f32 leaves)
+    diagnostics: UpdateDiagnostics | None
+
+
+def _uint(bits: int):
+    return {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
+
+
+def packed_dtype(moment_dtype):
+    """The dtype of one packed (m, v) pair: uint of twice the moment width, complex64 for f32 moments."""
+    bits = 8 * np.dtype(moment_dtype).itemsize
+    if bits == 32:
+        return jnp.dtype(jnp.complex64)
+    if bits not in (8, 16):
+        raise ValueError(f"moment dtype {np.dtype(moment_dtype).name} cannot be packed; use a 8/16/32-bit float")
+    return jnp.dtype(_uint(2 * bits))
+
+
+def pack_moments(m32, v32, moment_dtype):
+    """f32 moments already on ``moment_dtype``'s grid -> one packed array (exact)."""
+    mdt = jnp.dtype(moment_dtype)
+    if mdt == jnp.bfloat16:
+        return K.pack_bf16_pair(m32, v32)
+    bits = 8 * mdt.itemsize
+    if bits == 32:
+        return lax.complex(m32.astype(jnp.float32), v32.astype(jnp.float32))  # f32 -> complex64 (m + i·v)
+    wide = _uint(2 * bits)
+    m_b = lax.bitcast_convert_type(m32.astype(mdt), _uint(bits)).astype(wide)  # f32 -> mdt exact; bits widened
+    v_b = lax.bitcast_convert_type(v32.astype(mdt), _uint(bits)).astype(wide)
+    return (m_b << wide(bits)) | v_b
+
+
+def unpack_moments(mv, moment_dtype):
+    """Inverse of :func:`pack_moments`: packed array -> ``(m, v)`` as f32 (exact)."""
+    mdt = jnp.dtype(moment_dtype)
+    if mdt == jnp.bfloat16:
+        return K.unpack_bf16_pair(mv)
+    bits = 8 * mdt.itemsize
+    if bits == 32:
+        return jnp.real(mv), jnp.imag(mv)  # complex64 -> f32 parts
+    narrow = _uint(bits)
+    m = lax.bitcast_convert_type((mv >> mv.dtype.type(bits)).astype(narrow), mdt)  # high half -> mdt
+    v = lax.bitcast_convert_type(mv.astype(narrow), mdt)  # low half (truncating convert) -> mdt
+    return m.astype(jnp.float32), v.astype(jnp.float32)  # mdt -> f32, exact
+
+
+def _runtime_one(p32, dep):
+    """An all-ones f32 array XLA cannot constant-fold (``(bits | 1 | dep) != 0`` is always true).
+
+    Dividing ``t`` by it is exact and makes ``t``'s root an expensive op, so XLA materializes ``t`` once instead of
+    duplicating the AdamW math into the two outputs (a division by a broadcast scalar would be rewritten into a
+    cheap multiplication and duplicated again). LLVM sees the constant and drops the division, so it costs nothing.
+    ``dep`` (a u32 scalar taken from the previous leaf's new compensation) orders the leaves one after another, so
+    the f32 ``t`` buffers are reused: the transient memory is that of <= 3 leaves' ``t`` (4 bytes/param of the
+    largest leaves), not of the whole tree."""
+    nonzero = (lax.bitcast_convert_type(p32, jnp.uint32) | jnp.uint32(1) | dep) != jnp.uint32(0)
+    return nonzero.astype(jnp.float32)  # bool -> f32
+
+
+def _key_words(key):
+    return jax.random.key_data(key).astype(jnp.uint32).reshape(-1)  # typed key -> raw u32[2]
+
+
+def fused_kahan_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    moment_dtype=None,
+    moment_rounding: str = "stochastic",
+    compensation_dtype=None,
+    seed: int = 0,
+    diagnostics: bool = False,
+    impl: str = "xla",
+    interpret: bool | None = None,
+) -> optax.GradientTransformation:
+    """AdamW with 16-bit moments and Kahan-compensated low-precision params as one transform (see module doc).
+
+    Emits ``new_p.astype(f32) − p.astype(f32)`` like every lpt update rule (``optax.apply_updates`` reproduces
+    ``new_p`` bit for bit). f32/f64 leaves get plain AdamW in f32. ``impl="pallas"`` needs bf16 params, moments and
+    compensation on its rounded leaves; ``interpret`` is passed to the kernel (None: per platform, True: the
+    Pallas interpreter everywhere).
+    """
+    if moment_rounding not in MOMENT_ROUNDINGS:
+        raise ValueError(f"moment_rounding must be one of {MOMENT_ROUNDINGS}, got {moment_rounding!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    stochastic = moment_rounding == "stochastic"
+
+    def mdt_of(pdt):
+        return jnp.dtype(pdt if moment_dtype is None else moment_dtype)
+
+    def cdt_of(pdt):
+        return jnp.dtype(pdt if compensation_dtype is None else compensation_dtype)
+
+    def init_fn(params):
+        def moments(p):
+            p = jnp.asarray(p)
+            needs_rounding(p.dtype)  # raises for unsupported dtypes
+            return jnp.zeros(p.shape, packed_dtype(mdt_of(p.dtype)))
+
+        return KahanAdamWState(
+            count=jnp.zeros((), jnp.int32),
+            moments=jax.tree.map(moments, params),
+            compensation=zeros_like_rounded(params, cdt_of),
+            diagnostics=UpdateDiagnostics(*(jnp.zeros((), jnp.float32),) * 3) if diagnostics else None,
+        )
+
+    def round_moment(x32, mdt, key):
+        if mdt.itemsize >= 4:
+            return x32.astype(mdt).astype(jnp.float32)  # f32 moments: no rounding (f64 -> f32 view)
+        if stochastic:
+            return round_stochastic(x32, mdt, key, out_dtype=jnp.float32)
+        return round_nearest(x32, mdt, out_dtype=jnp.float32)
+
+    def update_fn(updates, state, params=None):
+        _check("kahan_adamw", updates, params)
+        count = optax.safe_int32_increment(state.count)
+        t_f = count.astype(jnp.float32)  # int32 -> f32
+        inv_c1 = 1.0 / (1.0 - jnp.float32(b1) ** t_f)  # as lpt.optim.scale_by_adam
+        inv_c2 = 1.0 / (1.0 - jnp.float32(b2) ** t_f)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        neg_lr = jnp.asarray(-1 * lr).astype(jnp.float32)  # schedule value -> f32 (as optax's scale_by_schedule)
+        step_key = jax.random.fold_in(jax.random.key(seed), count)
+        zero = K.runtime_zero(count)
+        flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
+        flat_g = treedef.flatten_up_to(updates)
+        flat_mv = treedef.flatten_up_to(state.moments)
+        flat_c = treedef.flatten_up_to(state.compensation)
+        out_d, out_mv, out_c, stats = [], [], [], []
+        hp = dict(eps=eps, weight_decay=weight_decay)
+        dep = jnp.uint32(0)
+        for (path, p), g, mv, c in zip(flat_p, flat_g, flat_mv, flat_c, strict=True):
+            name = jax.tree_util.keystr(path)
+            p, g = jnp.asarray(p), jnp.asarray(g)
+            if p.shape != g.shape:
+                raise ValueError(f"kahan_adamw: update at {name} has shape {g.shape} but the param has {p.shape}")
+            if not jnp.issubdtype(g.dtype, jnp.floating):
+                raise ValueError(f"kahan_adamw: update at {name} has dtype {g.dtype}; updates must be floating point")
+            rounded = needs_rounding(p.dtype)
+            mdt, cdt = mdt_of(p.dtype), cdt_of(p.dtype)
+            km, kv = jax.random.split(jax.random.fold_in(step_key, leaf_id(name)))
+            if impl == "pallas" and rounded:
+                if not (p.dtype == mdt == cdt == jnp.bfloat16):
+                    raise ValueError(
+                        f"kahan_adamw(impl='pallas') needs bf16 params, moments and compensation; {name} has param "
+                        f"{p.dtype}, moments {mdt}, compensation {cdt} (use impl='xla')"
+                    )
+                words = jnp.concatenate([_key_words(km), _key_words(kv)])
+                scalars = jnp.stack([inv_c1, inv_c2, neg_lr, lax.bitcast_convert_type(zero, jnp.float32)])
+                new_p, new_c, new_mv = K.adamw_kahan(
+                    g, p, c, mv, scalars, words, b1=b1, b2=b2, stochastic=stochastic, interpret=interpret, **hp
+                )
+                p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
+                delta = new_p.astype(jnp.float32) - p32  # exact: both on the bf16 grid
+                out_d.append(delta)
+                out_mv.append(new_mv)
+                out_c.append(new_c)
+                if diagnostics:
+                    mq, vq = K.unpack_bf16_pair(new_mv)
+                    stats.append((neg_lr * K.adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, **hp), delta))
+                continue
+            g32 = g.astype(jnp.float32)  # grad dtype -> f32
+            p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
+            m_new, v_new = K.moment_update(g32, *unpack_moments(mv, mdt), zero, b1=b1, b2=b2)
+            mv_new = pack_moments(round_moment(m_new, mdt, km), round_moment(v_new, mdt, kv), mdt)
+            mq, vq = unpack_moments(mv_new, mdt)  # read back the stored moments: XLA reuses their pass
+            if not rounded:  # f32/f64 leaf: plain AdamW, no compensation
+                u = neg_lr * K.adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, **hp)  # f32 (as the chain's update)
+                out_d.append(u)
+                out_mv.append(mv_new)
+                out_c.append(c)
+                if diagnostics:
+                    stats.append((u, u))
+                continue
+            c32 = c.astype(jnp.float32)  # compensation dtype -> f32 (exact)
+            t = K.kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, **hp) / _runtime_one(p32, dep)
+            s32, c_new32 = K.kahan_round(t, p.dtype, cdt)
+            if c_new32.size:  # the next leaf's t waits for this leaf's c': XLA reuses t's buffer (_runtime_one)
+                dep = lax.bitcast_convert_type(c_new32.reshape(-1)[0], jnp.uint32)  # f32 -> u32 bits
+            delta = s32 - p32  # exact in f32: both on p's grid
+            out_d.append(delta)
+            out_mv.append(mv_new)
+            out_c.append(c_new32.astype(cdt))  # f32 -> compensation dtype (exact: on its grid)
+            if diagnostics:
+                stats.append((neg_lr * K.adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, **hp), delta))
+        diag = _summarize(stats) if diagnostics else None
+        unf = treedef.unflatten
+        return unf(out_d), KahanAdamWState(count, unf(out_mv), unf(out_c), diag)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _summarize(stats) -> UpdateDiagnostics:
+    if not stats:
+        z = jnp.zeros((), jnp.float32)
+        return UpdateDiagnostics(z, z, z)
+    sq_u = sum(jnp.sum(u * u) for u, _ in stats)
+    sq_d = sum(jnp.sum(d * d) for _, d in stats)
+    n_cancel = sum(jnp.sum((u != 0) & (d == 0), dtype=jnp.float32) for u, d in stats)
+    n_nonzero = sum(jnp.sum(u != 0, dtype=jnp.float32) for u, _ in stats)
+    return UpdateDiagnostics(n_cancel / jnp.maximum(n_nonzero, 1.0), jnp.sqrt(sq_u), jnp.sqrt(sq_d))
+
+
+def kahan_adamw_moments(state: KahanAdamWState, moment_dtype=jnp.bfloat16) -> tuple[Any, Any]:
+    """The first and second moments of a :class:`KahanAdamWState` as f32 trees (for logging and inspection).
+
+    ``moment_dtype`` names the 8/16-bit float the integer-packed leaves hold (complex64 leaves are f32 moments)."""
+
+    def one(mv, which):
+        mdt = jnp.float32 if jnp.iscomplexobj(mv) else moment_dtype
+        return unpack_moments(mv, mdt)[which]
+
+    return jax.tree.map(lambda mv: one(mv, 0), state.moments), jax.tree.map(lambda mv: one(mv, 1), state.moments)
