@@ -18,7 +18,8 @@ from lpt.kernels import flash_attention_reference as fr
 def repeated_max_fraction(
     q, k, *, causal: bool = True, kv_mask=None, segment_ids=None, scale=None, tie_tol: float = 2.0**-9
 ):
-    """Fraction (f32 scalar) of query rows with >= 2 visible logits within ``tie_tol`` of the row max.
+    """Fraction (f32 scalar) of query rows (batch × query heads × positions) with >= 2 visible logits within
+    ``tie_tol`` of the row max.
 
     Shapes as :func:`lpt.attention.dot_product_attention`; rows without any visible key are not counted.
     """
@@ -46,7 +47,8 @@ def repeated_max_fraction(
     s = jnp.where(valid, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     count = jnp.sum(valid & (s >= m - jnp.float32(tie_tol)), axis=-1)
-    has_key = jnp.any(valid, axis=-1) & (q_seg[:, None, None, :] >= 0)
+    has_key = jnp.any(valid, axis=-1) & (q_seg[:, None, None, :] >= 0)  # [B, 1, 1, Tq]
+    has_key = jnp.broadcast_to(has_key, count.shape)  # every query head is a row: [B, Hkv, G, Tq]
     repeated = jnp.sum(jnp.where(has_key & (count >= 2), 1.0, 0.0))
     return repeated / jnp.maximum(jnp.sum(jnp.where(has_key, 1.0, 0.0)), 1.0)
 

@@ -82,10 +82,14 @@ def test_f32_policy_matches_softmax(policy, mask):
 
 
 def test_repeats_diagnostic_and_default_residual_closer_to_truth():
-    """Causal GQA bf16 with repeated maxima in >80% of rows: the O kept for δ is far closer to f32 attention with
+    """Causal GQA bf16 with repeated maxima in 35% of rows: the O kept for δ is far closer to f32 attention with
     the default policy (f32 residual; only the bf16 P̃ weights err) than with the standard kernel (bf16 O)."""
     q, k, v = _inputs(jnp.bfloat16)
-    assert float(jax.jit(repeated_max_fraction)(q, k)) > 0.8
+    frac = float(jax.jit(repeated_max_fraction)(q, k))
+    one_head = lambda h: repeated_max_fraction(q[:, :, h : h + 1], k[:, :, h // (H // HKV)][:, :, None])
+    per_head = [float(one_head(h)) for h in range(H)]
+    # a fraction over all query heads' rows (measured 0.347; it was H = 4 times that before heads were counted)
+    assert 0.3 < frac < 0.4 and abs(frac - np.mean(per_head)) < 1e-6
     truth = dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), impl="softmax")
     rms = {}
     for stable in (False, True):
