@@ -1,5 +1,7 @@
-"""The diagnostics pass (lpt.models.probes / activation_diagnostics): FP8 underflow and subnormal fractions, tile-scale
-range and GEMM SNR on crafted operands; the attention repeated-max rate on tied vs random logits; no trace when off."""
+"""The probes of the diagnostics pass (lpt.models.probes): FP8 underflow and subnormal fractions, tile-scale range
+and GEMM SNR on crafted operands; the attention repeated-max rate on copied vs random keys; pooling over layers
+(scanned or not). The model/trainer wiring (keys, scan path, no trace when off) is in
+tests/train/test_train_diagnostics.py."""
 
 import jax
 import jax.numpy as jnp
@@ -74,14 +76,32 @@ def test_repeated_max_probe_on_copied_keys_and_random_logits():
     assert float(rates(q, k_rand)) < 0.02
 
 
-def test_repeated_max_rate_through_scanned_gpt2_layers():
-    """Identical tokens, zero position embeddings: every position holds the same vector in every layer, so all
-    visible logits of a row tie (rate 15/16 per layer); the scan path reduces the per-layer entries (mean, max)."""
-    cfg = dict(kind="gpt2", d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, scan_layers=True)
-    model = M.build_model(cfg, {}, rngs=nnx.Rngs(0))
-    model.pos_embed.embedding[...] = jnp.zeros_like(model.pos_embed.embedding[...])
+def test_collector_pools_layers_and_reduces_scanned_entries():
+    """Per-layer entries of a scan (leading layer axis) pool like the same entries added layer by layer."""
+    rates = jnp.asarray([0.25, 0.75], jnp.float32)  # two layers' repeated-max fractions
+    counts = (jnp.asarray([3.0, 5.0]), jnp.asarray([100.0, 100.0]))  # underflow count / entries per layer
+    energies = (jnp.asarray([50.0, 150.0]), jnp.asarray([0.5, 1.5]))  # signal / noise energy per layer
+    hows = {"r": probes.RATIO, "m": probes.MAX, "u": probes.RATIO, "s": probes.DB}
+    stacked = {"r": (rates, jnp.ones(2)), "m": (rates, jnp.ones(2)), "u": counts, "s": energies}
+    scanned, unrolled = probes.Collector(), probes.Collector()
+    scanned.add_stacked(hows, stacked)
+    for i in range(2):
+        for name, (a, b) in stacked.items():
+            unrolled.add(name, hows[name], a[i], b[i])
+    for c in (scanned, unrolled):
+        s = {k: float(v) for k, v in c.summary().items()}
+        assert s == pytest.approx({"r": 0.5, "m": 0.75, "u": 0.04, "s": 20.0}), s
+    with pytest.raises(ValueError, match="recorded as"):
+        unrolled.add("m", probes.RATIO, 1.0)
+
+
+def test_scanned_layers_trace_their_statistics_out_of_the_scan():
+    """With scan_layers each layer collects inside nnx.scan and returns its entries as scan outputs (a tracer leaking
+    out of the scan would raise here); traced only, the reduction's values are checked above."""
+    cfg = dict(kind="llama", d_model=128, n_layers=2, n_heads=1, d_ff=128, max_seq_len=8, scan_layers=True)
+    model = M.build_model(cfg, {"matmul": {"up": "fp8"}}, rngs=nnx.Rngs(0))
     g, st = nnx.split(model)
-    out = jax.jit(lambda s, t: M.activation_diagnostics(nnx.merge(g, s), t))(st, np.full((2, 16), 7, np.int32))
-    assert sorted(out) == ["attn/repeated_max_frac", "attn/repeated_max_frac_max"]  # no fp8 matmul: no fp8 stats
-    assert float(out["attn/repeated_max_frac"]) == 15 / 16
-    assert float(out["attn/repeated_max_frac_max"]) == 15 / 16
+    out = jax.eval_shape(lambda s: M.activation_diagnostics(nnx.merge(g, s), jnp.zeros((1, 8), jnp.int32)), st)
+    assert {k for k in out if not k.startswith("fp8/up/")} == {"attn/repeated_max_frac", "attn/repeated_max_frac_max"}
+    assert len([k for k in out if k.startswith("fp8/up/")]) == 6
+    assert all(v.shape == () for v in out.values())  # reduced over the layer axis

@@ -46,8 +46,8 @@ def _cfg(**overrides):
 
 def test_run_logs_activation_diagnostics_on_their_steps(tmp_path):
     """The loop: diagnostics steps are logged (even off log_every) with the model/attn/ statistics in [0, 1]. The
-    run is float32 with d_model 32 to stay cheap (an FP8 run compiles ~2x longer); the FP8 keys of the same
-    diagnostics step are checked in test_train_step_jaxpr_has_no_probes, their values in
+    run is float32 with d_model 32 to stay cheap (an FP8 run compiles ~2x longer, scanned layers ~2.5x); the FP8 keys
+    of the same diagnostics step are checked in test_train_step_jaxpr_has_no_probes, their values in
     tests/models/test_activation_diagnostics.py."""
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     small = {"model.d_model": "32", "model.n_heads": "2", "model.n_kv_heads": "2", "precision.matmul.lm_head": "bf16"}
