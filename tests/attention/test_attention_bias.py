@@ -72,7 +72,7 @@ def _toy(policy):
     Independent paths (own draws, dO, pk, x): "∝ √steps" is a statement about the expected norm. A single path of an
     unbiased walk has a log-log slope anywhere between about 0 and 1.2 (its endpoint is one Gaussian draw), which
     an earlier single-path version of this toy showed across data seeds; the mean over 16 paths is stable (measured
-    over data seeds 0-5: standard 0.94-1.03, default 0.31-0.54, stochastic residual 0.40-0.69)."""
+    over data seeds 0-5: standard 0.94-1.03, default 0.31-0.52, stochastic residual 0.40-0.69)."""
     err = _error(policy, 16, draws="toy").reshape(PATHS, STEPS, T, 1, D)
     norms = np.zeros(STEPS)
     for path in range(PATHS):
