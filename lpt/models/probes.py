@@ -152,14 +152,9 @@ def record_attention(q_BTHD: jax.Array, k_BTKD: jax.Array) -> None:
     """Record the causal repeated-max fraction of one attention layer (GQA: k has K ≤ H heads)."""
     import lpt.attention
 
-    B, T, H, D = q_BTHD.shape
-    K = k_BTKD.shape[2]
+    B, T, H, _ = q_BTHD.shape
     n = max(1, min(B, ATTENTION_LOGITS_BUDGET // (H * T * T)))
-    # One head per call, heads folded into the batch: lpt.attention.repeated_max_fraction divides the repeated rows
-    # of all H heads by the B·T rows of one head (it returned H × the fraction at the time of writing).
-    k_BTHD = jnp.repeat(k_BTKD[:n], H // K, axis=2)  # query head h uses kv head h // (H / K)
-    fold = lambda a: a.transpose(0, 2, 1, 3).reshape(n * H, T, 1, D)  # [n, T, H, D] -> [n·H, T, 1, D]
-    frac = lpt.attention.repeated_max_fraction(fold(q_BTHD[:n]), fold(k_BTHD), causal=True)
+    frac = lpt.attention.repeated_max_fraction(q_BTHD[:n], k_BTKD[:n], causal=True)  # GQA-aware, over n·H·T rows
     c = current()
     c.add("attn/repeated_max_frac", RATIO, frac, 1.0)
     c.add("attn/repeated_max_frac_max", MAX, frac)
