@@ -5,7 +5,9 @@ Prints forward and forward+backward TFLOP/s per configuration and the ratio agai
 
     python benchmarks/attention_gpu.py [--batch 4] [--seq 1024 2048] [--heads 16] [--kv-heads 4] [--head-dim 64]
 
-On a machine without a GPU it says so and exits 0. FLOPs counted: forward 4·B·H·T²·D (halved if causal),
+On a machine without a GPU it says so and exits 0; ``--interpret`` instead runs the Pallas variants in interpret
+mode on any backend (a smoke test of this script, e.g. ``--interpret --seq 128 --batch 1 --iters 1``: the numbers
+are meaningless there). FLOPs counted: forward 4·B·H·T²·D (halved if causal),
 forward+backward 3.5× that (FA2 convention: 2 forward matmuls, 5 backward matmuls).
 """
 
@@ -38,9 +40,10 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--causal", type=int, default=1)
+    parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode: smoke-test without a GPU")
     args = parser.parse_args()
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
+    if not args.interpret and not any(d.platform == "gpu" for d in jax.devices()):
         print(f"no GPU found (devices: {[d.platform for d in jax.devices()]}); this benchmark needs one. Exiting.")
         return 0
 
@@ -50,7 +53,10 @@ def main() -> int:
     b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.head_dim
 
     def lpt_fn(impl, stable):
-        return lambda q, k, v: dot_product_attention(q, k, v, causal=causal, stable=stable, impl=impl)
+        interpret = args.interpret if impl == "pallas" else None
+        return lambda q, k, v: dot_product_attention(
+            q, k, v, causal=causal, stable=stable, impl=impl, interpret=interpret
+        )
 
     def jax_fn(q, k, v):
         g = h // hkv
