@@ -45,10 +45,10 @@ def nbytes(tree) -> int:
 
 
 def structure(jitted, *args, n_leaves: int) -> str:
-    """Loop fusions with a non-scalar output, and copies, per leaf of the compiled step."""
+    """Loop fusions and copies over whole leaves (2048x2048 outputs), per leaf, of the compiled step."""
     text = jitted.lower(*args).compile().as_text()
     entry = text[text.index("\nENTRY") :]
-    big = [ln for ln in entry.splitlines() if re.search(r"= \S+\[\d", ln)]
+    big = [ln for ln in entry.splitlines() if re.search(r"= \w+\[2048,2048\]", ln)]
     fusions = sum(" fusion(" in ln for ln in big)
     copies = sum(" copy(" in ln for ln in big)
     return f"{fusions / n_leaves:.0f} fusions + {copies / n_leaves:.0f} copies per leaf"

@@ -100,6 +100,15 @@ def _runtime_one(p32, dep):
     return nonzero.astype(jnp.float32)  # bool -> f32
 
 
+def _narrow_exact(x32, dtype):
+    """f32 values already on ``dtype``'s grid -> ``dtype``. For bf16 the top 16 bits (XLA:CPU's generic rounding
+    convert costs about twice as much as this shift); other dtypes use ``astype`` (exact here too)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        bits = (lax.bitcast_convert_type(x32, jnp.uint32) >> jnp.uint32(16)).astype(jnp.uint16)  # f32 bits -> high half
+        return lax.bitcast_convert_type(bits, jnp.bfloat16)  # u16 -> bf16
+    return x32.astype(dtype)  # f32 -> dtype, exact on the grid
+
+
 def _key_words(key):
     return jax.random.key_data(key).astype(jnp.uint32).reshape(-1)  # typed key -> raw u32[2]
 
@@ -118,13 +127,17 @@ def fused_kahan_adamw(
     diagnostics: bool = False,
     impl: str = "xla",
     interpret: bool | None = None,
+    sequential_leaves: bool = True,
 ) -> optax.GradientTransformation:
     """AdamW with 16-bit moments and Kahan-compensated low-precision params as one transform (see module doc).
 
     Emits ``new_p.astype(f32) − p.astype(f32)`` like every lpt update rule (``optax.apply_updates`` reproduces
     ``new_p`` bit for bit). f32/f64 leaves get plain AdamW in f32. ``impl="pallas"`` needs bf16 params, moments and
     compensation on its rounded leaves; ``interpret`` is passed to the kernel (None: per platform, True: the
-    Pallas interpreter everywhere).
+    Pallas interpreter everywhere). ``sequential_leaves`` (XLA path) chains the leaves through one element of each
+    leaf's new compensation so the f32 temporaries of <= 3 leaves exist at a time (see ``_runtime_one``); on a
+    multi-device mesh that element costs one scalar all-reduce + all-gather per leaf and step: pass False there to
+    avoid them (the transient is then 4 bytes/param of the whole tree) or use ``impl="pallas"``.
     """
     if moment_rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"moment_rounding must be one of {MOMENT_ROUNDINGS}, got {moment_rounding!r}")
@@ -221,12 +234,12 @@ def fused_kahan_adamw(
             c32 = c.astype(jnp.float32)  # compensation dtype -> f32 (exact)
             t = K.kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, **hp) / _runtime_one(p32, dep)
             s32, c_new32 = K.kahan_round(t, p.dtype, cdt)
-            if c_new32.size:  # the next leaf's t waits for this leaf's c': XLA reuses t's buffer (_runtime_one)
+            if sequential_leaves and c_new32.size:  # next leaf's t waits for this c': t's buffer is reused
                 dep = lax.bitcast_convert_type(c_new32.reshape(-1)[0], jnp.uint32)  # f32 -> u32 bits
             delta = s32 - p32  # exact in f32: both on p's grid
             out_d.append(delta)
             out_mv.append(mv_new)
-            out_c.append(c_new32.astype(cdt))  # f32 -> compensation dtype (exact: on its grid)
+            out_c.append(_narrow_exact(c_new32, cdt))  # f32 -> compensation dtype (exact: on its grid)
             if diagnostics:
                 stats.append((neg_lr * K.adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, **hp), delta))
         diag = _summarize(stats) if diagnostics else None

@@ -95,13 +95,15 @@ def kahan_adamw(
     compensation_dtype=None,
     impl: str = "xla",
     interpret: bool | None = None,
+    sequential_leaves: bool = True,
 ) -> optax.GradientTransformation:
     """bf16 AdamW + Kahan in one fused transform: bf16 params, moments and compensation, 8 bytes/param.
 
     The same numbers as ``adamw(..., update="kahan")`` (bit for bit), computed in fewer passes over memory (see
     :mod:`lpt.optim.fused_adamw`); its state is a :class:`KahanAdamWState` with the two moments packed per element.
     ``impl="pallas"`` uses the fused Pallas kernel (GPU/TPU; ``interpret=True`` runs it interpreted anywhere).
-    With ``grad_clip`` the result is ``optax.chain(clip_by_global_norm(grad_clip), <fused>)``.
+    With ``grad_clip`` the result is ``optax.chain(clip_by_global_norm(grad_clip), <fused>)``. On a multi-device
+    mesh pass ``sequential_leaves=False`` (see :func:`lpt.optim.fused_adamw.fused_kahan_adamw`).
     """
     fused = fused_kahan_adamw(
         learning_rate,
@@ -116,5 +118,6 @@ def kahan_adamw(
         diagnostics=diagnostics,
         impl=impl,
         interpret=interpret,
+        sequential_leaves=sequential_leaves,
     )
     return fused if grad_clip is None else optax.chain(optax.clip_by_global_norm(grad_clip), fused)
