@@ -17,10 +17,9 @@ This is exactly ``lpt.optim.scale_by_adam -> add_decayed_weights -> scale_by_lea
 * :func:`adamw_kahan`: the Pallas kernel, one pass over ``(g, p, c, mv)`` -> ``(p', c', mv')`` with the outputs
   aliased to the inputs. Memory traffic: reads 2+2+2+4, writes 2+2+4 = 18 bytes/param (an f32-master AdamW moves
   14 + 12 + a bf16 compute copy = 28). Leaves are flattened and zero-padded to whole ``(rows, 128)`` blocks; the
-  padding is sliced off. Stochastic moment rounding is :func:`lpt.numerics.round_stochastic` (``hash_bits`` of
-  the element's global flat index), so the kernel draws the same bits as the XLA path (the block size is a power
-  of two, so the global index of a block element is ``base | local`` and ``(base | local) ^ k0 = local ^ (k0 ^
-  base)``).
+  padding is sliced off. Stochastic moment rounding (:func:`round_moments`) draws one ``hash_bits`` word per
+  element from its global flat index (block base + in-block index), so the kernel draws the same bits as the XLA
+  path.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from lpt.numerics import round_nearest, round_stochastic
+from lpt.numerics import hash_bits, round_nearest
 from lpt.numerics.random import _mix  # the hash_bits mixer (Triton cannot lower hash_bits' key handling)
 
 __all__ = [
@@ -116,33 +115,47 @@ def kahan_round(t, param_dtype, compensation_dtype):
     return s32, c32
 
 
-def round_moment(x32, *, stochastic: bool, key_words=None, base=None):
-    """Q_m into bf16, returned as f32: nearest, or stochastic with the bits of :func:`lpt.numerics.hash_bits`.
+def _stochastic_bf16(x32, r16):
+    """bf16 stochastic rounding of f32 ``x`` with 16 uniform random bits ``r16`` (u32 < 2^16), as f32.
 
-    ``key_words = (k0, k1)`` (u32 scalars) is the raw key of the moment. ``base=None`` (the XLA path, ``x32`` is the
-    whole leaf) calls :func:`lpt.numerics.round_stochastic`. Inside the kernel (``base`` = global flat index of the
-    block's first element) the same bits and rounding are computed here, because Triton cannot lower the key
-    handling of ``hash_bits`` (it stacks and indexes the two key words): ``r = hash(k, base + i)`` with
-    lpt.numerics.random's mixer, then bf16 stochastic rounding ``(bits + r >> 16) & 0xFFFF0000`` with IEEE overflow
-    to ±inf and non-finite inputs passed through (bf16 shares f32's exponent range: no subnormal case). The
-    interpret-mode test checks it against ``round_stochastic`` bit for bit.
-    """
-    if not stochastic:
-        return round_nearest(x32, jnp.bfloat16, out_dtype=jnp.float32)
-    k0, k1 = key_words
-    if base is None:
-        return round_stochastic(x32, jnp.bfloat16, jnp.stack([k0, k1]), out_dtype=jnp.float32)
-    rows, lanes = x32.shape
-    idx = base + (
-        lax.broadcasted_iota(jnp.uint32, x32.shape, 0) * jnp.uint32(lanes)
-        + lax.broadcasted_iota(jnp.uint32, x32.shape, 1)
-    )  # global flat (row-major) index of each element, as hash_bits numbers them
-    rnd = _mix(_mix(idx ^ k0) + k1)  # = lpt.numerics.hash_bits((k0, k1), leaf shape) at these indices
+    ``(bits(x) + r16) & 0xFFFF0000``: exactly :func:`lpt.numerics.round_stochastic` into bf16 when ``r16`` are the
+    top 16 bits of its random word (bf16 shares f32's exponent range, so there is no subnormal case); overflow goes
+    to ±inf (IEEE) and non-finite inputs pass through."""
     b = lax.bitcast_convert_type(x32, jnp.uint32)  # f32 -> u32 bits
-    r = lax.bitcast_convert_type((b + (rnd >> jnp.uint32(16))) & jnp.uint32(_HI), jnp.float32)  # u32 -> f32
+    r = lax.bitcast_convert_type((b + r16) & jnp.uint32(_HI), jnp.float32)  # u32 -> f32
     inf = lax.bitcast_convert_type((b & jnp.uint32(0x80000000)) | jnp.uint32(0x7F800000), jnp.float32)  # ±inf
     r = jnp.where(jnp.abs(r) > jnp.float32(float(jnp.finfo(jnp.bfloat16).max)), inf, r)
     return jnp.where(jnp.abs(x32) < jnp.float32(jnp.inf), r, x32)  # non-finite (inf, NaN) inputs pass through
+
+
+def moment_bits(shape, key_words, base=None):
+    """One uniform u32 per element: :func:`lpt.numerics.hash_bits` of ``(k0, k1)`` and the element's flat index.
+
+    ``base=None``: the whole leaf, via ``hash_bits``. Inside the kernel ``base`` is the global flat index of the
+    block's first element and the same mixer runs on ``base + i`` here, because Triton cannot lower ``hash_bits``'
+    key handling (it stacks and indexes the two key words)."""
+    k0, k1 = key_words
+    if base is None:
+        return hash_bits(jnp.stack([k0, k1]), shape)
+    idx = base + (
+        lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1]) + lax.broadcasted_iota(jnp.uint32, shape, 1)
+    )  # global flat (row-major) index of each element, as hash_bits numbers them
+    return _mix(_mix(idx ^ k0) + k1)  # lpt.numerics.random's mixer: = hash_bits((k0, k1), leaf shape)[idx]
+
+
+def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None):
+    """Q_m of both moments into bf16, returned as f32: nearest, or stochastic from ONE hash word per element.
+
+    Stochastic: the top 16 bits of :func:`moment_bits` round ``m`` (bit-identical to
+    ``lpt.numerics.round_stochastic(m, bf16, key)``), the low 16 bits round ``v``. bf16 stochastic rounding uses 16
+    random bits, so one 32-bit hash serves both moments: half the hashing of two ``round_stochastic`` calls (the
+    hash, 4 u32 multiplies per word, dominated the stochastic step on XLA:CPU)."""
+    if not stochastic:
+        return round_nearest(m32, jnp.bfloat16, out_dtype=jnp.float32), round_nearest(
+            v32, jnp.bfloat16, out_dtype=jnp.float32
+        )
+    rnd = moment_bits(m32.shape, key_words, base)
+    return _stochastic_bf16(m32, rnd >> jnp.uint32(16)), _stochastic_bf16(v32, rnd & jnp.uint32(0xFFFF))
 
 
 def _leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, base=None):
@@ -153,8 +166,7 @@ def _leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stocha
     p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
     c32 = c.astype(jnp.float32)  # bf16 -> f32 (exact)
     m_new, v_new = moment_update(g32, *unpack_bf16_pair(mv), zero, b1=b1, b2=b2)
-    mq = round_moment(m_new, stochastic=stochastic, key_words=(words[0], words[1]), base=base)
-    vq = round_moment(v_new, stochastic=stochastic, key_words=(words[2], words[3]), base=base)
+    mq, vq = round_moments(m_new, v_new, stochastic=stochastic, key_words=(words[0], words[1]), base=base)
     t = kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, eps=eps, weight_decay=weight_decay)
     s32, c_new32 = kahan_round(t, jnp.bfloat16, jnp.bfloat16)
     # f32 -> bf16 casts below are exact: the values are on the bf16 grid
@@ -172,8 +184,8 @@ def _check(g, p, c, mv, scalars, words):
         raise ValueError(f"adamw_kahan: shapes differ: g {g.shape}, p {p.shape}, c {c.shape}, mv {mv.shape}")
     if scalars.shape != (4,) or scalars.dtype != jnp.float32:
         raise ValueError(f"scalars must be f32[4] (1/c1, 1/c2, -lr, 0), got {scalars.dtype}{list(scalars.shape)}")
-    if words.shape != (4,) or words.dtype != jnp.uint32:
-        raise ValueError(f"words must be uint32[4] (raw keys of m and v), got {words.dtype}{list(words.shape)}")
+    if words.shape != (2,) or words.dtype != jnp.uint32:
+        raise ValueError(f"words must be uint32[2] (the moments' raw key), got {words.dtype}{list(words.shape)}")
 
 
 def adamw_kahan_reference(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic):
@@ -185,7 +197,7 @@ def adamw_kahan_reference(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_de
 
 def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, p_out, c_out, mv_out, *, block, hp):
     scalars = (sc_ref[0], sc_ref[1], sc_ref[2], sc_ref[3])
-    words = (w_ref[0], w_ref[1], w_ref[2], w_ref[3])
+    words = (w_ref[0], w_ref[1])
     base = (pl.program_id(0) * block).astype(jnp.uint32) if hp["stochastic"] else None  # int32 -> u32
     p_new, c_new, mv_new = _leaf_math(g_ref[...], p_ref[...], c_ref[...], mv_ref[...], scalars, words, base=base, **hp)
     p_out[...] = p_new
@@ -199,7 +211,7 @@ def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, interpret, compiler_param
     if smem:
         scalar_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)] * 2
     else:
-        scalar_specs = [pl.BlockSpec((4,), lambda i: (0,))] * 2
+        scalar_specs = [pl.BlockSpec((4,), lambda i: (0,)), pl.BlockSpec((2,), lambda i: (0,))]
     kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp)
     return pl.pallas_call(
         kernel,
@@ -223,7 +235,7 @@ def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stoch
     Args:
       g, p, c, mv: gradient (any float dtype), bf16 param, bf16 compensation, packed bf16 moments (uint32).
       scalars: f32[4] ``(1/c1, 1/c2, -lr, 0)`` (the 0 is :func:`no_fma`'s runtime zero).
-      words: uint32[4], the raw keys of m's and v's stochastic rounding.
+      words: uint32[2], the raw key of the moments' stochastic rounding (see :func:`round_moments`).
       block_rows: rows of 128 lanes per program (a power of two >= 16; shrinks for small leaves).
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform with
         ``lax.platform_dependent``: interpreter on CPU, Triton on CUDA, Mosaic on TPU.

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lpt.kernels.adamw_kahan import moment_update, runtime_zero
+from lpt.kernels.adamw_kahan import moment_update, round_moments, runtime_zero
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.leaves import leaf_id
 
@@ -42,7 +42,9 @@ def scale_by_adam(
     Per leaf, in f32: ``m = Q(b1·m + (1−b1)·g)``, ``v = Q(b2·v + (1−b2)·g²)``,
     ``u = m·(1/(1−b1^t)) / (sqrt(v·(1/(1−b2^t))) + eps)`` (from the stored moments); ``Q`` rounds into ``moment_dtype``
     (default: the param dtype, so bf16 params get bf16 moments: 4 bytes/param of state). ``Q`` is stochastic
-    rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding. The update ``u`` is f32.
+    rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding; bf16 moments share one hash word
+    per element (m from its top 16 bits, v from its low 16: :func:`lpt.kernels.adamw_kahan.round_moments`).
+    The update ``u`` is f32.
     """
     if rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"rounding must be one of {MOMENT_ROUNDINGS}, got {rounding!r}")
@@ -77,7 +79,12 @@ def scale_by_adam(
             g32 = jnp.asarray(g).astype(jnp.float32)  # grad dtype -> f32
             m32, v32 = moment_update(g32, m.astype(jnp.float32), v.astype(jnp.float32), zero, b1=b1, b2=b2)
             km, kv = jax.random.split(key)
-            m_q, v_q = store(m32, m, km), store(v32, v, kv)
+            if m.dtype == v.dtype == jnp.bfloat16:  # both from one hash word per element (see round_moments)
+                words = jax.random.key_data(km).astype(jnp.uint32).reshape(-1)  # typed key -> raw u32[2]
+                mq32, vq32 = round_moments(m32, v32, stochastic=rounding == "stochastic", key_words=words)
+                m_q, v_q = mq32.astype(jnp.bfloat16), vq32.astype(jnp.bfloat16)  # f32 -> bf16 (exact: on the grid)
+            else:
+                m_q, v_q = store(m32, m, km), store(v32, v, kv)
             # the update uses the stored (rounded) moments: what the next step will see, and on XLA:CPU it lets
             # the update fusion read the new moments instead of keeping copies of the old ones
             m32, v32 = m_q.astype(jnp.float32), v_q.astype(jnp.float32)  # moment dtype -> f32 (exact)
