@@ -119,13 +119,12 @@ def _stochastic_bf16(x32, r16):
     """bf16 stochastic rounding of f32 ``x`` with 16 uniform random bits ``r16`` (u32 < 2^16), as f32.
 
     ``(bits(x) + r16) & 0xFFFF0000``: exactly :func:`lpt.numerics.round_stochastic` into bf16 when ``r16`` are the
-    top 16 bits of its random word (bf16 shares f32's exponent range, so there is no subnormal case); overflow goes
-    to ±inf (IEEE) and non-finite inputs pass through."""
+    top 16 bits of its random word. bf16 shares f32's exponent range, so there is no subnormal case, a carry out of
+    the largest bf16 lands exactly on ±inf (IEEE overflow) and ±inf stay ±inf (their low 16 bits are 0); only NaN
+    must be passed through (a payload could carry into the sign bit)."""
     b = lax.bitcast_convert_type(x32, jnp.uint32)  # f32 -> u32 bits
     r = lax.bitcast_convert_type((b + r16) & jnp.uint32(_HI), jnp.float32)  # u32 -> f32
-    inf = lax.bitcast_convert_type((b & jnp.uint32(0x80000000)) | jnp.uint32(0x7F800000), jnp.float32)  # ±inf
-    r = jnp.where(jnp.abs(r) > jnp.float32(float(jnp.finfo(jnp.bfloat16).max)), inf, r)
-    return jnp.where(jnp.abs(x32) < jnp.float32(jnp.inf), r, x32)  # non-finite (inf, NaN) inputs pass through
+    return jnp.where(x32 != x32, x32, r)
 
 
 def moment_bits(shape, key_words, base=None):
