@@ -110,8 +110,8 @@ def _narrow_exact(x32, dtype):
 
 
 def _leaf_keys(step_key, names):
-    """``split(fold_in(step_key, leaf_id(name)))`` for every leaf, as one batched threefry call (vmap keeps the
-    values): per-leaf calls cost XLA:CPU ~5 ms of small ops per leaf and step (measured: 60 ms for 12 leaves)."""
+    """``split(fold_in(step_key, leaf_id(name)))`` for every leaf, computed as one batched (vmapped) threefry call
+    instead of one small call per leaf: the same keys, fewer tiny ops for XLA to run every step."""
     if not names:
         return []
     ids = jnp.asarray([leaf_id(n) for n in names], jnp.uint32)
