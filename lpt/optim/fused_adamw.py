@@ -130,6 +130,7 @@ def fused_kahan_adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
+    weight_decay_mask=None,
     moment_dtype=None,
     moment_rounding: str = "stochastic",
     compensation_dtype=None,
@@ -144,7 +145,9 @@ def fused_kahan_adamw(
     Emits ``new_p.astype(f32) − p.astype(f32)`` like every lpt update rule (``optax.apply_updates`` reproduces
     ``new_p`` bit for bit). f32/f64 leaves get plain AdamW in f32. ``impl="pallas"`` needs bf16 params, moments and
     compensation on its rounded leaves; ``interpret`` is passed to the kernel (None: per platform, True: the
-    Pallas interpreter everywhere). ``sequential_leaves`` (XLA path) chains the leaves through one element of each
+    Pallas interpreter everywhere). ``weight_decay_mask``: None (decay every leaf), or a tree of bools like the
+    params, or a callable ``params -> tree of bools`` (as optax's ``mask``): False leaves get no decay.
+    ``sequential_leaves`` (XLA path) chains the leaves through one element of each
     leaf's new compensation so the f32 temporaries of <= 3 leaves exist at a time (see ``_runtime_one``); on a
     multi-device mesh that element costs one scalar all-reduce + all-gather per leaf and step: pass False there to
     avoid them (the transient is then 4 bytes/param of the whole tree) or use ``impl="pallas"``.
@@ -196,10 +199,11 @@ def fused_kahan_adamw(
         flat_mv = treedef.flatten_up_to(state.moments)
         flat_c = treedef.flatten_up_to(state.compensation)
         leaf_keys = _leaf_keys(step_key, [jax.tree_util.keystr(path) for path, _ in flat_p])
+        decays = _decay_flags(weight_decay_mask, params, treedef)
         out_d, out_mv, out_c, stats = [], [], [], []
-        hp = dict(eps=eps, weight_decay=weight_decay)
         dep = jnp.uint32(0)
-        for (path, p), g, mv, c in zip(flat_p, flat_g, flat_mv, flat_c, strict=True):
+        for (path, p), g, mv, c, decay in zip(flat_p, flat_g, flat_mv, flat_c, decays, strict=True):
+            hp = dict(eps=eps, weight_decay=weight_decay if decay else 0.0)
             name = jax.tree_util.keystr(path)
             p, g = jnp.asarray(p), jnp.asarray(g)
             if p.shape != g.shape:
@@ -262,6 +266,21 @@ def fused_kahan_adamw(
         return unf(out_d), KahanAdamWState(count, unf(out_mv), unf(out_c), diag)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _decay_flags(mask, params, treedef) -> list[bool]:
+    """One Python bool per leaf: does decoupled weight decay apply (optax-style ``mask``: None, tree, callable)."""
+    if mask is None:
+        return [True] * treedef.num_leaves
+    tree = mask(params) if callable(mask) else mask
+    try:
+        flags = treedef.flatten_up_to(tree)
+    except ValueError as e:
+        raise ValueError(f"weight_decay_mask must have the params' tree structure {treedef}: {e}") from None
+    for f in flags:
+        if not isinstance(f, (bool, np.bool_)):
+            raise ValueError(f"weight_decay_mask leaves must be Python bools (static), got {type(f).__name__}")
+    return [bool(f) for f in flags]
 
 
 def _summarize(stats) -> UpdateDiagnostics:

@@ -54,6 +54,7 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
+    weight_decay_mask=None,
     update: str = "kahan",
     moment_dtype=None,
     moment_rounding: str = "stochastic",
@@ -68,12 +69,14 @@ def adamw(
     :func:`lpt.optim.scale_by_adam`) and, with ``update="kahan"``, the compensation in bf16: 8 bytes per parameter
     (param, mu, nu, compensation) instead of the 14 of f32 master weights + f32 moments + a bf16 compute copy. The
     decoupled weight decay is part of the compensated update, so it takes effect even when ``lr·wd`` is far below
-    an ulp. ``update`` is one of :data:`UPDATE_RULES`.
+    an ulp. ``update`` is one of :data:`UPDATE_RULES`; ``weight_decay_mask`` (tree of bools or callable, as optax's
+    ``mask``) turns the decay off per leaf.
     """
     parts = [] if grad_clip is None else [optax.clip_by_global_norm(grad_clip)]
+    decay = add_decayed_weights(weight_decay)
     parts += [
         scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype, rounding=moment_rounding, seed=seed),
-        add_decayed_weights(weight_decay),
+        decay if weight_decay_mask is None else optax.masked(decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
         update_rule(update, seed=seed + 1, diagnostics=diagnostics, compensation_dtype=compensation_dtype),
     ]
@@ -87,6 +90,7 @@ def kahan_adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
+    weight_decay_mask=None,
     moment_dtype=None,
     moment_rounding: str = "stochastic",
     grad_clip: float | None = None,
@@ -102,6 +106,7 @@ def kahan_adamw(
     The same numbers as ``adamw(..., update="kahan")`` (bit for bit), computed in fewer passes over memory (see
     :mod:`lpt.optim.fused_adamw`); its state is a :class:`KahanAdamWState` with the two moments packed per element.
     ``impl="pallas"`` uses the fused Pallas kernel (GPU/TPU; ``interpret=True`` runs it interpreted anywhere).
+    ``weight_decay_mask`` (a tree of bools or a callable, as optax's ``mask``) turns the decay off per leaf.
     With ``grad_clip`` the result is ``optax.chain(clip_by_global_norm(grad_clip), <fused>)``. On a multi-device
     mesh pass ``sequential_leaves=False`` (see :func:`lpt.optim.fused_adamw.fused_kahan_adamw`).
     """
@@ -111,6 +116,7 @@ def kahan_adamw(
         b2=b2,
         eps=eps,
         weight_decay=weight_decay,
+        weight_decay_mask=weight_decay_mask,
         moment_dtype=moment_dtype,
         moment_rounding=moment_rounding,
         compensation_dtype=compensation_dtype,

@@ -87,6 +87,24 @@ def test_fused_matches_the_chain(pdt, mdt, rounding):
         np.testing.assert_allclose(float(df[name]), float(dc[name]), rtol=1e-3, err_msg=name)
 
 
+def test_weight_decay_mask():
+    p0 = {"a": jnp.full((64,), 1.5, jnp.bfloat16), "b": jnp.full((64,), 1.5, jnp.bfloat16)}
+    zero = jax.tree.map(jnp.zeros_like, p0)
+    kw = dict(weight_decay=0.5, moment_rounding="nearest", weight_decay_mask=lambda p: {"a": True, "b": False})
+    out = {}
+    for name, tx in {"fused": O.kahan_adamw(1e-2, **kw), "chain": O.adamw(1e-2, update="kahan", **kw)}.items():
+        step = jax.jit(lambda g, st, p, tx=tx: (lambda d, s: (optax.apply_updates(p, d), s))(*tx.update(g, st, p)))
+        p, st = p0, tx.init(p0)
+        for _ in range(20):
+            p, st = step(zero, st, p)
+        out[name] = p
+    a, b = np.asarray(out["fused"]["a"], np.float32), np.asarray(out["fused"]["b"], np.float32)
+    np.testing.assert_allclose(a, 1.5 * (1 - 5e-3) ** 20, rtol=2e-3)  # decays like f32 (lr·wd = 5e-3 per step)
+    np.testing.assert_array_equal(b, 1.5)  # masked out: zero gradient, no decay
+    for k in p0:
+        np.testing.assert_array_equal(_bits(out["fused"][k]), _bits(out["chain"][k]))
+
+
 def _compiled_structure(tx, p):
     def step(p, s, g):
         d, s = tx.update(g, s, p)
@@ -136,5 +154,9 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="trees differ"):
         tx = O.kahan_adamw(1e-3)
         tx.update({"v": jnp.zeros(3)}, tx.init({"w": jnp.zeros(3, jnp.bfloat16)}), {"w": jnp.zeros(3, jnp.bfloat16)})
+    with pytest.raises(ValueError, match="weight_decay_mask must have the params' tree structure"):
+        tx = O.kahan_adamw(1e-3, weight_decay_mask={"x": True})
+        q = {"w": jnp.zeros(3, jnp.bfloat16)}
+        tx.update(q, tx.init(q), q)
     with pytest.raises(ValueError, match="moment_rounding must be one of"):
         O.kahan_adamw(1e-3, moment_rounding="up")
