@@ -228,42 +228,55 @@ def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, interpret, compiler_param
     )(sc, w, g2, p2, c2, mv2)
 
 
-def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, block_rows=512, interpret=None):
+TPU_BLOCK_ROWS = 512  # 64K elements per program: ~1.2 MB of VMEM per buffer set, double-buffered
+TRITON_BLOCK_ROWS = 16  # 2K elements per program: 16 per thread with 4 warps (a big block would spill registers)
+
+
+def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, block_rows=None, interpret=None):
     """Pallas kernel: one pass ``(g, p, c, mv) -> (p', c', mv')`` for one leaf of any shape (see module doc).
 
     Args:
       g, p, c, mv: gradient (any float dtype), bf16 param, bf16 compensation, packed bf16 moments (uint32).
       scalars: f32[4] ``(1/c1, 1/c2, -lr, 0)`` (the 0 is :func:`no_fma`'s runtime zero).
       words: uint32[2], the raw key of the moments' stochastic rounding (see :func:`round_moments`).
-      block_rows: rows of 128 lanes per program (a power of two >= 16; shrinks for small leaves).
+      block_rows: rows of 128 lanes per program, a power of two >= 16 (shrinks for small leaves). None: per
+        platform, :data:`TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`TRITON_BLOCK_ROWS` on CUDA.
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform with
         ``lax.platform_dependent``: interpreter on CPU, Triton on CUDA, Mosaic on TPU.
     """
     _check(g, p, c, mv, scalars, words)
-    if block_rows < 16 or block_rows & (block_rows - 1):
+    if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
     if interpret not in (None, True):
         raise ValueError(f"interpret must be None (choose per platform) or True, got {interpret!r}")
     n = math.prod(p.shape)
+    if n == 0:
+        return p, c, mv
     rows = -(-n // LANES)
-    block_rows = min(block_rows, max(16, 1 << (rows - 1).bit_length()))
-    rows_pad = -(-rows // block_rows) * block_rows
+    fit = max(16, 1 << (rows - 1).bit_length())  # blocks never exceed the next power of two of the leaf's rows
+    big = min(TPU_BLOCK_ROWS if block_rows is None else block_rows, fit)
+    small = min(TRITON_BLOCK_ROWS if block_rows is None else block_rows, fit)
+    rows_pad = -(-rows // big) * big  # a multiple of both block sizes (powers of two, small <= big)
 
     def flat(x):
         return jnp.pad(x.reshape(-1), (0, rows_pad * LANES - n)).reshape(rows_pad, LANES)
 
     args = (scalars, words, flat(g), flat(p), flat(c), flat(mv))
     hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
-    run = functools.partial(_pallas, block_rows=block_rows, hp=hp)
+    run = functools.partial(_pallas, hp=hp)
+    interpreted = functools.partial(run, block_rows=big, interpret=True, compiler_params=None, smem=False)
     if interpret:
-        outs = run(*args, interpret=True, compiler_params=None, smem=False)
+        outs = interpreted(*args)
     else:
         outs = lax.platform_dependent(
             *args,
-            cpu=functools.partial(run, interpret=True, compiler_params=None, smem=False),
-            cuda=functools.partial(run, interpret=False, compiler_params=pltriton.CompilerParams(), smem=False),
+            cpu=interpreted,
+            cuda=functools.partial(
+                run, block_rows=small, interpret=False, compiler_params=pltriton.CompilerParams(), smem=False
+            ),
             tpu=functools.partial(
                 run,
+                block_rows=big,
                 interpret=False,
                 compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
                 smem=True,
