@@ -198,8 +198,8 @@ def fused_kahan_adamw(
         flat_g = treedef.flatten_up_to(updates)
         flat_mv = treedef.flatten_up_to(state.moments)
         flat_c = treedef.flatten_up_to(state.compensation)
-        leaf_keys = _leaf_keys(step_key, [jax.tree_util.keystr(path) for path, _ in flat_p])
         decays = _decay_flags(weight_decay_mask, params, treedef)
+        leaf_keys = _leaf_keys(step_key, [jax.tree_util.keystr(path) for path, _ in flat_p])
         out_d, out_mv, out_c, stats = [], [], [], []
         dep = jnp.uint32(0)
         for (path, p), g, mv, c, decay in zip(flat_p, flat_g, flat_mv, flat_c, decays, strict=True):

@@ -92,12 +92,23 @@ _SHARDED = textwrap.dedent(
     out = jax.jit(tx.update, out_shardings=(sh, None))(us, st, ps)[0]["w"]
     assert len(out.sharding.device_set) == 4
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    # kahan_adamw: its state (packed moments, compensation) shards like the params; sharded == unsharded
+    w = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 32)), jnp.bfloat16)}
+    g = {"w": jnp.asarray(np.random.default_rng(1).standard_normal((64, 32)), jnp.bfloat16)}
+    tx = O.kahan_adamw(1e-2, weight_decay=0.1, sequential_leaves=False)
+    st = tx.init(w)
+    ref_d, ref_st = jax.jit(tx.update)(g, st, w)
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(x, sh if x.ndim == 2 else NamedSharding(mesh, P())), t)
+    out_d, out_st = jax.jit(tx.update)(put(g), put(st), put(w))
+    assert len(out_st.moments["w"].sharding.device_set) == 4 and len(out_st.compensation["w"].sharding.device_set) == 4
+    for a, b in zip(jax.tree.leaves((out_d, out_st)), jax.tree.leaves((ref_d, ref_st))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     print("OK", float(jnp.mean(ref)))
     """
 )
 
 
-def test_stochastic_rounding_is_sharding_invariant():
+def test_stochastic_rounding_and_kahan_adamw_are_sharding_invariant():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
