@@ -62,7 +62,8 @@ def test_fused_matches_the_chain(pdt, mdt, rounding):
     lpt.kernels.adamw_kahan.no_fma): there ``p - c``, the f32 value Kahan tracks, still agrees to 2^-12 (measured
     2^-13.8)."""
     sched = optax.linear_schedule(1e-2, 1e-3, 3)
-    kw = dict(weight_decay=0.1, moment_rounding=rounding, moment_dtype=mdt, seed=4, diagnostics=True)
+    diag = pdt != "mixed"  # diagnostics compared once (they cost compile time)
+    kw = dict(weight_decay=0.1, moment_rounding=rounding, moment_dtype=mdt, seed=4, diagnostics=diag)
     p0 = _tree(pdt) if pdt != "mixed" else {k: _tree(d, seed=i)["w"] for i, (k, d) in enumerate(MIXED.items())}
     if pdt == "mixed":
         p0["f32"] = _tree(jnp.bfloat16)["b"]
@@ -83,6 +84,7 @@ def test_fused_matches_the_chain(pdt, mdt, rounding):
     assert np.any(np.asarray(comp_f[key], np.float32) != 0)  # the compensation is really used
     assert not np.array_equal(_bits(pf[key]), _bits(p0[key]))
     df, dc = O.get_diagnostics(sf), O.get_diagnostics(sc)
+    assert len(df) == (3 if diag else 0)
     for name in df:
         np.testing.assert_allclose(float(df[name]), float(dc[name]), rtol=1e-3, err_msg=name)
 
