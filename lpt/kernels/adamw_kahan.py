@@ -82,11 +82,28 @@ def runtime_zero(count):
     return (count >> 31).astype(jnp.uint32)  # int32 -> u32
 
 
+def f32(h) -> jax.Array:
+    """A hyperparameter as an f32 scalar: Python numbers exactly as ``jnp.float32(h)``, traced ones (from
+    ``optax.inject_hyperparams``, maybe in bf16) converted."""
+    return jnp.asarray(h).astype(jnp.float32)  # hyperparameter -> f32
+
+
+def one_minus(h) -> jax.Array:
+    """``1 − h`` as f32: in f64 then rounded for Python numbers (as the chain always did), in f32 for traced ones."""
+    if isinstance(h, (int, float)):
+        return jnp.float32(1 - h)
+    return jnp.float32(1) - f32(h)
+
+
+def is_static_zero(h) -> bool:
+    return isinstance(h, (int, float)) and h == 0
+
+
 def moment_update(g32, m32, v32, zero_u32, *, b1: float, b2: float):
     """Unrounded f32 moments: ``b1·m + (1−b1)·g`` and ``b2·v + (1−b2)·g²`` (the order of lpt.optim.scale_by_adam),
     products not contracted into FMAs (:func:`no_fma`)."""
-    m_new = no_fma(jnp.float32(b1) * m32, zero_u32) + no_fma(jnp.float32(1 - b1) * g32, zero_u32)
-    v_new = no_fma(jnp.float32(b2) * v32, zero_u32) + no_fma(jnp.float32(1 - b2) * (g32 * g32), zero_u32)
+    m_new = no_fma(f32(b1) * m32, zero_u32) + no_fma(one_minus(b1) * g32, zero_u32)
+    v_new = no_fma(f32(b2) * v32, zero_u32) + no_fma(one_minus(b2) * (g32 * g32), zero_u32)
     return m_new, v_new
 
 
@@ -95,9 +112,9 @@ def adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, *, eps: float, we
 
     The bias corrections are multiplications by precomputed reciprocals (what XLA's simplifier makes of a division
     by a broadcast scalar anyway), so every backend computes the same bits."""
-    a = (mq32 * inv_c1) / (jnp.sqrt(vq32 * inv_c2) + jnp.float32(eps))
-    if weight_decay:
-        a = a + no_fma(jnp.float32(weight_decay) * p32, zero_u32)
+    a = (mq32 * inv_c1) / (jnp.sqrt(vq32 * inv_c2) + f32(eps))
+    if not is_static_zero(weight_decay):
+        a = a + no_fma(f32(weight_decay) * p32, zero_u32)
     return a
 
 

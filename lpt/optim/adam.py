@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lpt.kernels.adamw_kahan import moment_update, round_moments, runtime_zero
+from lpt.kernels.adamw_kahan import f32, moment_update, round_moments, runtime_zero
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.leaves import leaf_id
 
@@ -67,8 +67,8 @@ def scale_by_adam(
         del params
         count = optax.safe_int32_increment(state.count)
         t = count.astype(jnp.float32)  # int32 -> f32
-        inv_c1 = 1.0 / (1.0 - jnp.float32(b1) ** t)  # bias corrections as reciprocals: the same bits on every
-        inv_c2 = 1.0 / (1.0 - jnp.float32(b2) ** t)  # backend (XLA rewrites x / scalar into x * (1 / scalar))
+        inv_c1 = 1.0 / (1.0 - f32(b1) ** t)  # bias corrections as reciprocals: the same bits on every
+        inv_c2 = 1.0 / (1.0 - f32(b2) ** t)  # backend (XLA rewrites x / scalar into x * (1 / scalar))
         step_key = jax.random.fold_in(jax.random.key(seed), count)
         zero = runtime_zero(count)  # keeps products out of FMAs: the same bits in every fusion (see no_fma)
         flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
@@ -88,7 +88,7 @@ def scale_by_adam(
             # the update uses the stored (rounded) moments: what the next step will see, and on XLA:CPU it lets
             # the update fusion read the new moments instead of keeping copies of the old ones
             m32, v32 = m_q.astype(jnp.float32), v_q.astype(jnp.float32)  # moment dtype -> f32 (exact)
-            out_u.append((m32 * inv_c1) / (jnp.sqrt(v32 * inv_c2) + jnp.float32(eps)))
+            out_u.append((m32 * inv_c1) / (jnp.sqrt(v32 * inv_c2) + f32(eps)))
             out_m.append(m_q)
             out_v.append(v_q)
         unf = treedef.unflatten

@@ -157,6 +157,12 @@ def fused_kahan_adamw(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     stochastic = moment_rounding == "stochastic"
+    if impl == "pallas" and not all(isinstance(h, (int, float)) for h in (b1, b2, eps, weight_decay)):
+        raise ValueError(
+            "kahan_adamw(impl='pallas') compiles b1, b2, eps and weight_decay into the kernel: they must be Python "
+            "numbers (with optax.inject_hyperparams, inject only the learning rate: static_args=('b1', 'b2', 'eps', "
+            "'weight_decay', ...))"
+        )
 
     def mdt_of(pdt):
         return jnp.dtype(pdt if moment_dtype is None else moment_dtype)
@@ -188,8 +194,8 @@ def fused_kahan_adamw(
         _check("kahan_adamw", updates, params)
         count = optax.safe_int32_increment(state.count)
         t_f = count.astype(jnp.float32)  # int32 -> f32
-        inv_c1 = 1.0 / (1.0 - jnp.float32(b1) ** t_f)  # as lpt.optim.scale_by_adam
-        inv_c2 = 1.0 / (1.0 - jnp.float32(b2) ** t_f)
+        inv_c1 = 1.0 / (1.0 - K.f32(b1) ** t_f)  # as lpt.optim.scale_by_adam
+        inv_c2 = 1.0 / (1.0 - K.f32(b2) ** t_f)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         neg_lr = jnp.asarray(-1 * lr).astype(jnp.float32)  # schedule value -> f32 (as optax's scale_by_schedule)
         step_key = jax.random.fold_in(jax.random.key(seed), count)

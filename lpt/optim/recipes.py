@@ -38,9 +38,9 @@ def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError("add_decayed_weights needs the parameters: call update(updates, state, params)")
-        if not weight_decay:
+        if isinstance(weight_decay, (int, float)) and weight_decay == 0:
             return updates, state
-        wd = jnp.float32(weight_decay)
+        wd = jnp.asarray(weight_decay).astype(jnp.float32)  # hyperparameter (maybe traced) -> f32
         # update -> f32; param dtype -> f32 (exact)
         return jax.tree.map(lambda u, p: u.astype(jnp.float32) + wd * p.astype(jnp.float32), updates, params), state
 

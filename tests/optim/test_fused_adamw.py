@@ -107,6 +107,20 @@ def test_weight_decay_mask():
         np.testing.assert_array_equal(_bits(out["fused"][k]), _bits(out["chain"][k]))
 
 
+def test_inject_hyperparams_matches_static():
+    """optax.inject_hyperparams passes every hyperparameter traced (f32 here: with bf16 params its default dtype is
+    bf16, where b2 = 0.999 rounds to 1.0); the fused transform must not branch on them. Same result up to the f32
+    rounding of ``1 − b1`` (f64 then rounded for Python floats, f32 arithmetic for traced ones)."""
+    p = _tree(jnp.bfloat16)
+    kw = dict(learning_rate=1e-2, weight_decay=0.1, moment_rounding="nearest")
+    pi, si = _run(optax.inject_hyperparams(O.kahan_adamw, hyperparam_dtype=jnp.float32)(**kw), p, steps=2)
+    ps, ss = _run(O.kahan_adamw(**kw), p, steps=2)
+    np.testing.assert_allclose(np.asarray(pi["b"]), np.asarray(ps["b"]), rtol=1e-6)
+    w_i, w_s = O.to_f32(pi, si.inner_state.compensation)["w"], O.to_f32(ps, ss.compensation)["w"]
+    np.testing.assert_allclose(np.asarray(w_i), np.asarray(w_s), rtol=1e-4)
+    assert np.mean(_bits(pi["w"]) == _bits(ps["w"])) > 0.99
+
+
 def _compiled_structure(tx, p):
     def step(p, s, g):
         d, s = tx.update(g, s, p)
