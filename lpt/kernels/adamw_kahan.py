@@ -7,12 +7,14 @@ One step for a parameter ``p`` with gradient ``g``, compensation ``c`` and momen
     t  = p + (u − c)                                                         (Kahan: y = u − c, t = p + y)
     p' = Q_p(t)                          c' = Q_c(p' − t)                    (round to nearest, seed 000 Alg. 1)
 
-This is exactly ``lpt.optim.scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> kahan_summation``
-(the moments feed the update after rounding, as in the chain). Both moments of an element travel packed in one
+This is ``lpt.optim.scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> kahan_summation`` (the
+moments feed the update after rounding, as in the chain), with every product kept out of FMAs (:func:`no_fma`) so
+that every fusion and backend computes the same bits. Both moments of an element travel packed in one
 ``uint32`` (m's bf16 bits high, v's low), so the state is 8 bytes/param: p, c (2 each) and the packed moments (4).
 
-* :func:`moment_update`, :func:`kahan_target`, :func:`kahan_round`: the math above in three stages, pure jnp; the
-  XLA path (``lpt.optim.kahan_adamw(impl="xla")``) and the kernel both call them, so they agree bit for bit.
+* :func:`moment_update`, :func:`round_moments`, :func:`kahan_target`, :func:`kahan_round`: the math above in
+  stages, pure jnp; the XLA path (``lpt.optim.kahan_adamw(impl="xla")``) and the kernel both call them, so they
+  agree bit for bit (tested in interpret mode).
 * :func:`adamw_kahan_reference`: the XLA twin of the kernel on one leaf (any shape).
 * :func:`adamw_kahan`: the Pallas kernel, one pass over ``(g, p, c, mv)`` -> ``(p', c', mv')`` with the outputs
   aliased to the inputs. Memory traffic: reads 2+2+2+4, writes 2+2+4 = 18 bytes/param (an f32-master AdamW moves
