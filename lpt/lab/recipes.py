@@ -2,11 +2,13 @@
 
 Each recipe of :data:`lpt.lab.runs.RECIPES` is trained by the trainer itself (``lpt.train``'s ``train``) from the
 same init, data order and schedule; the table gives its validation loss relative to the f32 run, the fraction of
-update elements that rounding cancelled (the seed-000 mechanism, from the optimizer diagnostics), the step time
-relative to the f32 step (interleaved timing, :func:`lpt.lab.runs.time_interleaved`) and the persistent bytes per
-parameter (params + optimizer state). The learning rate is 1e-3 for every recipe: there, late in the cosine schedule,
-most bf16 updates fall below half an ulp of their weight (the regime seed 000 is about; at tiny_cpu's default 3e-3
-the bf16 runs differ by bf16 compute noise more than by the update rule).
+update elements that rounding cancelled (the seed-000 mechanism, from the optimizer diagnostics), and from
+:func:`lpt.lab.cost.measure` the step time relative to the f32 step (interleaved timing after training, so machine
+load during the runs does not enter) and the persistent bytes per parameter (params + optimizer state).
+The learning rate is 1e-3 for every recipe: there, late in the cosine schedule, most bf16 updates fall below half
+an ulp of their weight (the regime seed 000 is about; at tiny_cpu's default 3e-3 the bf16 runs differ by bf16
+compute noise more than by the update rule). Runs resume from ``DIR/recipes_runs/<recipe>``: rerunning with the
+same ``--out`` only re-evaluates finished runs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lpt.lab import runs
+from lpt.lab import cost, runs
 
 LR = "1e-3"
 FULL = {"optim.lr": LR, "train.diagnostics_every": "0"}  # tiny_cpu's own budget: 600 steps of 32 x 64 tokens
@@ -73,9 +75,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
     results = train_recipes(names, overrides, workdir)
 
     cfgs = {n: runs.recipe_config(n, overrides) for n in names}
-    sizes = {n: runs.state_bytes(cfgs[n]) for n in names}
-    # median tokens/s over the logging intervals after the first (which holds the compile)
-    speed = {n: float(np.nanmedian(results[n]["train"]["tokens_per_sec"][1:])) for n in names}
+    cost_of = cost.measure(names, overrides, rounds=2 if quick else 5, batches=3 if quick else 6)
 
     base = results[runs.BASELINE]["eval_loss"]
     out: dict = {"baseline_eval_loss": base, "unigram": results[runs.BASELINE]["unigram"]}
@@ -88,8 +88,8 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
             "eval_loss": r["eval_loss"],
             "vs_f32": r["eval_loss"] / base - 1.0,
             "cancelled_late": late,
-            "step_time_ratio": speed[runs.BASELINE] / speed[n],
-            "bytes_per_param": sizes[n]["bytes_per_param"],
+            "step_time_ratio": cost_of[n]["time_ratio"],
+            "bytes_per_param": cost_of[n]["bytes_per_param"],
         }
         o = out[n]
         rows.append(
@@ -117,21 +117,28 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
         f"tokens, lr {cfgs[runs.BASELINE].optim.lr:g} (cosine), same init and data order; overrides {overrides}. "
         f"Unigram baseline "
         f"{out['unigram']:.4f}. *cancelled* = fraction of update elements that left their weight unchanged, mean over "
-        f"the last fifth of the run. Step time: median tokens/s of the run's logging intervals relative to fp32's "
-        "(XLA:CPU; FP8 is emulated on CPU; the `cost` section times the steps interleaved, which is the steadier "
-        "number). Bytes/param = params + optimizer state."
+        f"the last fifth of the run. Step time: the trainer's jitted step timed in interleaved rounds after training "
+        "(XLA:CPU, where bf16 is not faster than f32 and FP8 is emulated: overheads, not GPU speed-ups; see `cost`). "
+        "Bytes/param = params + optimizer state."
     )
     report.table(["recipe", "what", "val loss", "vs fp32", "cancelled", "step time vs fp32", "bytes/param"], rows)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    base_ev = results[runs.BASELINE]["eval"]
     for n in names:
         tr, ev = results[n]["train"], results[n]["eval"]
-        (line,) = ax.plot(tr["step"], tr["loss"], lw=1, alpha=0.6, label=n)
-        ax.plot(ev["step"], ev["eval_loss"], "o-", color=line.get_color(), ms=3)
+        (line,) = ax.plot(tr["step"], tr["loss"], lw=1, alpha=0.7, label=n)
+        common = np.intersect1d(ev["step"], base_ev["step"])
+        ratio = [ev["eval_loss"][ev["step"] == s][0] / base_ev["eval_loss"][base_ev["step"] == s][0] for s in common]
+        ax2.plot(common, 100 * (np.array(ratio) - 1), "o-", color=line.get_color(), ms=3, label=n)
     ax.axhline(out["unigram"], color="grey", ls=":", lw=1, label="unigram")
-    title = f"tiny_cpu recipes, lr {cfgs[runs.BASELINE].optim.lr:g} (dots: validation)"
-    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=title)
+    ax.set(xlabel="step", ylabel="training loss (nats/byte)", title=f"lr {cfgs[runs.BASELINE].optim.lr:g}, cosine")
     ax.set_ylim(top=out["unigram"] + 0.3)
     ax.legend(fontsize=7)
-    report.figure(fig, "recipes_loss", "Training loss (lines) and validation loss (dots) of every recipe.")
+    ax2.axhline(0, color="grey", lw=1)
+    ax2.axhspan(-1, 1, color="grey", alpha=0.1)
+    ax2.set(xlabel="step", ylabel="validation loss vs fp32 (%)", title="validation loss relative to the f32 run")
+    report.figure(
+        fig, "recipes_loss", "Training loss of every recipe (left); validation loss relative to fp32, ±1% shaded."
+    )
     return out
