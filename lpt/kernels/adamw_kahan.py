@@ -37,7 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from lpt.numerics import hash_bits, round_nearest
-from lpt.numerics.random import _mix  # the hash_bits mixer (Triton cannot lower hash_bits' key handling)
+from lpt.numerics.random import hash_index  # hash_bits' keyed hash (Triton cannot lower hash_bits' key handling)
 
 __all__ = [
     "adamw_direction",
@@ -158,7 +158,7 @@ def moment_bits(shape, key_words, base=None):
     idx = base + (
         lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1]) + lax.broadcasted_iota(jnp.uint32, shape, 1)
     )  # global flat (row-major) index of each element, as hash_bits numbers them
-    return _mix(_mix(idx ^ k0) + k1)  # lpt.numerics.random's mixer: = hash_bits((k0, k1), leaf shape)[idx]
+    return hash_index(idx, k0, k1)  # = hash_bits((k0, k1), leaf shape)[idx]
 
 
 def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None):

@@ -170,6 +170,11 @@ def test_hash_bits_statistics():
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.005  # neighbours look independent (sigma 0.001)
     v = np.asarray(N.hash_bits(jax.random.fold_in(jax.random.key(0), 1), (1 << 20,))) / 2.0**32
     assert abs(np.corrcoef(u, v)[0, 1]) < 0.005  # and so do different keys
+    # one element over many steps (a fresh key per step, as the update rules fold in the step): uniform, independent
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1), s))(jnp.arange(4096))
+    w = np.asarray(jax.vmap(lambda k: N.hash_bits(k, (4,)))(keys)) / 2.0**32  # [steps, element]
+    assert np.max(np.abs(w.mean(0) - 0.5)) < 5 / np.sqrt(12 * 4096)  # 5 sigma
+    assert max(abs(np.corrcoef(w[:-1, i], w[1:, i])[0, 1]) for i in range(4)) < 5 / np.sqrt(4096)
     np.testing.assert_array_equal(
         np.asarray(N.random_bits(jax.random.key(3), (5,), "threefry")),
         np.asarray(jax.random.bits(jax.random.key(3), (5,), jnp.uint32)),
