@@ -81,8 +81,8 @@ def build(row: str, n_params: float):
         extra = nbytes(params) // 2 if row == "base" else 0
         return step, params, state, nbytes(params) + nbytes(state) + extra
     kind, rounding = row.split(":")
-    if kind == "fused":
-        tx = O.kahan_adamw(LR, weight_decay=WD, moment_rounding=rounding)
+    if kind in ("fused", "fused_parallel"):  # fused_parallel: leaves not sequenced (sequential_leaves=False)
+        tx = O.kahan_adamw(LR, weight_decay=WD, moment_rounding=rounding, sequential_leaves=kind == "fused")
     else:
         tx = O.adamw(LR, weight_decay=WD, update="kahan", moment_rounding=rounding)
 
