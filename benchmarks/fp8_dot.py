@@ -17,6 +17,7 @@ import numpy as np
 
 from lpt.fp8 import blockwise_dot, quantize_blocks, quantize_tiles
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul_reference
+from lpt.lab.machine import describe
 
 
 def _median_time(f, *args, reps: int) -> float:
@@ -76,6 +77,7 @@ def main() -> None:
     t_bf16_fb = _median_time(bf16_fwd_bwd, x_bf, w_bf, g_bf, reps=a.reps)
     t_fb = _median_time(fwd_bwd, x, w, g, reps=a.reps)
     print(f"shape x[{a.m}, {a.k}] @ w[{a.k}, {a.n}], backend {jax.default_backend()}, median of {a.reps}")
+    print(f"machine: {describe()}")
     print(f"{'what':44s} {'ms':>9s} {'x bf16 dot':>11s}")
     for name, t in rows:
         print(f"{name:44s} {t * 1e3:9.2f} {t / t_bf16:11.2f}")

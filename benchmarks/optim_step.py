@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 import lpt.optim as O
+from lpt.lab.machine import describe, load
 
 LR, WD = 1e-3, 0.1
 
@@ -115,7 +116,8 @@ def main():
     rows = args.rows.split(",")
     grads = make_tree(args.params, jnp.bfloat16, seed=1)
     n = sum(x.size for x in jax.tree.leaves(grads))
-    print(f"tree: {len(grads)} x 2048x2048 = {n / 1e6:.1f}M params, backend {jax.default_backend()}")
+    print(f"tree: {len(grads)} x 2048x2048 = {n / 1e6:.1f}M params")
+    print(f"machine: {describe()}")
 
     runs = {}
     for row in rows:
@@ -147,7 +149,7 @@ def main():
             f"{row:18s} {w * 1e3:8.1f} {c * 1e3:8.1f} {w / ref_wall:7.2f} {c / ref_cpu:7.2f} {r['bytes']:8.1f}  "
             f"{r['shape']}"
         )
-    print(f"(ratios against {rows[0]}; medians of {args.rounds} interleaved rounds)")
+    print(f"(ratios against {rows[0]}; medians of {args.rounds} interleaved rounds; load after: {load()})")
     print("analytic traffic per parameter, one fused pass (GPU/TPU):")
     for k, v in ANALYTIC.items():
         print(f"  {k}: {v}")

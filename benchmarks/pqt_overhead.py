@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import lpt.pqt as pqt
+from lpt.lab.machine import describe
 
 
 def timed(f, *args) -> float:
@@ -95,6 +96,7 @@ def main():
     w = jax.random.normal(kw, (k, n), jnp.float32) * 0.02
     bt = jnp.full(pqt.block_grid(w.shape), 6.0)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.device_count()}, key {args.key_impl}")
+    print(f"machine: {describe()}")
     print(f"linear layer: x[{t}, {k}] @ W[{k}, {n}], bf16 GEMM with f32 accumulation, median of {args.reps}")
 
     steps = {m: make_steps(m) for m in ("bf16", "gaussws", "diffq")}

@@ -25,6 +25,7 @@ from flax import nnx
 
 from lpt import data as data_lib
 from lpt import models
+from lpt.lab.machine import describe
 from lpt.train import config as config_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train import optimizer
@@ -117,6 +118,7 @@ def main(argv):
         f"(config {args.config}: params {p.param_dtype}, compute {p.compute_dtype}, update {p.update_rule}; "
         f"{jax.device_count()} x {jax.devices()[0].device_kind})"
     )
+    print(f"machine: {describe()}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lpt.lab import runs
+from lpt.lab.machine import describe
 
 # model size name -> overrides; "tiny" is tiny_cpu itself, "small" a wider/deeper model with longer sequences
 SIZES = {
@@ -80,7 +81,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
         report.text(
             f"**{size}** model: d_model {m.d_model}, {m.n_layers} layers, {res[runs.BASELINE]['params']:,} params, "
             f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; best of {rounds} interleaved rounds of "
-            f"{batches} steps (XLA:CPU, one device)."
+            f"{batches} steps (XLA:CPU, one device). Machine: {describe()}."
         )
         rows = [
             [

@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lpt.lab import cost, runs
+from lpt.lab.machine import describe
 
 LR = "1e-3"
 FULL = {"optim.lr": LR, "train.diagnostics_every": "0"}  # tiny_cpu's own budget: 600 steps of 32 x 64 tokens
@@ -119,7 +120,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
         f"{out['unigram']:.4f}. *cancelled* = fraction of update elements that left their weight unchanged, mean over "
         f"the last fifth of the run. Step time: the trainer's jitted step timed in interleaved rounds after training "
         "(XLA:CPU, where bf16 is not faster than f32 and FP8 is emulated: overheads, not GPU speed-ups; see `cost`). "
-        "Bytes/param = params + optimizer state."
+        f"Bytes/param = params + optimizer state. Machine: {describe()}."
     )
     report.table(["recipe", "what", "val loss", "vs fp32", "cancelled", "step time vs fp32", "bytes/param"], rows)
 
