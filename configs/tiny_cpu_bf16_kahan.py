@@ -18,5 +18,5 @@ def get_config():
     c = tiny_cpu_config()
     c.precision.param_dtype = "bfloat16"  # params stored in bf16 (no f32 master copy)
     c.precision.compute_dtype = "bfloat16"  # matmul inputs and activations in bf16
-    c.precision.update_rule = "kahan"  # lpt.optim.kahan_summation last in the optax chain
+    c.precision.update_rule = "kahan"  # lpt.optim.kahan_adamw: AdamW + Kahan, one fused transform
     return c

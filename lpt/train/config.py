@@ -40,6 +40,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "precision.param_dtype": (str, ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")),
     "precision.compute_dtype": (str, ("bfloat16", "float32")),
     "precision.update_rule": (str, ("f32_master", "nearest", "kahan", "stochastic", "norm_preserving")),
+    "precision.moment_rounding": (str, ("stochastic", "nearest")),  # 16-bit Adam moments; may be omitted
     **{f"precision.matmul.{k}": (str, ("bf16", "fp8")) for k in MATMUL_KINDS},
     "precision.attention.impl": (str, ("xla", "pallas")),
     "precision.attention.stable": (bool, None),
@@ -79,7 +80,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
 }
 
 # keys added after configs were written: a config may omit them and gets this value (older configs keep working)
-DEFAULTS: dict[str, Any] = {"train.diagnostics_every": 0}
+DEFAULTS: dict[str, Any] = {"train.diagnostics_every": 0, "precision.moment_rounding": "stochastic"}
 
 
 def get(cfg: ml_collections.ConfigDict, key: str) -> Any:

@@ -1,0 +1,77 @@
+"""The trainer's optimizer: 16-bit recipes keep Adam's moments with lpt's rounding, "kahan" is the fused step."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lpt.optim
+from lpt.train import config as config_lib
+from lpt.train import optimizer
+
+ROOT = Path(__file__).resolve().parents[2]
+B2 = 0.999  # 0.999 * v rounds back to v in bf16 (8 significant bits): round-to-nearest moments cannot decay
+
+
+def _cfg(**overrides):
+    base = {"precision.param_dtype": "bfloat16", "optim.b2": str(B2), "optim.warmup_steps": "0"}
+    base.update({"optim.schedule": "constant", "optim.grad_clip": "0", "optim.weight_decay": "0"})
+    return config_lib.apply_overrides(
+        config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), {**base, **overrides}
+    )
+
+
+def _second_moment(state):
+    """Mean second moment (f32) of the single leaf ``w``, wherever the optimizer keeps it."""
+    found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "nu") or hasattr(x, "moments"))]
+    for s in found:
+        if isinstance(s, lpt.optim.KahanAdamWState):
+            return float(jnp.mean(lpt.optim.kahan_adamw_moments(s)[1]["w"]))
+        if hasattr(s, "nu"):
+            return float(jnp.mean(s.nu["w"].astype(jnp.float32)))  # moment dtype -> f32
+    raise AssertionError(f"no Adam state in {state}")
+
+
+def _decay(tx, steps: int = 300):
+    """Second moment after one step with g = 1 and ``steps`` steps with g = 0, relative to the f32 EMA b2^steps."""
+    params = {"w": jnp.full((4096,), 1.0, jnp.bfloat16)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    ones, zeros = jax.tree.map(jnp.ones_like, params), jax.tree.map(jnp.zeros_like, params)
+    _, state = update(ones, state, params)
+    v0 = _second_moment(state)
+    for _ in range(steps):
+        _, state = update(zeros, state, params)
+    return _second_moment(state) / (v0 * B2**steps)
+
+
+@pytest.mark.parametrize("rule", ["kahan", "nearest", "stochastic"])
+def test_bf16_second_moment_decays_like_f32(rule):
+    # optax.adamw (what the trainer used before) stores bf16 moments by rounding to nearest: v never moves
+    assert _decay(optax.adamw(1e-3, b2=B2)) > 1.0 / B2**300 * 0.99  # stuck at v0: 1.35x the f32 EMA
+    # lpt's moments are computed in f32 and stored by unbiased stochastic rounding: the mean follows the f32 EMA
+    assert abs(_decay(optimizer.make_optimizer(_cfg(**{"precision.update_rule": rule}))) - 1.0) < 0.02
+
+
+def test_kahan_rule_is_the_fused_step_with_diagnostics():
+    tx = optimizer.make_optimizer(_cfg(**{"precision.update_rule": "kahan", "optim.grad_clip": "1.0"}))
+    params = {"w": jnp.full((8, 8), 1.0, jnp.bfloat16), "b": jnp.zeros((8,), jnp.float32)}
+    state = tx.init(params)
+    fused = lambda x: isinstance(x, lpt.optim.KahanAdamWState)
+    assert sum(map(fused, jax.tree.leaves(state, is_leaf=fused))) == 1  # clip -> kahan_adamw, not optax.adamw
+    grads = {"w": jnp.full((8, 8), -1e-3, jnp.bfloat16), "b": jnp.ones((8,), jnp.float32)}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    diag = optimizer.optimizer_diagnostics(state)
+    # Adam's first step is lr = 3e-3 upwards from 1.0, where the bf16 ulp is 2^-7: below half an ulp, so every
+    # weight update is cancelled (Kahan keeps it in the compensation); the f32 leaf moves by -lr
+    assert float(diag["update/cancelled_fraction"]) == pytest.approx(64 / 72)  # all 64 bf16 elements, not the 8 f32
+    assert float(jnp.abs(lpt.optim.find_compensation(state)["w"].astype(jnp.float32)).min()) > 2e-3  # bf16 -> f32
+    np.testing.assert_allclose(np.asarray(updates["b"]), -3e-3, rtol=1e-4)
+
+
+def test_unknown_moment_rounding_is_rejected_with_the_allowed_values():
+    with pytest.raises(ValueError, match=r"precision.moment_rounding.*'exact'.*stochastic, nearest"):
+        _cfg(**{"precision.moment_rounding": "exact"})
