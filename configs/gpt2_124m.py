@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.compute_dtype = "bfloat16"  # matmul inputs / activations in bf16
     c.precision.update_rule = "kahan"  # Kahan-compensated bf16 updates (no f32 master copy)
     c.precision.moment_rounding = "stochastic"  # 16-bit Adam moments: "stochastic" (unbiased) | "nearest"
+    c.precision.update_impl = "xla"  # kahan only: fused step in "xla" or the "pallas" kernel (GPU/TPU)
     c.precision.matmul = ml_collections.ConfigDict()
     c.precision.matmul.qkv = "bf16"  # q/k/v projection
     c.precision.matmul.out = "bf16"  # attention output projection

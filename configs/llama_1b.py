@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.compute_dtype = "bfloat16"  # matmul inputs / activations in bf16
     c.precision.update_rule = "kahan"  # Kahan-compensated bf16 updates
     c.precision.moment_rounding = "stochastic"  # 16-bit Adam moments: "stochastic" (unbiased) | "nearest"
+    c.precision.update_impl = "xla"  # kahan only: fused step in "xla" or the "pallas" kernel (GPU/TPU)
     c.precision.matmul = ml_collections.ConfigDict()
     c.precision.matmul.qkv = "bf16"  # set to "fp8" for blockwise FP8 (H100 / TPU v5p+)
     c.precision.matmul.out = "bf16"  # attention output projection

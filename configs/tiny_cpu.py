@@ -46,6 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.compute_dtype = "float32"  # dtype of matmul inputs/activations (loss, softmax, norms: always f32)
     c.precision.update_rule = "f32_master"  # f32_master | nearest | kahan | stochastic | norm_preserving
     c.precision.moment_rounding = "stochastic"  # 16-bit Adam moments: "stochastic" (unbiased) | "nearest"
+    c.precision.update_impl = "xla"  # kahan only: fused step in "xla" or the "pallas" kernel (GPU/TPU)
     c.precision.matmul = ml_collections.ConfigDict()
     c.precision.matmul.qkv = "bf16"  # "bf16": matmul in compute_dtype; "fp8": blockwise FP8 (lpt.fp8)
     c.precision.matmul.out = "bf16"  # attention output projection

@@ -172,7 +172,8 @@ def precision_spec(precision_cfg) -> PrecisionSpec:
             "param_dtype": "float32",
             "compute_dtype": "float32",
             "update_rule": "f32_master",
-            "moment_rounding": "stochastic",  # the optimizer's (lpt.train.optimizer); validated here, not stored
+            "moment_rounding": "stochastic",  # the optimizer's (lpt.train.optimizer); validated there, not stored
+            "update_impl": "xla",  # the optimizer's too
             "matmul": {},
             "attention": {},
             "pqt": {},
@@ -183,6 +184,7 @@ def precision_spec(precision_cfg) -> PrecisionSpec:
     _choice(d["compute_dtype"], COMPUTE_DTYPES, "config.precision.compute_dtype")
     _choice(d["update_rule"], UPDATE_RULES, "config.precision.update_rule")
     _choice(d["moment_rounding"], MOMENT_ROUNDINGS, "config.precision.moment_rounding")
+    _choice(d["update_impl"], ("xla", "pallas"), "config.precision.update_impl")
     mm = _take(
         _as_dict(d["matmul"], "config.precision.matmul"), dict.fromkeys(LAYER_KINDS, "bf16"), "config.precision.matmul"
     )

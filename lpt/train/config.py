@@ -41,6 +41,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "precision.compute_dtype": (str, ("bfloat16", "float32")),
     "precision.update_rule": (str, ("f32_master", "nearest", "kahan", "stochastic", "norm_preserving")),
     "precision.moment_rounding": (str, ("stochastic", "nearest")),  # 16-bit Adam moments; may be omitted
+    "precision.update_impl": (str, ("xla", "pallas")),  # kahan's fused step: XLA or the Pallas kernel; may be omitted
     **{f"precision.matmul.{k}": (str, ("bf16", "fp8")) for k in MATMUL_KINDS},
     "precision.attention.impl": (str, ("xla", "pallas")),
     "precision.attention.stable": (bool, None),
@@ -80,7 +81,11 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
 }
 
 # keys added after configs were written: a config may omit them and gets this value (older configs keep working)
-DEFAULTS: dict[str, Any] = {"train.diagnostics_every": 0, "precision.moment_rounding": "stochastic"}
+DEFAULTS: dict[str, Any] = {
+    "train.diagnostics_every": 0,
+    "precision.moment_rounding": "stochastic",
+    "precision.update_impl": "xla",
+}
 
 
 def get(cfg: ml_collections.ConfigDict, key: str) -> Any:
@@ -143,6 +148,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     diag_every = get(cfg, "train.diagnostics_every")
     if diag_every < 0:
         raise ValueError(f"config key train.diagnostics_every={diag_every} must be >= 0 (0 = off)")
+    update_impl, p = get(cfg, "precision.update_impl"), cfg.precision
+    if update_impl == "pallas" and (p.update_rule != "kahan" or p.param_dtype != "bfloat16"):
+        raise ValueError(
+            f"precision.update_impl='pallas' runs the fused bf16 AdamW + Kahan kernel: it needs "
+            f"precision.update_rule='kahan' and precision.param_dtype='bfloat16', got {p.update_rule!r} and "
+            f"{p.param_dtype!r} (use precision.update_impl='xla')"
+        )
     mesh = cfg.train.mesh
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
     if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):

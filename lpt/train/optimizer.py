@@ -9,7 +9,8 @@ that switch lives):
   transform (bf16 moments and compensation, 8 bytes/param; the same numbers as the chain below with
   ``update="kahan"``, in fewer passes over memory: ~2-3x less optimizer time on XLA:CPU, see docs/optim.md). Its
   leaves are sequenced (bounded f32 temporaries) on one device and not on a multi-device mesh, where sequencing
-  would cost a scalar collective per leaf.
+  would cost a scalar collective per leaf. ``precision.update_impl="pallas"`` runs it as the Pallas kernel
+  (:mod:`lpt.kernels.adamw_kahan`: one pass per leaf on GPU/TPU, the Pallas interpreter on CPU; bf16 params only).
 * ``"nearest" | "stochastic" | "norm_preserving"`` with 16-bit params: :func:`lpt.optim.adamw`, i.e.
   ``clip -> lpt.optim.scale_by_adam -> decoupled decay (f32) -> -lr -> rule``.
 * float8 params (any rule): AdamW runs on a float32 view (``f32_view``: fp8 moments would underflow) and only the
@@ -93,6 +94,7 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
                 seed=cfg.train.seed,
                 diagnostics=True,
                 sequential_leaves=jax.device_count() == 1,
+                impl=config_lib.get(cfg, "precision.update_impl"),
             )
         return lpt.optim.adamw(
             schedule,

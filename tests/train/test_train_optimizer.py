@@ -75,3 +75,26 @@ def test_kahan_rule_is_the_fused_step_with_diagnostics():
 def test_unknown_moment_rounding_is_rejected_with_the_allowed_values():
     with pytest.raises(ValueError, match=r"precision.moment_rounding.*'exact'.*stochastic, nearest"):
         _cfg(**{"precision.moment_rounding": "exact"})
+
+
+def test_update_impl_pallas_runs_the_kernel_with_the_xla_numbers():
+    params = {"w": (0.02 * jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)).astype(jnp.bfloat16)}
+    grads = {"w": (1e-3 * jax.random.normal(jax.random.key(1), (64, 128), jnp.float32)).astype(jnp.bfloat16)}
+    out = {}
+    for impl in ("xla", "pallas"):
+        tx = optimizer.make_optimizer(_cfg(**{"precision.update_rule": "kahan", "precision.update_impl": impl}))
+        state, p = tx.init(params), params
+        if impl == "pallas":  # the kernel itself is in the step (interpreted on this CPU)
+            assert "pallas_call" in str(jax.make_jaxpr(tx.update)(grads, state, p))
+        for _ in range(2):
+            updates, state = jax.jit(tx.update)(grads, state, p)
+            p = lpt.optim.apply_updates(p, updates)
+        out[impl] = (p["w"], lpt.optim.find_compensation(state)["w"])
+    for a, b in zip(out["xla"], out["pallas"], strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))  # bf16 -> f32
+    assert float(jnp.abs(out["xla"][0].astype(jnp.float32) - params["w"].astype(jnp.float32)).max()) > 0
+
+
+def test_update_impl_pallas_needs_the_bf16_kahan_recipe():
+    with pytest.raises(ValueError, match=r"update_impl='pallas'.*update_rule='kahan'.*got 'nearest'"):
+        config_lib.validate(_cfg(**{"precision.update_rule": "nearest", "precision.update_impl": "pallas"}))
