@@ -11,6 +11,8 @@ Rows (all jitted with the params and optimizer state donated; without donation t
 * ``base_nocopy``: the same without producing the bf16 copy (what the update alone costs).
 * ``fused``: ``lpt.optim.kahan_adamw`` (one fused transform, ``impl="xla"``), per moment rounding.
 * ``chain``: ``lpt.optim.adamw(update="kahan")``, the composable chain with the same numbers.
+* ``optax_kahan``: ``optax.chain(optax.adamw(...), lpt.optim.kahan_summation())`` as in the README (optax's bf16
+  moments, rounded to nearest; what ``python -m lpt.train`` ran for ``update_rule=kahan`` before 2026-11-22).
 
 The rows run interleaved (round robin) so that load from other processes hits them alike; it prints medians of wall
 and process CPU time (on a shared machine the CPU time is the steadier number), ratios against ``base``, bytes per
@@ -81,8 +83,10 @@ def build(row: str, n_params: float):
             state = (state, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))  # f32 -> bf16
         extra = nbytes(params) // 2 if row == "base" else 0
         return step, params, state, nbytes(params) + nbytes(state) + extra
-    kind, rounding = row.split(":")
-    if kind in ("fused", "fused_parallel"):  # fused_parallel: leaves not sequenced (sequential_leaves=False)
+    kind, rounding = row.split(":") if ":" in row else (row, None)
+    if kind == "optax_kahan":  # the README's chain: optax.adamw (bf16 moments, rounded to nearest) + kahan_summation
+        tx = optax.chain(optax.adamw(LR, weight_decay=WD), O.kahan_summation())
+    elif kind in ("fused", "fused_parallel"):  # fused_parallel: leaves not sequenced (sequential_leaves=False)
         tx = O.kahan_adamw(LR, weight_decay=WD, moment_rounding=rounding, sequential_leaves=kind == "fused")
     else:
         tx = O.adamw(LR, weight_decay=WD, update="kahan", moment_rounding=rounding)
@@ -110,7 +114,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument(
         "--rows",
-        default="base,base_copy_donated,base_nocopy,fused:nearest,fused:stochastic,chain:nearest,chain:stochastic",
+        default="base,base_copy_donated,base_nocopy,fused:nearest,fused:stochastic,chain:nearest,chain:stochastic,"
+        "optax_kahan",
     )
     args = ap.parse_args()
     rows = args.rows.split(",")

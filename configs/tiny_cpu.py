@@ -8,8 +8,10 @@ Expected result (measured on a 2-core machine, XLA:CPU, jax 0.10.2): validation 
 steps (1.2M tokens; evaluations at steps 100..600: 2.27, 1.79, 1.61, 1.51, 1.42, 1.39) against the unigram baseline
 3.367 of the validation split. This exact command: 138 s wall (3.2 CPU-minutes) with the 2 cores lightly shared
 (load ~3); 201 s of training (4m39s including the pip install) on a fresh clone with the cores moderately shared.
-Deterministic: every rerun gives 1.3907 (1.3955 before the attention default's dithered offset guard and split
-accumulation changed the f32 round-off, 2026-11-22). It writes runs/tiny_cpu/{checkpoints/, metrics.jsonl,
+Deterministic on one machine: every rerun gives 1.3907 (1.3955 before the attention default's dithered offset guard
+and split accumulation changed the f32 round-off, 2026-11-22). The f32 round-off also depends on the CPU's vector
+extensions: on an AMD EPYC Zen 4 (AVX-512) the same command gives 1.3860 (evaluations 2.273, 1.790, 1.612, 1.498,
+1.418, 1.386; 123 s wall, 2026-11-22). It writes runs/tiny_cpu/{checkpoints/, metrics.jsonl,
 tensorboard/, loss.png, summary.json}.
 
 Data: the English text CPython ships in ``pydoc_data.topics`` (no download), bytes as tokens (vocab 256).
@@ -19,7 +21,7 @@ files, which change only config.precision) are compared with.
 
 import ml_collections
 
-EXPECTED = {"eval_loss": 1.3907, "unigram_loss": 3.3670, "steps": 600}
+EXPECTED = {"eval_loss": 1.3860, "eval_loss_earlier_cpu": 1.3907, "unigram_loss": 3.3670, "steps": 600}
 
 
 def get_config() -> ml_collections.ConfigDict:

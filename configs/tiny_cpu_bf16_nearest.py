@@ -4,14 +4,15 @@ Command:
 
     python -m lpt.train --config configs/tiny_cpu_bf16_nearest.py --workdir runs/tiny_cpu_bf16_nearest
 
-Expected result (2 CPU cores): with --config.optim.lr=1e-3 validation loss 1.4372, +2.35% vs float32 (1.4043)
-and Kahan (1.4038); at step 600 69% of the intended element updates are cancelled (update/cancelled_fraction).
-At the default lr=3e-3 updates are large enough that it barely matters: 1.4046 (+0.7%).
+Expected result (2 CPU cores, AMD EPYC Zen 4, 2026-11-22; the last digits depend on the CPU): with
+--config.optim.lr=1e-3 validation loss 1.4355, +2.23% vs float32 (1.4043) and Kahan (1.4024); over the last fifth of
+the run 76% of the intended element updates are cancelled (update/cancelled_fraction). At the default lr=3e-3
+updates are large enough that it barely matters: 1.4167 (+2.2% vs 1.3860, like f32 master + bf16 compute's +2.3%).
 """
 
 from tiny_cpu import get_config as tiny_cpu_config
 
-EXPECTED = {"eval_loss": 1.4046, "eval_loss_lr1e-3": 1.4372}
+EXPECTED = {"eval_loss": 1.4167, "eval_loss_lr1e-3": 1.4355}
 
 
 def get_config():

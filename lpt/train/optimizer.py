@@ -7,7 +7,8 @@ that switch lives):
   ``optax.apply_updates``.
 * ``"kahan"`` with 16-bit params: :func:`lpt.optim.kahan_adamw`, AdamW + Kahan-compensated update as one fused
   transform (bf16 moments and compensation, 8 bytes/param; the same numbers as the chain below with
-  ``update="kahan"``, in fewer passes over memory: ~2-3x less optimizer time on XLA:CPU, see docs/optim.md). Its
+  ``update="kahan"``, in fewer passes over memory: 2.6x faster than ``optax.adamw`` + ``kahan_summation`` on a
+  50M-parameter tree on XLA:CPU, see docs/optim.md). Its
   leaves are sequenced (bounded f32 temporaries) on one device and not on a multi-device mesh, where sequencing
   would cost a scalar collective per leaf. ``precision.update_impl="pallas"`` runs it as the Pallas kernel
   (:mod:`lpt.kernels.adamw_kahan`: one pass per leaf on GPU/TPU, the Pallas interpreter on CPU; bf16 params only).
