@@ -3,7 +3,8 @@
 Each update rule goes **last** in an optax chain and emits ``new_param.astype(f32) - param.astype(f32)``, so that
 ``optax.apply_updates`` and ``nnx.Optimizer`` reproduce the rounded new parameters bit for bit::
 
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4), lpt.optim.kahan_summation())
+    tx = optax.chain(optax.clip_by_global_norm(1.0), lpt.optim.scale_by_adam(), optax.scale_by_learning_rate(3e-4),
+                     lpt.optim.kahan_summation())
     params = optax.apply_updates(params, tx.update(grads, state, params)[0])   # params stay bf16
 
 For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit fp8 + f32 promotion that
