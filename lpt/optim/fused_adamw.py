@@ -31,7 +31,7 @@ from jax import lax
 from lpt.kernels import adamw_kahan as K
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.adam import MOMENT_ROUNDINGS
-from lpt.optim.leaves import UpdateDiagnostics, _check, leaf_id, needs_rounding, zeros_like_rounded
+from lpt.optim.leaves import UpdateDiagnostics, _check, leaf_id, leaf_name, needs_rounding, zeros_like_rounded
 
 IMPLS = ("xla", "pallas")
 
@@ -205,12 +205,12 @@ def fused_kahan_adamw(
         flat_mv = treedef.flatten_up_to(state.moments)
         flat_c = treedef.flatten_up_to(state.compensation)
         decays = _decay_flags(weight_decay_mask, params, treedef)
-        leaf_keys = _leaf_keys(step_key, [jax.tree_util.keystr(path) for path, _ in flat_p])
+        leaf_keys = _leaf_keys(step_key, [leaf_name(path) for path, _ in flat_p])
         out_d, out_mv, out_c, stats = [], [], [], []
         dep = jnp.uint32(0)
         for (path, p), g, mv, c, decay in zip(flat_p, flat_g, flat_mv, flat_c, decays, strict=True):
             hp = dict(eps=eps, weight_decay=weight_decay if decay else 0.0)
-            name = jax.tree_util.keystr(path)
+            name = leaf_name(path)
             p, g = jnp.asarray(p), jnp.asarray(g)
             if p.shape != g.shape:
                 raise ValueError(f"kahan_adamw: update at {name} has shape {g.shape} but the param has {p.shape}")

@@ -42,6 +42,15 @@ def empty_diagnostics() -> UpdateDiagnostics:
     return UpdateDiagnostics(z, z, z)
 
 
+def leaf_name(path) -> str:
+    """The name of a leaf for error messages and random keys: ``jax.tree_util.keystr(path)`` without the trailing
+    ``.value`` that a Flax NNX ``Variable`` adds, so ``{"kernel": nnx.Param(x)}`` (an ``nnx.State``) and
+    ``{"kernel": x}`` (what ``nnx.Optimizer`` and ``nnx.as_pure`` pass) name -- and randomly round -- a leaf alike."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
+    return jax.tree_util.keystr(tuple(path))
+
+
 def leaf_id(path: str) -> int:
     """A stable 31-bit id of a leaf path (same in every process; used with ``jax.random.fold_in``)."""
     return zlib.crc32(path.encode()) & 0x7FFFFFFF
@@ -89,7 +98,7 @@ def map_leaves(
     deltas, new_states = [], [[] for _ in states]
     sq_u, sq_d, n_cancel, n_nonzero = [], [], [], []
     for i, ((path, p), u) in enumerate(zip(flat_p, flat_u, strict=True)):
-        name = jax.tree_util.keystr(path)
+        name = leaf_name(path)
         p, u = jnp.asarray(p), jnp.asarray(u)
         if not jnp.issubdtype(u.dtype, jnp.floating):
             raise ValueError(f"{rule}: update at {name} has dtype {u.dtype}; updates must be floating point")

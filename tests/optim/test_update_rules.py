@@ -279,3 +279,42 @@ def test_bad_input_raises_clear_errors():
         tx.update({"w": jnp.zeros(3)}, tx.init({}), {"w": jnp.zeros(3, jnp.float8_e4m3fnuz)})
     with pytest.raises(ValueError, match="unknown update rule 'kahn'"):
         O.update_rule("kahn")
+
+
+def test_fused_kahan_adamw_through_nnx_optimizer_equals_the_functional_step():
+    def loss(m, x):
+        return jnp.sum(m(x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)  # bf16 -> f32
+
+    x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    twin = nnx.Linear(16, 8, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)  # split shares Variables: use a twin
+    graphdef, params = nnx.split(twin, nnx.Param)
+    tx = O.kahan_adamw(1e-3, weight_decay=0.1)  # stochastic moments: keys from leaf names, same for Variables
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    state = tx.init(params)
+
+    @jax.jit
+    def functional(params, state):
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p), x))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(3):
+        opt.update(model, nnx.grad(loss)(model, x))
+        params, state = functional(params, state)
+    assert model.kernel[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(model.kernel[...], np.float32), np.asarray(params["kernel"][...], np.float32)
+    )
+    np.testing.assert_array_equal(np.asarray(model.bias[...], np.float32), np.asarray(params["bias"][...], np.float32))
+    w0 = np.asarray(nnx.Linear(16, 8, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).kernel[...], np.float32)
+    assert np.abs(np.asarray(model.kernel[...], np.float32) - w0).max() > 1e-3  # 3 Adam steps of lr 1e-3 moved it
+
+
+def test_leaf_names_ignore_the_nnx_variable_wrapper():
+    from lpt.optim.leaves import leaf_name
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    wrapped = [leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]]
+    pure = [leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(model)))[0]]
+    assert wrapped == pure == ["['bias']", "['kernel']"]  # keystr alone gives "['bias'].value" for the first
