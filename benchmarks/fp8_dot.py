@@ -17,7 +17,7 @@ import numpy as np
 
 from lpt.fp8 import blockwise_dot, quantize_blocks, quantize_tiles
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul_reference
-from lpt.lab.machine import describe
+from lpt.train.machine import describe
 
 
 def _median_time(f, *args, reps: int) -> float:

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 import lpt.optim as O
-from lpt.lab.machine import describe, load
+from lpt.train.machine import describe, load
 
 LR, WD = 1e-3, 0.1
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import lpt.pqt as pqt
-from lpt.lab.machine import describe
+from lpt.train.machine import describe
 
 
 def timed(f, *args) -> float:

@@ -25,12 +25,12 @@ from flax import nnx
 
 from lpt import data as data_lib
 from lpt import models
-from lpt.lab.machine import describe
 from lpt.train import config as config_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train import optimizer
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
+from lpt.train.machine import describe
 
 
 def plain_step_fn(cfg):

@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lpt.lab import runs
-from lpt.lab.machine import describe
+from lpt.train.machine import describe
 
 # model size name -> overrides; "tiny" is tiny_cpu itself, "small" a wider/deeper model with longer sequences
 SIZES = {

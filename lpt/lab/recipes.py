@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lpt.lab import cost, runs
-from lpt.lab.machine import describe
+from lpt.train.machine import describe
 
 LR = "1e-3"
 FULL = {"optim.lr": LR, "train.diagnostics_every": "0"}  # tiny_cpu's own budget: 600 steps of 32 x 64 tokens

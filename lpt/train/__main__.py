@@ -23,7 +23,7 @@ import lpt
 from lpt import data as data_lib
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import config as config_lib
-from lpt.train import distributed, metrics, optimizer
+from lpt.train import distributed, machine, metrics, optimizer
 from lpt.train import mesh as mesh_lib
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
@@ -179,6 +179,7 @@ def train(cfg, workdir: str | Path) -> dict:
         "wall_seconds": elapsed,
         "tokens_per_sec": (steps - start) * global_batch * seq_len / elapsed,
         "flops_per_token": flops_per_token,
+        "machine": machine.describe(),  # the last digits of eval_loss depend on the CPU/accelerator (docs/training.md)
     }
     if is_main:
         metrics.plot_losses(writer.jsonl_path, workdir / "loss.png", baseline=unigram, title=_title(cfg))

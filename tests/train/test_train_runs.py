@@ -120,6 +120,8 @@ def test_reference_run_learns_and_writes_artifacts(reference):
     assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
     meta = json.loads(next((reference / "checkpoints" / "6" / "metadata").glob("*")).read_text())
     assert meta["step"] == 6 and meta["process_count"] == 1 and meta["config"]["train"]["steps"] == 6
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["final_step"] == 6 and f"{os.cpu_count()} cores" in summary["machine"]
 
 
 def test_exact_resume_after_kill_and_sigterm(reference, tmp_path, cache_dir):

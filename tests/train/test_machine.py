@@ -2,7 +2,7 @@
 
 import os
 
-from lpt.lab import machine
+from lpt.train import machine
 
 X86 = """processor\t: 0
 vendor_id\t: AuthenticAMD
