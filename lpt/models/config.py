@@ -26,7 +26,6 @@ PARAM_DTYPES = {
 }
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 UPDATE_RULES = ("f32_master", "nearest", "kahan", "stochastic", "norm_preserving")
-MOMENT_ROUNDINGS = ("stochastic", "nearest")  # how the optimizer stores 16-bit Adam moments
 KINDS = ("llama", "gpt2")
 LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
 MATMULS = ("bf16", "fp8")
@@ -172,8 +171,9 @@ def precision_spec(precision_cfg) -> PrecisionSpec:
             "param_dtype": "float32",
             "compute_dtype": "float32",
             "update_rule": "f32_master",
-            "moment_rounding": "stochastic",  # the optimizer's (lpt.train.optimizer); validated there, not stored
-            "update_impl": "xla",  # the optimizer's too
+            # the optimizer's keys (lpt.train.optimizer; validated by lpt.train.config): accepted, not stored
+            "moment_rounding": "stochastic",
+            "update_impl": "xla",
             "matmul": {},
             "attention": {},
             "pqt": {},
@@ -183,8 +183,6 @@ def precision_spec(precision_cfg) -> PrecisionSpec:
     _choice(d["param_dtype"], PARAM_DTYPES, "config.precision.param_dtype")
     _choice(d["compute_dtype"], COMPUTE_DTYPES, "config.precision.compute_dtype")
     _choice(d["update_rule"], UPDATE_RULES, "config.precision.update_rule")
-    _choice(d["moment_rounding"], MOMENT_ROUNDINGS, "config.precision.moment_rounding")
-    _choice(d["update_impl"], ("xla", "pallas"), "config.precision.update_impl")
     mm = _take(
         _as_dict(d["matmul"], "config.precision.matmul"), dict.fromkeys(LAYER_KINDS, "bf16"), "config.precision.matmul"
     )

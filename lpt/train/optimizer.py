@@ -82,30 +82,15 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
     schedule = make_schedule(o, cfg.train.steps)
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
     clip = o.grad_clip if o.grad_clip > 0 else None
-    last = update_rule_transform(p.update_rule, cfg.train.seed)  # validates the rule's name
-    moment_rounding = config_lib.get(cfg, "precision.moment_rounding")
+    last = update_rule_transform(p.update_rule, cfg.train.seed)  # validates the rule's name; None for f32_master
     hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, weight_decay_mask=decay_mask)
-    if last is not None and not p.param_dtype.startswith("float8"):
+    if last is not None and not p.param_dtype.startswith("float8"):  # 16-bit params: lpt's AdamW
+        moments = config_lib.get(cfg, "precision.moment_rounding")
+        lpt_kw = dict(hyper, moment_rounding=moments, grad_clip=clip, seed=cfg.train.seed, diagnostics=True)
         if p.update_rule == "kahan":
-            return lpt.optim.kahan_adamw(
-                schedule,
-                **hyper,
-                moment_rounding=moment_rounding,
-                grad_clip=clip,
-                seed=cfg.train.seed,
-                diagnostics=True,
-                sequential_leaves=jax.device_count() == 1,
-                impl=config_lib.get(cfg, "precision.update_impl"),
-            )
-        return lpt.optim.adamw(
-            schedule,
-            **hyper,
-            update=p.update_rule,
-            moment_rounding=moment_rounding,
-            grad_clip=clip,
-            seed=cfg.train.seed,
-            diagnostics=True,
-        )
+            impl = config_lib.get(cfg, "precision.update_impl")
+            return lpt.optim.kahan_adamw(schedule, **lpt_kw, sequential_leaves=jax.device_count() == 1, impl=impl)
+        return lpt.optim.adamw(schedule, **lpt_kw, update=p.update_rule)
     parts = [] if clip is None else [optax.clip_by_global_norm(clip)]
     parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
     if last is None:  # f32_master
