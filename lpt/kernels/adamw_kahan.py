@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
+from lpt.kernels import dispatch
 from lpt.numerics import hash_bits, round_nearest
 from lpt.numerics.random import hash_index  # hash_bits' keyed hash (Triton cannot lower hash_bits' key handling)
 
@@ -223,10 +223,10 @@ def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, p_out, c_out, mv_out, *,
     mv_out[...] = mv_new
 
 
-def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, interpret, compiler_params, smem):
+def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, mode):
     rows = p2.shape[0]
     tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
-    if smem:
+    if mode == "mosaic":
         scalar_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)] * 2
     else:
         scalar_specs = [pl.BlockSpec((4,), lambda i: (0,)), pl.BlockSpec((2,), lambda i: (0,))]
@@ -242,8 +242,7 @@ def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, interpret, compiler_param
             jax.ShapeDtypeStruct(mv2.shape, jnp.uint32),
         ],
         input_output_aliases={3: 0, 4: 1, 5: 2},
-        interpret=interpret,
-        compiler_params=compiler_params,
+        **dispatch.mode_kwargs(mode, grid_rank=1),
     )(sc, w, g2, p2, c2, mv2)
 
 
@@ -260,14 +259,13 @@ def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stoch
       words: uint32[2], the raw key of the moments' stochastic rounding (see :func:`round_moments`).
       block_rows: rows of 128 lanes per program, a power of two >= 16 (shrinks for small leaves). None: per
         platform, :data:`TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`TRITON_BLOCK_ROWS` on CUDA.
-      interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform with
-        ``lax.platform_dependent``: interpreter on CPU, Triton on CUDA, Mosaic on TPU.
+      interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform
+        (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Triton on CUDA, Mosaic on TPU.
     """
     _check(g, p, c, mv, scalars, words)
     if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
-    if interpret not in (None, True):
-        raise ValueError(f"interpret must be None (choose per platform) or True, got {interpret!r}")
+    dispatch.check_interpret(interpret)
     n = math.prod(p.shape)
     if n == 0:
         return p, c, mv
@@ -282,23 +280,6 @@ def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stoch
 
     args = (scalars, words, flat(g), flat(p), flat(c), flat(mv))
     hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
-    run = functools.partial(_pallas, hp=hp)
-    interpreted = functools.partial(run, block_rows=big, interpret=True, compiler_params=None, smem=False)
-    if interpret:
-        outs = interpreted(*args)
-    else:
-        outs = lax.platform_dependent(
-            *args,
-            cpu=interpreted,
-            cuda=functools.partial(
-                run, block_rows=small, interpret=False, compiler_params=pltriton.CompilerParams(), smem=False
-            ),
-            tpu=functools.partial(
-                run,
-                block_rows=big,
-                interpret=False,
-                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-                smem=True,
-            ),
-        )
+    build = lambda mode: functools.partial(_pallas, block_rows=small if mode == "triton" else big, hp=hp, mode=mode)
+    outs = dispatch.platform_call(build, *args, interpret=interpret)
     return tuple(x.reshape(-1)[:n].reshape(p.shape) for x in outs)

@@ -10,12 +10,20 @@ A kernel module describes its ``pallas_call`` once, as ``build(mode) -> callable
 ``interpret=True`` forces the interpreter everywhere; ``interpret=None`` picks per platform at lowering time with
 ``jax.lax.platform_dependent`` (interpreter on CPU, Triton on CUDA, Mosaic on TPU), never by looking at
 ``jax.default_backend()``, so one jitted function lowers correctly for whichever device it is compiled for.
+
+The mesh side: a ``pallas_call`` cannot be partitioned by XLA (Mosaic refuses; Triton gets its operands
+all-gathered), so a kernel wrapper that runs under a multi-device mesh wraps its per-shard function in
+:func:`shard_map`. :func:`kernel_mesh` names that mesh: an explicit ``mesh=`` argument, else the mesh of
+``jax.set_mesh`` (``jax.sharding.get_abstract_mesh()``), else none, and then the kernel runs unwrapped.
+:func:`mesh_axis_size` and :func:`check_divisible` help the wrappers validate their specs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
+import jax
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
@@ -52,3 +60,41 @@ def platform_call(build: Callable[[str], Callable], *args, interpret: bool | Non
     if interpret:
         return build("interpret")(*args)
     return lax.platform_dependent(*args, cpu=build("interpret"), cuda=build("triton"), tpu=build("mosaic"))
+
+
+def kernel_mesh(mesh=None):
+    """The mesh a kernel runs on: ``mesh`` if given, else the mesh of ``jax.set_mesh`` (abstract inside jit) if it is
+    not empty, else None (the kernel runs on whole arrays, as on one device)."""
+    if mesh is not None:
+        return mesh
+    abstract = jax.sharding.get_abstract_mesh()
+    return None if abstract.empty else abstract
+
+
+def mesh_axis_size(mesh, axes) -> int:
+    """Product of the sizes of mesh ``axes`` (a name, a tuple of names, or None -> 1)."""
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_divisible(what: str, size: int, mesh, axes) -> int:
+    """``size // mesh_axis_size(mesh, axes)``; ValueError naming ``what`` if the split is not even."""
+    n = mesh_axis_size(mesh, axes)
+    if size % n:
+        raise ValueError(f"{what}={size} is not divisible by mesh axes {axes} of size {n}")
+    return size // n
+
+
+def shard_map(fn: Callable, mesh, in_specs: Sequence, out_specs):
+    """``fn`` run per shard on ``mesh`` (``jax.shard_map`` with ``check_vma=False``), or ``fn`` itself when ``mesh``
+    is None or has one device.
+
+    ``check_vma=False`` because ``pallas_call``'s ``out_shape`` carries no varying-manual-axes type; for the same
+    reason gradients are not taken through the result: callers wrap the forward and the backward of their
+    ``custom_vjp`` each in its own shard_map and write the cross-shard sums (``lax.psum``) themselves.
+    """
+    if mesh is None or mesh.size == 1:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)

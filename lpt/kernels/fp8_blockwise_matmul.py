@@ -19,7 +19,7 @@ and dW (activation and gradient tiles along the token dimension). ``lpt.fp8.bloc
 * :func:`fp8_blockwise_matmul` (Pallas): grid over (M/bm, N/bn) output tiles; each program holds its rows of ``a``
   and columns of ``b`` and loops over the K-chunks with ``fori_loop``. On CPU it runs interpreted; on CUDA it lowers
   through the Triton backend (``__gpu$xla.gpu.triton``); on TPU through Mosaic (``tpu_custom_call``). The platform is
-  chosen with ``jax.lax.platform_dependent`` (or ``interpret=True`` forces the interpreter everywhere).
+  chosen by :func:`lpt.kernels.dispatch.platform_call` (or ``interpret=True`` forces the interpreter everywhere).
   Triton cannot multiply mixed FP8 formats (e4m3 x e5m2, which the backward GEMMs use), so when the operand dtypes
   differ both chunks are upcast to bf16 inside the kernel: exact for e4m3 and e5m2, so the result is unchanged.
 """
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+
+from lpt.kernels import dispatch
 
 __all__ = ["fp8_blockwise_matmul", "fp8_blockwise_matmul_reference"]
 
@@ -99,7 +99,7 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def _pallas(a, sa, b, sb, *, chunk, block_m, block_n, interpret, compiler_params):
+def _pallas(a, sa, b, sb, *, chunk, block_m, block_n, mode):
     m, k = a.shape
     n = b.shape[1]
     nk = k // chunk
@@ -115,8 +115,7 @@ def _pallas(a, sa, b, sb, *, chunk, block_m, block_n, interpret, compiler_params
         ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        interpret=interpret,
-        compiler_params=compiler_params,
+        **dispatch.mode_kwargs(mode, grid_rank=2),
     )(a, sa, b, sb)
 
 
@@ -131,7 +130,7 @@ def fp8_blockwise_matmul(
       block_m, block_n: output tile. ``N`` must be a multiple of ``block_n`` (a power of two, >= 16); ``M`` is
         zero-padded to a multiple of ``block_m`` (the tile shrinks to the next power of two >= max(M, 16)).
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` (default) picks per platform
-        with ``lax.platform_dependent``: interpreter on CPU, Triton on CUDA, Mosaic on TPU.
+        (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Triton on CUDA, Mosaic on TPU.
     """
     m, k, n = _check(a, sa, b, sb, chunk)
     for name, v in (("block_m", block_m), ("block_n", block_n)):
@@ -139,8 +138,7 @@ def fp8_blockwise_matmul(
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if n % block_n:
         raise ValueError(f"N={n} must be a multiple of block_n={block_n}")
-    if interpret not in (None, True):
-        raise ValueError(f"interpret must be None (choose per platform) or True, got {interpret!r}")
+    dispatch.check_interpret(interpret)
     block_m = min(block_m, _next_pow2(max(m, 16)))
     m_pad = -(-m // block_m) * block_m
     nk = k // chunk
@@ -148,21 +146,6 @@ def fp8_blockwise_matmul(
     a_p = jnp.pad(a, ((0, m_pad - m), (0, 0)))  # zero rows contribute zero output rows, sliced off below
     sa_p = jnp.pad(sa, ((0, m_pad - m), (0, nk_pad - nk)))
     sb_p = jnp.pad(sb, ((0, nk_pad - nk), (0, 0)))
-    run = functools.partial(_pallas, chunk=chunk, block_m=block_m, block_n=block_n)
-    if interpret:
-        out = run(a_p, sa_p, b, sb_p, interpret=True, compiler_params=None)
-    else:
-        out = lax.platform_dependent(
-            a_p,
-            sa_p,
-            b,
-            sb_p,
-            cpu=functools.partial(run, interpret=True, compiler_params=None),
-            cuda=functools.partial(run, interpret=False, compiler_params=pltriton.CompilerParams()),
-            tpu=functools.partial(
-                run,
-                interpret=False,
-                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-            ),
-        )
+    build = lambda mode: functools.partial(_pallas, chunk=chunk, block_m=block_m, block_n=block_n, mode=mode)
+    out = dispatch.platform_call(build, a_p, sa_p, b, sb_p, interpret=interpret)
     return out[:m]
