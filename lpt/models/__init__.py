@@ -18,7 +18,8 @@ Public API
     trainer runs it every ``train.diagnostics_every`` steps; without it the layers add no operation.
 ``flops_per_token(model_cfg, seq_len) -> float``, ``param_count(model_cfg)``, ``matmul_params(model_cfg)``
 ``partitioning``: ``axis_rules(mesh, rules)``, ``constrain(x, axes)``, ``logical_to_mesh(axes, rules)``,
-    ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``DEFAULT_RULES``.
+    ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``RULES`` (from
+    :mod:`lpt.sharding`).
 ``model_spec(cfg)`` / ``precision_spec(cfg)``: validated frozen views of the configs (ValueError on bad keys).
 
 Optional ``config.model`` switches beyond the trainer contract: ``remat`` (``nnx.remat`` per block) and

@@ -3,7 +3,7 @@
 The mesh has three axes, ``("data", "fsdp", "tensor")``; their sizes come from ``config.train.mesh``, and one of them
 may be -1 to take all remaining devices. Parameters and activations carry *logical* axis names ("batch", "embed",
 "mlp", ...); ``RULES`` maps each logical name to mesh axes: the first rule whose mesh axes are all still unused in
-that array wins, otherwise the dim stays replicated (``lpt.models.partitioning.logical_to_mesh``). So activations
+that array wins, otherwise the dim stays replicated (``lpt.sharding.logical_to_mesh``). So activations
 ``("batch", "length", "embed")`` is sharded over data*fsdp on its first dim and replicated on its last, while a weight
 ``("embed", "mlp")`` is split over fsdp on rows and tensor on columns (FSDP + Megatron-style tensor parallelism).
 """
@@ -17,23 +17,13 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from lpt.models.partitioning import logical_to_mesh
+from lpt import sharding
+from lpt.sharding import logical_to_mesh
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # mesh axes the global batch is split over
 
-# logical axis name -> mesh axes (first match wins; None = replicated)
-RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", BATCH_AXES),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("vocab", "tensor"),
-    ("length", None),
-    ("head_dim", None),
-    ("layers", None),
-)
+RULES = sharding.RULES  # logical name -> mesh axes: the one table, in lpt.sharding
 
 
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:

@@ -9,7 +9,7 @@ from jax.sharding import Mesh, PartitionSpec
 import lpt.models as M
 from lpt.models import partitioning as P
 
-RULES = P.DEFAULT_RULES
+RULES = P.RULES
 
 
 def test_logical_to_mesh_first_unused_rule_wins():
