@@ -53,7 +53,7 @@ def _read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
 
 def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, dict]:
     """Train each recipe in ``workdir/<name>``; return ``{name: {"eval_loss", "unigram", "train", "eval"}}``."""
-    from lpt.train.__main__ import train  # the trainer's entry point (imports the whole trainer)
+    from lpt.train.loop import train  # the trainer (imported here: it pulls in the whole training stack)
 
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     out = {}

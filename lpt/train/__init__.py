@@ -1,6 +1,6 @@
 """lpt.train: the trainer behind ``python -m lpt.train --config configs/<name>.py --workdir DIR``.
 
-Modules, in the order the recipe (``lpt/train/__main__.py``) uses them:
+Modules, in the order the recipe (``lpt/train/loop.py``) uses them:
 
 * ``config``: load a config file (``get_config()``), apply ``--config.a.b=value`` overrides, validate against
   ``SCHEMA`` (unknown keys rejected with the valid ones listed).
@@ -12,7 +12,11 @@ Modules, in the order the recipe (``lpt/train/__main__.py``) uses them:
 * ``checkpoint``: orbax CheckpointManager (state + grain iterator + JSON metadata), fallback on corrupt latest.
 * ``metrics``: JSONL + TensorBoard, loss-curve PNG, MFU.
 
-``from lpt.train.__main__ import train`` runs the recipe on a ConfigDict. See docs/training.md.
+* ``loop``: the recipe itself, ``train(cfg, workdir, hooks=())``, and ``program(cfg, mesh)`` (the jitted steps and
+  the train-state layout, also what ``lpt.train.compile`` compiles ahead of time).
+
+``python -m lpt.train`` (``__main__``) parses the command line and calls ``lpt.train.loop.train``. See
+docs/training.md.
 """
 
 from lpt.train.config import SCHEMA, apply_overrides, load_config_file, parse_args, validate

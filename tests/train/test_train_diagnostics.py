@@ -15,7 +15,7 @@ from lpt.train import mesh as mesh_lib
 from lpt.train import metrics, optimizer
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
-from lpt.train.__main__ import train
+from lpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 # the smallest model with an FP8 matmul: the LM head (K = d_model = 128, N = vocab = 256)

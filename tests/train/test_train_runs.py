@@ -47,7 +47,9 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache")
 
 
-def run(workdir, cache_dir, *extra, devices=1, env=None, check=True, background=False, config="configs/tiny_cpu.py"):
+def run(workdir, cache_dir, *extra, devices=1, faults=(), check=True, background=False, config="configs/tiny_cpu.py"):
+    """``python -m lpt.train`` on the tiny model; ``faults`` (e.g. ``["--kill-at=3"]``) runs it through
+    tests/train/fault_runner.py, which injects them with the loop's hooks."""
     e = dict(os.environ)
     e.update(
         JAX_PLATFORMS="cpu",
@@ -55,12 +57,11 @@ def run(workdir, cache_dir, *extra, devices=1, env=None, check=True, background=
         JAX_COMPILATION_CACHE_DIR=str(cache_dir),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        **(env or {}),
     )
+    entry = [str(ROOT / "tests" / "train" / "fault_runner.py"), *faults] if faults else ["-m", "lpt.train"]
     cmd = [
         sys.executable,
-        "-m",
-        "lpt.train",
+        *entry,
         "--config",
         config,
         "--workdir",
@@ -125,9 +126,9 @@ def test_reference_run_learns_and_writes_artifacts(reference):
 
 
 def test_exact_resume_after_kill_and_sigterm(reference, tmp_path, cache_dir):
-    p = run(tmp_path, cache_dir, env={"LPT_FAULT_KILL_AT_STEP": "3"}, check=False)
+    p = run(tmp_path, cache_dir, faults=["--kill-at=3"], check=False)
     assert p.returncode == -9, p.stderr[-2000:]  # hard crash after step 3; newest checkpoint is step 2
-    p = run(tmp_path, cache_dir, env={"LPT_FAULT_SIGTERM_AT_STEP": "5"})
+    p = run(tmp_path, cache_dir, faults=["--sigterm-at=5"])
     assert "resumed from step 2" in p.stderr and "preempted: saved checkpoint at step 5" in p.stderr
     p = run(tmp_path, cache_dir, "--config.train.keep_checkpoints=2")
     assert "resumed from step 5" in p.stderr
@@ -171,7 +172,7 @@ def test_bad_batch_for_mesh_is_a_clear_error(tmp_path, cache_dir):
 
 
 def test_two_process_distributed_matches_single_process(reference, tmp_path, cache_dir):
-    def two_processes(env=None):
+    def two_processes(faults=()):
         with socket.socket() as sock:
             sock.bind(("localhost", 0))
             port = sock.getsockname()[1]
@@ -183,7 +184,7 @@ def test_two_process_distributed_matches_single_process(reference, tmp_path, cac
                 "--num_processes=2",
                 f"--process_id={i}",
                 background=True,
-                env=env,
+                faults=faults,
             )
             for i in range(2)
         ]
@@ -192,7 +193,7 @@ def test_two_process_distributed_matches_single_process(reference, tmp_path, cac
         return outs
 
     # SIGTERM reaches only process 1 after step 3: both processes must save step 3 and exit cleanly
-    outs = two_processes({"LPT_FAULT_SIGTERM_AT_STEP": "3", "LPT_FAULT_PROCESS": "1"})
+    outs = two_processes(["--sigterm-at=3", "--fault-process=1"])
     assert "explicit (localhost" in outs[1] and "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in outs[0]
     assert all("preempted: saved checkpoint at step 3" in out for out in outs)
     outs = two_processes()
@@ -213,7 +214,7 @@ def test_bf16_kahan_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir)
     ref = tmp_path / "ref"
     run(ref, cache_dir, "--config.train.steps=4", **kahan)
     resumed = tmp_path / "resumed"
-    p = run(resumed, cache_dir, "--config.train.steps=4", env={"LPT_FAULT_SIGTERM_AT_STEP": "3"}, **kahan)
+    p = run(resumed, cache_dir, "--config.train.steps=4", faults=["--sigterm-at=3"], **kahan)
     assert "preempted: saved checkpoint at step 3" in p.stderr
     p = run(resumed, cache_dir, "--config.train.steps=4", **kahan)
     assert "resumed from step 3" in p.stderr

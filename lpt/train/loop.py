@@ -1,0 +1,287 @@
+"""The training recipe, top to bottom: mesh -> data -> program (model, optimizer, shardings, jitted steps) -> resume
+-> loop (log, eval, checkpoint, SIGTERM, NaN guard) -> final eval, plot, summary.
+
+``train(cfg, workdir)`` runs it on a validated ConfigDict (``python -m lpt.train`` parses the command line and calls
+it; the lab and the tests call it directly). ``program(cfg, mesh)`` builds the jitted steps and the sharded layout of
+the train state without touching data or devices' memory; ``python -m lpt.train.compile`` compiles the same program
+ahead of time for a TPU or GPU topology.
+
+Hooks: ``train(..., hooks=[fn, ...])`` calls ``fn(step, checkpointer)`` after each train step is dispatched, before
+the preemption check (a hook that sends SIGTERM to its own process makes the run save at that step and exit). The
+tests inject faults this way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+import lpt
+from lpt import data as data_lib
+from lpt.train import checkpoint as ckpt_lib
+from lpt.train import config as config_lib
+from lpt.train import distributed, machine, metrics, optimizer
+from lpt.train import mesh as mesh_lib
+from lpt.train import state as state_lib
+from lpt.train import step as step_lib
+
+log = logging.getLogger("lpt.train")
+
+Hook = Callable[[int, ckpt_lib.Checkpointer], None]
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised when the training loss, the gradient norm or a parameter becomes NaN or inf."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything the loop runs, built from the config and the mesh alone (no data, no device memory)."""
+
+    tx: Any  # optax GradientTransformation
+    schedule: Callable  # step -> learning rate
+    model_def: state_lib.ModelDef
+    abstract: state_lib.TrainState  # ShapeDtypeStructs of the train state
+    shardings: state_lib.TrainState  # NamedShardings of the train state on the mesh
+    train_step: Callable  # jitted (state, batch) -> (state, metrics), state donated
+    eval_step: Callable  # jitted (params, rest, batch) -> loss
+    diag_step: Callable | None  # jitted activation-diagnostics pass, None when train.diagnostics_every == 0
+
+
+def program(cfg, mesh: Mesh) -> Program:
+    """Model, optimizer, train-state layout and jitted steps of ``cfg`` on ``mesh``."""
+    tx = optimizer.make_optimizer(cfg)
+    schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
+    model_def = state_lib.make_model_def(cfg)
+    abstract = state_lib.abstract_state(cfg, tx)
+    shardings = state_lib.state_shardings(abstract, model_def, mesh)
+    diag_every = config_lib.get(cfg, "train.diagnostics_every")  # 0 = no activation diagnostics pass
+    return Program(
+        tx=tx,
+        schedule=schedule,
+        model_def=model_def,
+        abstract=abstract,
+        shardings=shardings,
+        train_step=step_lib.make_train_step(cfg, model_def, tx, schedule, mesh, shardings),
+        eval_step=step_lib.make_eval_step(cfg, model_def, mesh, shardings),
+        diag_step=step_lib.make_diagnostics_step(cfg, model_def, mesh, shardings) if diag_every else None,
+    )
+
+
+def make_mesh(cfg, devices=None) -> Mesh:
+    """The run's mesh; raises ValueError when the global batch does not split over it."""
+    mesh = mesh_lib.make_mesh(cfg.train.mesh, devices)
+    mesh_lib.check_batch(cfg.train.global_batch, cfg.optim.microbatches, mesh)
+    return mesh
+
+
+def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
+    """Train per ``cfg`` in ``workdir`` (resuming from its newest checkpoint); return the run summary."""
+    workdir = Path(workdir)
+    t_start = time.time()
+    is_main = jax.process_index() == 0
+    steps, seq_len, global_batch = cfg.train.steps, cfg.data.seq_len, cfg.train.global_batch
+
+    # 1. Mesh over all devices of all processes; the batch must split over data*fsdp.
+    mesh = make_mesh(cfg)
+    if global_batch % jax.process_count():
+        raise ValueError(f"train.global_batch={global_batch} is not divisible by {jax.process_count()} processes")
+    log.info("mesh %s over %d device(s), %d process(es)", dict(mesh.shape), mesh.size, jax.process_count())
+
+    # 2. Data: this process's slice of every global batch, and fixed validation batches.
+    data_iter, eval_batches, to_global = _data(cfg, mesh)
+    unigram = data_lib.unigram_loss(cfg.data, split="validation")
+
+    # 3. Model, optimizer, the sharded layout of the train state, the jitted steps.
+    prog = program(cfg, mesh)
+
+    # 4. Resume from the newest readable checkpoint in workdir, else initialise.
+    ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.train.keep_checkpoints)
+    restored = ckpt.restore_latest(state_lib.with_shardings(prog.abstract, prog.shardings), data_iter)
+    if restored is None:
+        state = state_lib.create_state(cfg, prog.tx, prog.shardings)
+        log.info("initialised %s parameters", f"{state_lib.count_params(state.params):,}")
+    else:
+        state, meta = restored
+        log.info("resumed from step %d (saved on mesh %s, now %s)", meta["step"], meta["mesh"], dict(mesh.shape))
+    start = int(state.step)
+
+    # 5. The loop. Step s's metrics are fetched after step s+1 is dispatched (keeps the device busy); every
+    #    checkpoint is preceded by a finiteness check of all steps so far, so a NaN never reaches a checkpoint.
+    #    Every diagnostics_every steps a forward pass on the step's batch and params adds the activation statistics
+    #    (model/fp8/..., model/attn/...) to that step's metrics, which are then logged.
+    diag_every = config_lib.get(cfg, "train.diagnostics_every")
+    writer = metrics.MetricsWriter(workdir, enabled=is_main, drop_after=start)  # forget steps a crash re-runs
+    logger = _Logger(cfg, writer, ckpt, start, disable=not is_main)
+    preempt = distributed.PreemptionFlag()
+    eval_loss = None
+
+    def evaluate(s: int) -> float:
+        losses = [float(prog.eval_step(state.params, state.rest, to_global(b))) for b in eval_batches]
+        loss = float(np.mean(losses))
+        writer.write(s, {"eval_loss": loss, "unigram_loss": unigram}, prefix="eval")
+        logger.show(eval=f"{loss:.3f}")
+        return loss
+
+    try:
+        for s in range(start + 1, steps + 1):
+            batch = to_global(next(data_iter))
+            diag = None
+            if diag_every and s % diag_every == 0:  # before the step: same params, batch and key as its forward
+                diag = prog.diag_step(state.params, state.rest, batch, state.step)
+            state, step_metrics = prog.train_step(state, batch)
+            logger.drain()
+            logger.add(s, {**step_metrics, **diag} if diag else step_metrics, diag is not None)
+            for hook in hooks:
+                hook(s, ckpt)
+            stop = preempt.requested(s, sync_every=cfg.train.log_every)
+            if s % cfg.train.eval_every == 0 or s == steps:
+                logger.drain()
+                eval_loss = evaluate(s)
+            if s % cfg.train.checkpoint_every == 0 or s == steps or stop:
+                logger.drain()
+                ckpt.save(s, state, data_iter, _metadata(cfg, mesh, s), force=True)
+            if stop:
+                ckpt.wait()
+                log.warning("preempted: saved checkpoint at step %d in %s; exiting cleanly", s, ckpt.directory)
+                return {"preempted_at": s}
+        logger.drain()
+        if eval_loss is None:  # resumed at the final step
+            eval_loss = evaluate(steps)
+    finally:
+        logger.close()
+        ckpt.close()
+        writer.close()
+        preempt.restore()
+
+    # 6. Summary and loss-curve PNG.
+    elapsed = time.time() - t_start
+    summary = {
+        "final_step": steps,
+        "eval_loss": eval_loss,
+        "unigram_loss": unigram,
+        "wall_seconds": elapsed,
+        "tokens_per_sec": (steps - start) * global_batch * seq_len / elapsed,
+        "flops_per_token": _flops_per_token(cfg),
+        "machine": machine.describe(),  # the last digits of eval_loss depend on the CPU/accelerator (docs/training.md)
+    }
+    if is_main:
+        metrics.plot_losses(writer.jsonl_path, workdir / "loss.png", baseline=unigram, title=_title(cfg))
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info("done: validation loss %.4f vs unigram baseline %.4f (%.0f s)", eval_loss, unigram, elapsed)
+    return summary
+
+
+def _data(cfg, mesh: Mesh):
+    """(train iterator of this process's slices, fixed validation batches, local batch -> global jax.Array)."""
+    seq_len, global_batch = cfg.data.seq_len, cfg.train.global_batch
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    data_iter = data_lib.make_train_iterator(
+        cfg.data, seq_len=seq_len, global_batch=global_batch, seed=cfg.data.shuffle_seed, **shard
+    )
+    eval_batches = data_lib.make_eval_batches(
+        cfg.data, seq_len=seq_len, batch=global_batch, num_batches=cfg.train.eval_batches, **shard
+    )
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+
+    def to_global(local: dict) -> dict:
+        return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v)) for k, v in local.items()}
+
+    return data_iter, eval_batches, to_global
+
+
+class _Logger:
+    """Fetches pending step metrics, stops on a non-finite state, writes every log_every-th step (and steps with
+    diagnostics) with tokens/s and MFU, and drives the progress bar."""
+
+    def __init__(self, cfg, writer: metrics.MetricsWriter, ckpt: ckpt_lib.Checkpointer, start: int, *, disable: bool):
+        self.cfg, self.writer, self.ckpt = cfg, writer, ckpt
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.flops_per_token, self.peak = _flops_per_token(cfg), metrics.device_peak_flops()
+        self.pending: list[tuple[int, dict, bool]] = []
+        self.last_time, self.last_step = time.time(), start
+        self.postfix: dict[str, str] = {}
+        self.bar = tqdm(
+            total=cfg.train.steps, initial=start, disable=disable, desc="train", dynamic_ncols=True, mininterval=1.0
+        )
+
+    def add(self, s: int, step_metrics: dict, has_diag: bool) -> None:
+        self.pending.append((s, step_metrics, has_diag))
+
+    def show(self, **items: str) -> None:
+        self.postfix.update(items)
+        self.bar.set_postfix(self.postfix, refresh=False)
+
+    def _last_good(self) -> str:
+        latest = self.ckpt.manager.latest_step()
+        if latest is None:
+            return "No checkpoint had been written yet."
+        return f"The last good checkpoint is step {latest} in {self.ckpt.directory} (kept intact)."
+
+    def drain(self) -> None:
+        while self.pending:
+            s, m, has_diag = self.pending.pop(0)
+            host = {k: float(v) for k, v in m.items()}
+            if not (np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"]) and host["params_finite"] == 1.0):
+                raise NonFiniteLossError(
+                    f"non-finite training state at step {s} (loss={host['loss']}, grad_norm={host['grad_norm']}, "
+                    f"all params finite: {host['params_finite'] == 1.0}): stopping. {self._last_good()} Try a lower "
+                    f"optim.lr, a larger optim.warmup_steps or another precision recipe."
+                )
+            self.bar.update(s - self.bar.n)
+            if s % self.cfg.train.log_every == 0 or s == self.cfg.train.steps or has_diag:
+                now = time.time()
+                tok_s = (s - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
+                host["tokens_per_sec"] = tok_s
+                if self.flops_per_token and self.peak:
+                    host["mfu"] = tok_s * self.flops_per_token / (self.peak * jax.device_count())
+                self.writer.write(s, host)
+                self.show(loss=f"{host['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+                self.last_time, self.last_step = now, s
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _flops_per_token(cfg) -> float:
+    from lpt import models
+
+    return float(models.flops_per_token(cfg.model, cfg.data.seq_len))
+
+
+def _metadata(cfg, mesh: Mesh, s: int) -> dict:
+    import flax
+    import optax
+    import orbax.checkpoint
+
+    return {
+        "step": s,
+        "config": json.loads(json.dumps(cfg.to_dict())),
+        "versions": {
+            "lpt": getattr(lpt, "__version__", "unknown"),
+            "jax": jax.__version__,
+            "flax": flax.__version__,
+            "optax": optax.__version__,
+            "orbax": orbax.checkpoint.__version__,
+        },
+        "mesh": dict(mesh.shape),
+        "process_count": jax.process_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "data_worker_count": cfg.data.worker_count,
+        "time": time.time(),
+    }
+
+
+def _title(cfg) -> str:
+    p = cfg.precision
+    return f"{cfg.model.kind} d{cfg.model.d_model} L{cfg.model.n_layers} | {p.param_dtype} {p.update_rule}"
