@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.validation_fraction = 0.005  # held-out share of the corpus
     c.data.worker_count = 4  # grain worker processes per host
     c.data.shuffle_seed = 0  # data order seed
+    c.data.cache_dir = ""  # tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 6e-4  # GPT-2 small peak lr

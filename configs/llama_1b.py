@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.validation_fraction = 0.001  # held-out share
     c.data.worker_count = 8  # grain worker processes per host
     c.data.shuffle_seed = 0  # data order seed
+    c.data.cache_dir = ""  # tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4  # peak lr

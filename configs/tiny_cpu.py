@@ -73,6 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.validation_fraction = 0.1  # share of the corpus held out for validation
     c.data.worker_count = 0  # grain worker processes (0 = in-process; recorded in checkpoints)
     c.data.shuffle_seed = 0  # seed of the training data order
+    c.data.cache_dir = ""  # tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-3  # peak learning rate

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 import lpt.optim as O
 
-RULES = ("nearest", "kahan", "stochastic", "norm_preserving")
+RULES = O.UPDATE_RULES
 
 
 def least_squares_curves(steps: int, d: int = 64, n: int = 256, sigma: float = 0.05, lr: float = 0.01):

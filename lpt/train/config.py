@@ -5,7 +5,7 @@ puts the file's directory on ``sys.path`` while it runs, so a recipe config can 
 (``from tiny_cpu import get_config as base``). The loaded config is checked against ``SCHEMA`` (every key, its type,
 its allowed values): a missing key, an unknown key or a value outside the allowed set raises ``ValueError`` naming
 the key and listing what is valid. ``--config.a.b=value`` overrides are parsed with the type recorded in the schema.
-Keys added after the configs were written (``DEFAULTS``) may be omitted; read them with :func:`get`.
+Every config sets every key; ``python -m lpt.train --help`` lists them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import ml_collections
+
+from lpt.models.config import ATTENTION_IMPLS
+from lpt.optim.recipes import UPDATE_RULES
 
 MATMUL_KINDS = ("qkv", "out", "up", "down", "lm_head")
 
@@ -39,11 +42,11 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "model.scan_layers": (bool, None),
     "precision.param_dtype": (str, ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")),
     "precision.compute_dtype": (str, ("bfloat16", "float32")),
-    "precision.update_rule": (str, ("f32_master", "nearest", "kahan", "stochastic", "norm_preserving")),
-    "precision.moment_rounding": (str, ("stochastic", "nearest")),  # 16-bit Adam moments; may be omitted
-    "precision.update_impl": (str, ("xla", "pallas")),  # kahan's fused step: XLA or the Pallas kernel; may be omitted
+    "precision.update_rule": (str, ("f32_master", *UPDATE_RULES)),
+    "precision.moment_rounding": (str, ("stochastic", "nearest")),  # 16-bit Adam moments
+    "precision.update_impl": (str, ("xla", "pallas")),  # kahan's fused step: XLA or the Pallas kernel
     **{f"precision.matmul.{k}": (str, ("bf16", "fp8")) for k in MATMUL_KINDS},
-    "precision.attention.impl": (str, ("xla", "pallas")),
+    "precision.attention.impl": (str, ATTENTION_IMPLS),
     "precision.attention.stable": (bool, None),
     "precision.attention.beta": (float, None),
     "precision.pqt.method": (str, ("none", "gaussws", "diffq")),
@@ -57,6 +60,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "data.validation_fraction": (float, None),
     "data.worker_count": (int, None),
     "data.shuffle_seed": (int, None),
+    "data.cache_dir": (str, None),  # "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
     "optim.lr": (float, None),
     "optim.warmup_steps": (int, None),
     "optim.schedule": (str, ("cosine", "constant")),
@@ -72,33 +76,13 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "train.eval_every": (int, None),
     "train.eval_batches": (int, None),
     "train.log_every": (int, None),
-    "train.diagnostics_every": (int, None),  # activation diagnostics pass every N steps (0 = off); may be omitted
+    "train.diagnostics_every": (int, None),  # activation diagnostics pass every N steps (0 = off)
     "train.checkpoint_every": (int, None),
     "train.keep_checkpoints": (int, None),
     "train.mesh.data": (int, None),
     "train.mesh.fsdp": (int, None),
     "train.mesh.tensor": (int, None),
 }
-
-# keys added after configs were written: a config may omit them and gets this value (older configs keep working)
-DEFAULTS: dict[str, Any] = {
-    "train.diagnostics_every": 0,
-    "precision.moment_rounding": "stochastic",
-    "precision.update_impl": "xla",
-}
-
-
-def get(cfg: ml_collections.ConfigDict, key: str) -> Any:
-    """``cfg[key]`` for a dotted ``key`` of the schema, or its ``DEFAULTS`` value if the config omits it."""
-    node = cfg
-    for part in key.split("."):
-        if part not in node:
-            if key in DEFAULTS:
-                return DEFAULTS[key]
-            raise KeyError(f"config has no key {key!r}")
-        node = node[part]
-    return node
-
 
 def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
     out = {}
@@ -140,15 +124,15 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     unknown = sorted(set(flat) - set(SCHEMA))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; {_close_matches(unknown[0])}")
-    missing = sorted(set(SCHEMA) - set(flat) - set(DEFAULTS))
+    missing = sorted(set(SCHEMA) - set(flat))
     if missing:
         raise ValueError(f"config is missing key(s) {missing}; every config must set all keys of lpt.train.SCHEMA")
     for key, value in flat.items():
         _check_value(key, value)
-    diag_every = get(cfg, "train.diagnostics_every")
+    diag_every = cfg.train.diagnostics_every
     if diag_every < 0:
         raise ValueError(f"config key train.diagnostics_every={diag_every} must be >= 0 (0 = off)")
-    update_impl, p = get(cfg, "precision.update_impl"), cfg.precision
+    update_impl, p = cfg.precision.update_impl, cfg.precision
     if update_impl == "pallas" and (p.update_rule != "kahan" or p.param_dtype != "bfloat16"):
         raise ValueError(
             f"precision.update_impl='pallas' runs the fused bf16 AdamW + Kahan kernel: it needs "
@@ -222,9 +206,23 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     return cfg
 
 
+def schema_help() -> str:
+    """The config keys, their types and allowed values, for ``--help``."""
+    lines = ["config keys (override any with --config.KEY=VALUE; tuples as a,b):"]
+    for key, (typ, allowed) in SCHEMA.items():
+        choices = f"  one of: {', '.join(allowed)}" if allowed else ""
+        lines.append(f"  {key:<32} {typ.__name__}{choices}")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Namespace]:
     """Parse ``--config FILE --workdir DIR [--config.key=value ...]`` (+ optional multi-process flags)."""
-    parser = argparse.ArgumentParser(prog="python -m lpt.train", description="Train an lpt transformer.")
+    parser = argparse.ArgumentParser(
+        prog="python -m lpt.train",
+        description="Train an lpt transformer.",
+        epilog=schema_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", required=True, help="config file, e.g. configs/tiny_cpu.py")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics and plots go here; resumes from it")
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit multi-process)")

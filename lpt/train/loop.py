@@ -29,7 +29,6 @@ from tqdm import tqdm
 import lpt
 from lpt import data as data_lib
 from lpt.train import checkpoint as ckpt_lib
-from lpt.train import config as config_lib
 from lpt.train import distributed, machine, metrics, optimizer
 from lpt.train import mesh as mesh_lib
 from lpt.train import state as state_lib
@@ -65,7 +64,7 @@ def program(cfg, mesh: Mesh) -> Program:
     model_def = state_lib.make_model_def(cfg)
     abstract = state_lib.abstract_state(cfg, tx)
     shardings = state_lib.state_shardings(abstract, model_def, mesh)
-    diag_every = config_lib.get(cfg, "train.diagnostics_every")  # 0 = no activation diagnostics pass
+    diag_every = cfg.train.diagnostics_every  # 0 = no activation diagnostics pass
     return Program(
         tx=tx,
         schedule=schedule,
@@ -120,7 +119,7 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
     #    checkpoint is preceded by a finiteness check of all steps so far, so a NaN never reaches a checkpoint.
     #    Every diagnostics_every steps a forward pass on the step's batch and params adds the activation statistics
     #    (model/fp8/..., model/attn/...) to that step's metrics, which are then logged.
-    diag_every = config_lib.get(cfg, "train.diagnostics_every")
+    diag_every = cfg.train.diagnostics_every
     writer = metrics.MetricsWriter(workdir, enabled=is_main, drop_after=start)  # forget steps a crash re-runs
     logger = _Logger(cfg, writer, ckpt, start, disable=not is_main)
     preempt = distributed.PreemptionFlag()

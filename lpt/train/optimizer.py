@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import optax
 
 import lpt.optim
-from lpt.train import config as config_lib
 
 
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
@@ -85,10 +84,10 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
     last = update_rule_transform(p.update_rule, cfg.train.seed)  # validates the rule's name; None for f32_master
     hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, weight_decay_mask=decay_mask)
     if last is not None and not p.param_dtype.startswith("float8"):  # 16-bit params: lpt's AdamW
-        moments = config_lib.get(cfg, "precision.moment_rounding")
+        moments = cfg.precision.moment_rounding
         lpt_kw = dict(hyper, moment_rounding=moments, grad_clip=clip, seed=cfg.train.seed, diagnostics=True)
         if p.update_rule == "kahan":
-            impl = config_lib.get(cfg, "precision.update_impl")
+            impl = cfg.precision.update_impl
             return lpt.optim.kahan_adamw(schedule, **lpt_kw, sequential_leaves=jax.device_count() == 1, impl=impl)
         return lpt.optim.adamw(schedule, **lpt_kw, update=p.update_rule)
     parts = [] if clip is None else [optax.clip_by_global_norm(clip)]

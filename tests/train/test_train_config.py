@@ -119,3 +119,24 @@ def test_cli_bad_data_path_and_bad_key_exit_with_clear_message(tmp_path, capsys)
     rc = main(["--config", TINY, "--workdir", str(tmp_path), "--config.model.dmodel=3"])
     err = capsys.readouterr().err
     assert rc == 2 and "model.d_model" in err
+
+
+def test_help_lists_every_config_key(capsys):
+    from lpt.train.config import SCHEMA
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    missing = [k for k in SCHEMA if k not in out]
+    assert not missing and "data.cache_dir" in SCHEMA and "one of: xla, pallas, softmax" in out
+
+
+def test_softmax_attention_and_cache_dir_are_config_keys(tmp_path):
+    from lpt.train import config as config_lib
+
+    cfg = config_lib.apply_overrides(
+        config_lib.load_config_file(TINY),
+        {"precision.attention.impl": "softmax", "data.cache_dir": str(tmp_path / "cache")},
+    )
+    assert cfg.precision.attention.impl == "softmax" and cfg.data.cache_dir.endswith("cache")
