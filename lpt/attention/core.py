@@ -7,6 +7,12 @@ gets O = 0 and zero gradients.
 The forward runs the online-softmax block loop of :mod:`lpt.kernels.flash_attention_math` (XLA twin or Pallas
 kernel); the backward is FA2's, with δ = rowsum(dO ∘ O_residual) where the residual O is chosen by the policy
 (the quantity seed 001 traces the loss explosions to).
+
+With ``impl="pallas"`` under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) each kernel call runs per shard
+(:func:`lpt.kernels.dispatch.shard_map`): q, dO, O [B, H, T, D] split as P(batch, heads, None, None), k, v, dk, dv
+[B, Hkv, T, D] as P(batch, kv_heads, None, None), segments [B, T] as P(batch, None), lse and δ [B, H, T] as
+P(batch, heads, None), the logical names resolved by :func:`lpt.sharding.kernel_spec`. Attention is independent
+per (batch row, head), so no shard talks to another and nothing is all-gathered.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lpt import sharding
+from lpt.kernels import dispatch
 from lpt.kernels import flash_attention as fk
 from lpt.kernels import flash_attention_math as fm
 from lpt.kernels import flash_attention_reference as fr
@@ -35,33 +43,50 @@ class _Config:
     block_k: int
     impl: str
     interpret: bool | None
+    mesh: object = None  # the kernels' mesh (None: whole arrays)
+    specs: tuple | None = None  # PartitionSpecs (q, kv, segments, lse) on ``mesh``
+
+
+def kernel_specs(b: int, h: int, hkv: int, mesh) -> tuple | None:
+    """PartitionSpecs ``(q, kv, segments, lse)`` of the kernel operands on ``mesh``; None without a multi-device mesh.
+
+    Raises ValueError if B, H or Hkv does not divide by the mesh axes it is split over, or if the query and kv heads
+    are split over different axes (each shard must hold whole GQA groups)."""
+    if mesh is None or mesh.size == 1:
+        return None
+    q_spec = sharding.kernel_spec(("batch", "heads", None, None), mesh)
+    kv_spec = sharding.kernel_spec(("batch", "kv_heads", None, None), mesh)
+    for what, size, axes in (("batch", b, q_spec[0]), ("heads", h, q_spec[1]), ("kv_heads", hkv, kv_spec[1])):
+        dispatch.check_divisible(what, size, mesh, axes)
+    if q_spec[1] != kv_spec[1]:
+        raise ValueError(f"heads are split over {q_spec[1]} but kv_heads over {kv_spec[1]}; they must match")
+    seg_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+    lse_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[1], None)
+    return q_spec, kv_spec, seg_spec, lse_spec
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
     kw = dict(policy=cfg.policy, causal=cfg.causal, scale=cfg.scale, block_k=cfg.block_k)
     if cfg.impl == "pallas":
-        return fk.flash_forward(q, k, v, q_seg, kv_seg, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
+        run = functools.partial(fk.flash_forward, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
+        if cfg.specs is not None:
+            qs, kvs, segs, lses = cfg.specs
+            run = dispatch.shard_map(run, cfg.mesh, (qs, kvs, kvs, segs, segs), (qs, lses))
+        return run(q, k, v, q_seg, kv_seg)
     return fr.reference_forward(q, k, v, q_seg, kv_seg, **kw)
 
 
 def _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg: _Config):
     kw = dict(causal=cfg.causal, scale=cfg.scale)
     if cfg.impl == "pallas":
-        return fk.flash_backward(
-            q,
-            k,
-            v,
-            q_seg,
-            kv_seg,
-            lse,
-            do,
-            delta,
-            block_q=cfg.block_q,
-            block_k=cfg.block_k,
-            interpret=cfg.interpret,
-            **kw,
+        run = functools.partial(
+            fk.flash_backward, block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret, **kw
         )
-    return fr.reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, **kw)
+        if cfg.specs is not None:
+            qs, kvs, segs, lses = cfg.specs
+            run = dispatch.shard_map(run, cfg.mesh, (qs, kvs, kvs, segs, segs, lses, qs, lses), (qs, kvs, kvs))
+        return run(q, k, v, q_seg, kv_seg, lse, do, delta)
+    return fr.reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, block_k=cfg.block_k, **kw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -77,13 +102,25 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, key, cfg: _Config):
 
 def _flash_bwd(cfg: _Config, res, do):
     q, k, v, q_seg, kv_seg, o_res, lse = res
-    delta = jnp.sum(do.astype(jnp.float32) * o_res.astype(jnp.float32), axis=-1)  # -> f32 (exact products)
+    delta = _rowsum(do.astype(jnp.float32) * o_res.astype(jnp.float32))  # dO, O residual -> f32
     dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg)
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))  # f32 -> input dtype (RNE)
     return (*grads, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _rowsum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a fixed pairwise tree (zero-padded to a power of two, halves added elementwise).
+
+    XLA's reduce order depends on the shapes it sees (a per-shard [B/n, H/m, T, D] reduce rounds differently from
+    the global one), so δ, and with it every gradient, would depend on the mesh; this order does not."""
+    x = _pad_to(x, 1 << (x.shape[-1] - 1).bit_length(), x.ndim - 1, 0)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
 
 
 def _default_block(t: int) -> int:
@@ -100,7 +137,9 @@ def _pad_to(x, length: int, axis: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def canonical(q, k, v, *, causal, stable, beta, impl, kv_mask, segment_ids, scale, policy, block_q, block_k, interpret):
+def canonical(
+    q, k, v, *, causal, stable, beta, impl, kv_mask, segment_ids, scale, policy, block_q, block_k, interpret, mesh=None
+):
     """Validate the public arguments; return padded [B, H, T, D] tensors, segments and the static config."""
     if impl not in _IMPLS:
         raise ValueError(f"impl={impl!r} is not allowed; choose one of {_IMPLS}")
@@ -144,7 +183,9 @@ def canonical(q, k, v, *, causal, stable, beta, impl, kv_mask, segment_ids, scal
     q_seg = _pad_to(q_seg, tq_pad, 1, -2)  # padded queries match no key
     kv_seg = _pad_to(kv_seg, tk_pad, 1, -1)  # padded keys match no query
 
-    cfg = _Config(policy, bool(causal), scale, bq, bk, impl, interpret)
+    mesh = dispatch.kernel_mesh(mesh) if impl == "pallas" else None
+    specs = kernel_specs(b, h, hkv, mesh)
+    cfg = _Config(policy, bool(causal), scale, bq, bk, impl, interpret, mesh if specs else None, specs)
     return q_t, k_t, v_t, q_seg, kv_seg, cfg
 
 
@@ -165,6 +206,7 @@ def dot_product_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | None = None,
+    mesh=None,
 ):
     """Attention over q [B, Tq, H, D], k and v [B, Tk, Hkv, D] (H % Hkv == 0); returns [B, Tq, H, D] in q.dtype.
 
@@ -185,6 +227,8 @@ def dot_product_attention(
       block_q, block_k: tile sizes (default min(128, pow2 >= T)); T is padded up to a multiple internally.
       interpret: Pallas only. None: interpret on CPU, compiled kernel on cuda/tpu (``lax.platform_dependent``);
         True: always interpret.
+      mesh: Pallas only: the mesh the kernels run on, one shard per device (see the module doc). None: the mesh of
+        ``jax.set_mesh`` if one is set, else the kernels see whole arrays.
     """
     q_t, k_t, v_t, q_seg, kv_seg, cfg = canonical(
         q,
@@ -201,6 +245,7 @@ def dot_product_attention(
         block_q=block_q,
         block_k=block_k,
         interpret=interpret,
+        mesh=mesh,
     )
     tq = q.shape[1]
     if impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:

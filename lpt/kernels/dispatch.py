@@ -82,6 +82,7 @@ def mesh_axis_size(mesh, axes) -> int:
 def check_divisible(what: str, size: int, mesh, axes) -> int:
     """``size // mesh_axis_size(mesh, axes)``; ValueError naming ``what`` if the split is not even."""
     n = mesh_axis_size(mesh, axes)
+    axes = (axes,) if isinstance(axes, str) else axes
     if size % n:
         raise ValueError(f"{what}={size} is not divisible by mesh axes {axes} of size {n}")
     return size // n
