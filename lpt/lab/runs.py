@@ -29,8 +29,6 @@ from lpt.train import optimizer
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-
 # name -> (config file in configs/, overrides, description). "fp32" is the baseline every ratio is taken against.
 RECIPES: dict[str, tuple[str, dict[str, str], str]] = {
     "fp32": ("tiny_cpu.py", {}, "f32 params, f32 compute (baseline)"),
@@ -54,13 +52,8 @@ def recipe_config(name: str, overrides: dict[str, str] | None = None):
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}")
     file, extra, _ = RECIPES[name]
-    path = CONFIG_DIR / file
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"recipe {name!r} needs {path}: the lab's recipe sections run the repository's configs/ directory "
-            "(use an editable install of a clone)"
-        )
-    return config_lib.apply_overrides(config_lib.load_config_file(str(path)), {**extra, **(overrides or {})})
+    cfg = config_lib.load_config_file(Path(file).stem)  # a shipped config, by name
+    return config_lib.apply_overrides(cfg, {**extra, **(overrides or {})})
 
 
 def state_bytes(cfg) -> dict[str, float]:

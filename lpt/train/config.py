@@ -19,9 +19,11 @@ from typing import Any
 
 import ml_collections
 
+import lpt.configs
 from lpt.models.config import ATTENTION_IMPLS
 from lpt.optim.recipes import UPDATE_RULES
 
+_CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
 MATMUL_KINDS = ("qkv", "out", "up", "down", "lm_head")
 
 # key path -> (type, allowed values or None). tuple[str] values are written "a,b" on the command line.
@@ -83,6 +85,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "train.mesh.fsdp": (int, None),
     "train.mesh.tensor": (int, None),
 }
+
 
 def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
     out = {}
@@ -187,11 +190,30 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
     return cfg
 
 
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped with lpt (``configs/`` of the repository, ``lpt.configs`` in the wheel)."""
+    return sorted(p.stem for p in _CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """A config file from a path (``configs/tiny_cpu.py``) or the name of a shipped config (``tiny_cpu``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = _CONFIGS / f"{path.name}.py"
+    if path.suffix == "" and len(path.parts) == 1 and shipped.is_file():
+        return shipped
+    what = "does not exist" if path.suffix or len(path.parts) > 1 else "is neither a file nor a shipped config"
+    raise ValueError(
+        f"config {str(name_or_path)!r} {what}; shipped configs: {', '.join(shipped_configs())} "
+        "(give one by name, or a path such as configs/tiny_cpu.py)"
+    )
+
+
 def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
-    """Import ``path`` (a Python file defining ``get_config()``) and return its validated, locked ConfigDict."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist (expected e.g. configs/tiny_cpu.py)")
+    """Import ``path`` (a Python file defining ``get_config()``, or the name of a shipped config such as
+    ``tiny_cpu``) and return its validated ConfigDict."""
+    path = resolve_config(path)
     spec = importlib.util.spec_from_file_location(f"_lpt_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent.resolve()))
@@ -223,7 +245,7 @@ def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Nam
         epilog=schema_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", required=True, help="config file, e.g. configs/tiny_cpu.py")
+    parser.add_argument("--config", required=True, help="config file (configs/tiny_cpu.py) or shipped name (tiny_cpu)")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics and plots go here; resumes from it")
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (explicit multi-process)")
     parser.add_argument("--num_processes", type=int, default=None, help="number of processes (explicit)")

@@ -14,7 +14,7 @@ TINY = str(ROOT / "configs" / "tiny_cpu.py")
 
 
 def test_every_config_file_loads_and_validates():
-    files = sorted((ROOT / "configs").glob("*.py"))
+    files = sorted(p for p in (ROOT / "configs").glob("*.py") if p.name != "__init__.py")
     assert len(files) >= 1
     for f in files:
         cfg = config_lib.load_config_file(f)
@@ -140,3 +140,26 @@ def test_softmax_attention_and_cache_dir_are_config_keys(tmp_path):
         {"precision.attention.impl": "softmax", "data.cache_dir": str(tmp_path / "cache")},
     )
     assert cfg.precision.attention.impl == "softmax" and cfg.data.cache_dir.endswith("cache")
+
+
+def test_configs_by_name_and_shipped_in_the_wheel(tmp_path):
+    """``--config tiny_cpu`` resolves to the shipped file; the wheel carries configs/ as lpt.configs and the GPU
+    target file, so a non-editable install outside the repository finds them."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    assert config_lib.resolve_config("tiny_cpu").samefile(ROOT / "configs" / "tiny_cpu.py")
+    assert config_lib.load_config_file("tiny_cpu_bf16_kahan").precision.update_rule == "kahan"
+    with pytest.raises(ValueError, match="'tiny' is neither a file nor a shipped config; shipped configs: gpt2_124m"):
+        config_lib.resolve_config("tiny")
+    src = tmp_path / "src"  # a clean copy: a stale build/ of the checkout must not leak into the wheel
+    skip = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "runs", "__pycache__", "tests", "docs")
+    shutil.copytree(ROOT, src, symlinks=True, ignore=skip)
+    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    names = zipfile.ZipFile(next(tmp_path.glob("lpt-*.whl"))).namelist()
+    assert {"lpt/configs/tiny_cpu.py", "lpt/configs/llama_1b.py", "lpt/targets/h100_sxm.txtpb"} <= set(names)
+    assert not any(n.startswith("configs/") for n in names)
