@@ -59,7 +59,7 @@ class Program:
 
 def program(cfg, mesh: Mesh) -> Program:
     """Model, optimizer, train-state layout and jitted steps of ``cfg`` on ``mesh``."""
-    tx = optimizer.make_optimizer(cfg)
+    tx = optimizer.make_optimizer(cfg, mesh.size)
     schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
     model_def = state_lib.make_model_def(cfg)
     abstract = state_lib.abstract_state(cfg, tx)

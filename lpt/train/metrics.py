@@ -89,15 +89,13 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def plot_losses(jsonl_path: str | Path, png_path: str | Path, *, baseline: float | None = None, title: str = ""):
     """Training and validation loss vs step (log-y) as a PNG; ``baseline`` draws the unigram loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the process's matplotlib backend is left alone
 
     records = read_jsonl(jsonl_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
     if evals:
@@ -111,4 +109,3 @@ def plot_losses(jsonl_path: str | Path, png_path: str | Path, *, baseline: float
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path)
-    plt.close(fig)
