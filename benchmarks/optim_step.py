@@ -1,6 +1,6 @@
 """Benchmark: one optimizer step of bf16 AdamW + Kahan vs optax.adamw with f32 master weights, in one run.
 
-    python benchmarks/optim_step.py [--params 50e6] [--rounds 7] [--rows base,base_nocopy,fused,chain]
+    python benchmarks/optim_step.py [--params 50e6] [--rounds 7] [--rows base,fused:stochastic,optax_kahan]
 
 Rows (all jitted with the params and optimizer state donated; without donation timings are dominated by allocation):
 
@@ -9,10 +9,12 @@ Rows (all jitted with the params and optimizer state donated; without donation t
 * ``base_copy_donated``: the same, writing the bf16 copy into the previous step's copy buffer (donated), so no
   fresh 2 bytes/param output buffer is mapped (and page-faulted) every step.
 * ``base_nocopy``: the same without producing the bf16 copy (what the update alone costs).
-* ``fused``: ``lpt.optim.kahan_adamw`` (one fused transform, ``impl="xla"``), per moment rounding.
-* ``chain``: ``lpt.optim.adamw(update="kahan")``, the composable chain with the same numbers.
-* ``optax_kahan``: ``optax.chain(optax.adamw(...), lpt.optim.kahan_summation())`` as in the README (optax's bf16
-  moments, rounded to nearest; what ``python -m lpt.train`` ran for ``update_rule=kahan`` before 2026-11-22).
+* ``fused:nearest``, ``fused:stochastic``: ``lpt.optim.kahan_adamw`` (one fused transform, ``impl="xla"``) with that
+  moment rounding (``fused_parallel:...``: the same with ``sequential_leaves=False``).
+* ``chain:nearest``, ``chain:stochastic``: ``lpt.optim.adamw(update="kahan")``, the composable chain with the same
+  numbers.
+* ``optax_kahan``: ``optax.chain(optax.adamw(...), lpt.optim.kahan_summation())``, the chain a user would build from
+  optax parts (optax's bf16 moments, rounded to nearest).
 
 The rows run interleaved (round robin) so that load from other processes hits them alike; it prints medians of wall
 and process CPU time (on a shared machine the CPU time is the steadier number), ratios against ``base``, bytes per

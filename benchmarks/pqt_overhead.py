@@ -6,7 +6,7 @@ Prints, for one linear layer y = x @ W (bf16 GEMM, f32 accumulation):
   * forward and forward+backward (grads w.r.t. x, W and b_t) time of plain bf16, GaussWS and DiffQ, and the
     ratios to plain bf16;
   * the noise generators alone per element (rounded_normal, symmetric_uniform, jax.random.normal in bf16);
-  * whether seed 004's packed 4-bit R (8 codes per uint32) would pay here: unpacking a stored R vs regenerating
+  * whether Ahn & Yoo's packed 4-bit R (8 codes per uint32) would pay here: unpacking a stored R vs regenerating
     it from the key, as the backward does.
 Timings are medians over ``--reps`` runs after a warm-up; ratios are what to compare across machines.
 """
@@ -66,7 +66,7 @@ def make_steps(method):
 
 
 def pack4(r_bf16):
-    """Seed 004's storage: 4-bit sign-magnitude codes (sign << 3 | |R|), 8 per uint32."""
+    """Ahn & Yoo's storage: 4-bit sign-magnitude codes (sign << 3 | |R|), 8 per uint32."""
     r = r_bf16.astype(jnp.float32).reshape(-1, 8)  # bf16 -> f32 exact
     code = (jnp.abs(r).astype(jnp.uint32) | jnp.where(r < 0, jnp.uint32(8), jnp.uint32(0))).astype(jnp.uint32)
     shifts = jnp.arange(8, dtype=jnp.uint32) * 4

@@ -8,7 +8,8 @@ Command (one host; see launch/ for SLURM and TPU pods):
 Expected result: not measured here (this repository is developed on CPUs). Byte-level tokens (vocab 256), so the
 model sees ~4x more tokens per word than GPT-2's BPE: 1024-byte contexts. About 86M parameters (no BPE embedding);
 6N+attention ~ 0.6 GFLOP per token, ~1.3e18 FLOPs for the 2B tokens of 4000 steps x 512 x 1024: hours on one 8-GPU
-node. Compare a bf16+nearest run (--config.precision.update_rule=nearest) to see the seed-000 failure mode.
+node. Compare a bf16+nearest run (--config.precision.update_rule=nearest) to see the nearest-rounding floor of Zamirai
+et al. (Revisiting BFloat16 Training).
 """
 
 import ml_collections
@@ -47,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.matmul.lm_head = "bf16"  # vocabulary projection
     c.precision.attention = ml_collections.ConfigDict()
     c.precision.attention.impl = "xla"  # "pallas" for the flash kernel on GPU/TPU
-    c.precision.attention.stable = True  # seed-001 fix for repeated row maxima
+    c.precision.attention.stable = True  # Qiu & Yao's fix for repeated row maxima
     c.precision.attention.beta = 7.0  # the fix's beta
     c.precision.pqt = ml_collections.ConfigDict()
     c.precision.pqt.method = "none"  # no pseudo-quantisation training

@@ -47,7 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.matmul.lm_head = "bf16"  # vocabulary projection
     c.precision.attention = ml_collections.ConfigDict()
     c.precision.attention.impl = "pallas"  # flash attention kernel
-    c.precision.attention.stable = True  # seed-001 fix for repeated row maxima
+    c.precision.attention.stable = True  # Qiu & Yao's fix for repeated row maxima
     c.precision.attention.beta = 7.0  # the fix's beta
     c.precision.pqt = ml_collections.ConfigDict()
     c.precision.pqt.method = "none"  # no pseudo-quantisation training

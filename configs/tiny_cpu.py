@@ -4,14 +4,11 @@ Command (the README's main job):
 
     python -m lpt.train --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
-Expected result (measured on a 2-core machine, XLA:CPU, jax 0.10.2): validation loss 1.391 nats/token after 600
-steps (1.2M tokens; evaluations at steps 100..600: 2.27, 1.79, 1.61, 1.51, 1.42, 1.39) against the unigram baseline
-3.367 of the validation split. This exact command: 138 s wall (3.2 CPU-minutes) with the 2 cores lightly shared
-(load ~3); 201 s of training (4m39s including the pip install) on a fresh clone with the cores moderately shared.
-Deterministic on one machine: every rerun gives 1.3907 (1.3955 before the attention default's dithered offset guard
-and split accumulation changed the f32 round-off, 2026-11-22). The f32 round-off also depends on the CPU's vector
-extensions: on an AMD EPYC Zen 4 (AVX-512) the same command gives 1.3860 (evaluations 2.273, 1.790, 1.612, 1.498,
-1.418, 1.386; 123 s wall, 2026-11-22). It writes runs/tiny_cpu/{checkpoints/, metrics.jsonl,
+Expected result (2 CPU cores, XLA:CPU, AMD EPYC Zen 4 with AVX-512, 2026-11-22): validation loss 1.3860 nats/token
+after 600 steps (1.2M tokens; evaluations at steps 100..600: 2.273, 1.790, 1.612, 1.498, 1.418, 1.386) against the
+unigram baseline 3.367 of the validation split, in about 2-3 minutes (123 s wall there). Deterministic on one machine:
+every rerun gives the same loss; the f32 round-off, and so the last digits, depend on the CPU's vector extensions
+(1.3907 on a CPU without AVX-512). It writes runs/tiny_cpu/{checkpoints/, metrics.jsonl,
 tensorboard/, loss.png, summary.json}.
 
 Data: the English text CPython ships in ``pydoc_data.topics`` (no download), bytes as tokens (vocab 256).
@@ -57,7 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.matmul.lm_head = "bf16"  # output projection to the vocabulary
     c.precision.attention = ml_collections.ConfigDict()
     c.precision.attention.impl = "xla"  # "xla" reference or "pallas" flash kernel
-    c.precision.attention.stable = True  # seed-001 fix for repeated row maxima in low-precision softmax
+    c.precision.attention.stable = True  # Qiu & Yao's fix for repeated row maxima in low-precision softmax
     c.precision.attention.beta = 7.0  # the fix's beta (rows with repeated max use beta*m or 0 as offset)
     c.precision.pqt = ml_collections.ConfigDict()
     c.precision.pqt.method = "none"  # pseudo-quantisation training: "none" | "gaussws" | "diffq"

@@ -1,4 +1,4 @@
-"""tiny_cpu_bf16_kahan: bf16 params, bf16 compute, Kahan-compensated updates (seed 000, Algorithm 1).
+"""tiny_cpu_bf16_kahan: bf16 params, bf16 compute, Kahan-compensated updates (Zamirai et al., Algorithm 1).
 
 Command:
 

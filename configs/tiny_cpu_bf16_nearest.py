@@ -1,4 +1,5 @@
-"""tiny_cpu_bf16_nearest: bf16 params updated with plain round-to-nearest (the failure case of seed 000).
+"""tiny_cpu_bf16_nearest: bf16 params updated with plain round-to-nearest (the nearest-rounding floor of Zamirai et
+al., Revisiting BFloat16 Training).
 
 Command:
 

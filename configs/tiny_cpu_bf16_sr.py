@@ -1,4 +1,5 @@
-"""tiny_cpu_bf16_sr: bf16 params, bf16 compute, stochastic rounding of every update (seed 000).
+"""tiny_cpu_bf16_sr: bf16 params, bf16 compute, stochastic rounding of every update (Zamirai et al., Revisiting
+BFloat16 Training).
 
 Command:
 

@@ -1,11 +1,12 @@
-"""tiny_cpu_fp8: blockwise FP8 matmuls (seed 002) in every transformer layer, float32 master weights.
+"""tiny_cpu_fp8: blockwise FP8 matmuls (DeepSeek-V3 Technical Report) in every transformer layer, float32 master
+weights.
 
 Command:
 
     python -m lpt.train --config configs/tiny_cpu_fp8.py --workdir runs/tiny_cpu_fp8
 
-Expected result (2 CPU cores, AMD EPYC Zen 4, 2026-11-22): validation loss 1.3753 at step 600 (1.3597 on the
-earlier development machine); 87 s of training here, 218 s on the earlier, lightly shared machine. Not directly
+Expected result (2 CPU cores, AMD EPYC Zen 4, 2026-11-22): validation loss 1.3753 at step 600 (the last
+digits depend on the CPU: 1.3597 on a CPU without AVX-512); 87 s of training. Not directly
 comparable to tiny_cpu_fp32's 1.3860: this config has 4 KV heads instead of 2 (FP8 blocks need N = 128), i.e. a
 slightly larger model. FP8 is emulated on CPU (quantise to float8_e4m3fn with 1x128 / 128x128
 block scales, f32 accumulation promoted every 128 of K), so this run is slower than tiny_cpu.py; the loss should track

@@ -1,4 +1,5 @@
-"""tiny_cpu_gaussws: Gaussian weight sampling (seed 004) with learnable per-block bitwidth on all block matmuls.
+"""tiny_cpu_gaussws: Gaussian weight sampling (Ahn & Yoo) with learnable per-block bitwidth on all block
+matmuls.
 
 Command:
 

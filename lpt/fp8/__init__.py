@@ -1,8 +1,9 @@
-"""lpt.fp8: blockwise FP8 matmuls with promoted f32 accumulation (seed 002, DeepSeek-V3 recipe).
+"""lpt.fp8: blockwise FP8 matmuls with promoted f32 accumulation (the DeepSeek-V3 Technical Report's recipe).
 
 * Quantization: 1x128 tiles (activations, gradients), 128x128 blocks (weights), f32 or power-of-two scales.
 * :func:`blockwise_dot`: differentiable ``x[..., K] @ w[K, N]``; forward, dX and dW are all blockwise FP8 GEMMs.
-* :func:`emulated_dot`: matmul through an emulated limited-precision accumulator (reproduces seed 002's table).
+* :func:`emulated_dot`: matmul through an emulated limited-precision accumulator (reproduces the FP8 accumulation
+tutorial's table).
 * :class:`Fp8Linear` and :func:`make_fp8_dot_general`: NNX layer and ``dot_general`` hook (stateless).
 * :func:`fp8_gemm_diagnostics`: saturation / underflow counts and error vs bf16, for logging.
 """

@@ -1,4 +1,5 @@
-"""``emulated_dot``: a matmul whose running sum lives in an emulated limited-precision register (seed 002's table).
+"""``emulated_dot``: a matmul whose running sum lives in an emulated limited-precision register (the FP8 accumulation
+tutorial's table).
 
 For ``a[..., K] @ b[K, N]`` each output keeps a register ``r`` and, if ``promote_every = P`` is set, an f32
 accumulator ``s``::

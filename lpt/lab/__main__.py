@@ -1,4 +1,4 @@
-"""``python -m lpt.lab [all|updates|...] --out DIR [--quick]``: reproduce the seeds' results as tables and plots.
+"""``python -m lpt.lab [all|updates|...] --out DIR [--quick]``: reproduce the papers' results as tables and plots.
 
 Writes ``DIR/REPORT.md`` (and PNGs beside it); each section states what the source document claims beside what was
 measured on this machine. ``--quick`` finishes in a few minutes on 2 CPU cores (what the tests run).

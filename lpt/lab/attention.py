@@ -1,4 +1,4 @@
-"""Lab section ``attention`` (seed 001): bias of attention's output with repeated row maxima, per policy and β.
+"""Lab section ``attention`` (Qiu & Yao): bias of attention's output with repeated row maxima, per policy and β.
 
 Data: rows with 2-4 exactly repeated maximal logits (a copied "sink" key about 15 above the rest) and mostly negative
 V ~ N(-1, 0.5): the regime where P̄ = exp(S - m) holds several exact 1s and same-signed bf16 values round one way.
@@ -68,11 +68,11 @@ def run(report, quick: bool) -> dict:
         name: bias_stats(pol, bk, data) for name, (pol, bk) in tqdm(variants.items(), desc="attention", leave=False)
     }
     report.section(
-        "Biased rounding in flash attention with repeated row maxima (seed 001)",
+        "Biased rounding in flash attention with repeated row maxima (Qiu & Yao)",
         "with repeated row maxima P̄ holds exact 1s and bf16 P̄V rounds same-signed V one way: a biased O (and δ) "
         "that accumulates into low-rank weight updates; shifting the softmax by β·m (m > 0 repeated) or 0 (m < 0) "
         "removes it.",
-        "seed 001, Algorithm 1",
+        "Qiu & Yao, Algorithm 1",
     )
     n = data[0][0].shape[0]
     report.text(f"{n} draws of 64x64 attention, 2-4 repeated maxima per row, V ~ N(-1, 0.5); error of O vs f64.")

@@ -70,7 +70,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
         "16-bit weights with Kahan compensation or stochastic rounding need ~8 bytes per parameter for AdamW "
         "(bf16 weights, compensation and moments) instead of ~14-16 with f32 master weights; FP8 matmuls and "
         "attention fixes should cost little time next to the matmuls they modify.",
-        "seeds 000, 001, 002; issue 2 (~8 vs ~14+ bytes/param)",
+        "Zamirai et al.; Qiu & Yao; DeepSeek-V3 (~8 vs ~14+ bytes/param)",
     )
     out = {}
     for size in sizes:

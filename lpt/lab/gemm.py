@@ -1,7 +1,8 @@
-"""Lab section ``gemm`` (seed 002): FP8 accumulation precision, promotion every N_c, blockwise vs per-tensor scales.
+"""Lab section ``gemm`` (DeepSeek-V3 Technical Report): FP8 accumulation precision, promotion every N_c, blockwise vs
+per-tensor scales.
 
 1. The accumulator table: relative error of a K-long FP8 dot product summed in an FP8 register, a bf16 register, a
-   ~14-bit register (what seed 002 reports for Hopper's tensor cores), the same with promotion to f32 every 128
+   ~14-bit register (what DeepSeek-V3 reports for Hopper's tensor cores), the same with promotion to f32 every 128
    products, and f32; for several K.
 2. The promotion interval N_c swept for the 14-bit register at K = 4096.
 3. Blockwise (1x128 / 128x128) vs one per-tensor scale when a few "massive" tokens sit over a bulk of small ones:
@@ -79,7 +80,7 @@ def run(report, quick: bool) -> dict:
     ks = [512, 4096] if quick else [512, 1024, 4096, 16384]
     table = accumulator_table(ks)
     report.section(
-        "FP8 GEMM accumulation and promotion (seed 002)",
+        "FP8 GEMM accumulation and promotion (DeepSeek-V3 Technical Report)",
         "with FP8 inputs and K = 4096, limited (~14-bit) tensor-core accumulation gives ~2-3e-4 relative error; "
         "promoting the partial sum to an FP32 accumulator every N_c = 128 products fixes it; FP8 accumulation is "
         "unusable.",
@@ -106,7 +107,7 @@ def run(report, quick: bool) -> dict:
     mags = [1e0, 1e2, 1e4] if quick else [1e0, 1e1, 1e2, 1e3, 1e4, 1e5]
     massive = massive_activation_sweep(mags)
     report.section(
-        "Blockwise vs per-tensor scaling on massive activations (seed 002)",
+        "Blockwise vs per-tensor scaling on massive activations (DeepSeek-V3 Technical Report)",
         "fine-grained 1x128 activation tiles and 128x128 weight blocks keep outliers from destroying the precision "
         "of the other tokens, where one per-tensor scale cannot.",
         "DeepSeek-V3 technical report, fine-grained quantization",

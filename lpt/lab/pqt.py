@@ -1,6 +1,7 @@
-"""Lab section ``pqt`` (seed 004): the rounded-normal noise from random bits, and GaussWS / DiffQ on a toy.
+"""Lab section ``pqt`` (Ahn & Yoo, Gaussian Weight Sampling): the rounded-normal noise from random bits, and GaussWS /
+DiffQ on a toy.
 
-1. Distribution of ``lpt.pqt.rounded_normal`` against seed 004's Eq. 10 (and against round(N(0,1)/2), which the
+1. Distribution of ``lpt.pqt.rounded_normal`` against Ahn & Yoo's Eq. 10 (and against round(N(0,1)/2), which the
    bit trick approximates), with a chi-square statistic.
 2. A student-teacher linear layer (64x64) trained with Adam, plain bf16 vs GaussWS vs DiffQ (learnable bitwidth,
    b_init 6, b_target 4), without and with Eq. 12's bitwidth term: the loss without noise, the loss after rounding
@@ -40,7 +41,7 @@ def noise_table(n: int):
 
 
 def _fp6_blocks(w: np.ndarray, block: int = 32) -> np.ndarray:
-    """Round w to float6_e2m3fn with one absmax scale per block x block tile (the seed's FP6 deployment)."""
+    """Round w to float6_e2m3fn with one absmax scale per block x block tile (the paper's FP6 deployment)."""
     m, n = w.shape
     t = w.reshape(m // block, block, n // block, block)
     scale = np.abs(t).max(axis=(1, 3), keepdims=True) / 7.5  # e2m3 max = 7.5
@@ -89,10 +90,10 @@ def run(report, quick: bool) -> dict:
     """Add the section to ``report``; return the headline numbers (used by the tests)."""
     emp, pmf, gauss, chi2, total = noise_table(1 << (22 if quick else 24))
     report.section(
-        "Rounded-normal noise from random bits (seed 004, Eq. 10)",
+        "Rounded-normal noise from random bits (Ahn & Yoo, Eq. 10)",
         "R ≈ round(N(0,1)/2) built from random bits with AND/OR: Pr(±2) = 3/4·2⁻⁹, "
         "Pr(±1) = (3/4)²·2⁻²·(1 − Pr(±2)), Pr(0) ≈ 0.717.",
-        "seed 004, Eq. 10",
+        "Ahn & Yoo, Eq. 10",
     )
     report.text(f"{total:,} samples of lpt.pqt.rounded_normal; chi-square vs Eq. 10 = {chi2:.2f} (4 dof).")
     report.table(
@@ -109,17 +110,17 @@ def run(report, quick: bool) -> dict:
     }
     runs = {name: train_toy(m, steps, lam) for name, (m, lam) in tqdm(configs.items(), desc="pqt: toy", leave=False)}
     report.section(
-        "Pseudo-quantization training on a toy (seed 004)",
+        "Pseudo-quantization training on a toy (Ahn & Yoo, Gaussian Weight Sampling)",
         "the bitwidth b_t is learned per 32x32 tile; Eq. 12's term λ·|b_t − b_target| trades noise (loss) for fewer "
         "bits, and the noise keeps small weights robust to low-precision (down to FP6) representation.",
-        "seed 004, Eq. 11-12",
+        "Ahn & Yoo, Eq. 11-12",
     )
     report.text(
         f"Student-teacher linear 64x64, Adam lr 3e-3, {steps} steps, batches of 256, b_init 6, b_target 4; FP6 = "
         "e2m3 with one absmax scale per 32x32 block. Without the Eq. 12 term the loss alone pushes b_t *up* (more "
         "bits = less noise); with λ it moves towards b_target at the price of a higher training MSE. A linear "
         "student has one optimum (the teacher), so noise training cannot make it more FP6-robust here: FP6/clean "
-        "is set by rounding the teacher's weights. The seed's claim that PQT training follows the baseline's loss "
+        "is set by rounding the teacher's weights. The paper's claim that PQT training follows the baseline's loss "
         "is measured on the transformer in the `recipes` section (recipe `gaussws`)."
     )
     report.table(

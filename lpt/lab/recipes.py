@@ -2,11 +2,13 @@
 
 Each recipe of :data:`lpt.lab.runs.RECIPES` is trained by the trainer itself (``lpt.train``'s ``train``) from the
 same init, data order and schedule; the table gives its validation loss relative to the f32 run, the fraction of
-update elements that rounding cancelled (the seed-000 mechanism, from the optimizer diagnostics), and from
+update elements that rounding cancelled (the cancellation of Zamirai et al.'s Theorem 1, from the optimizer
+diagnostics), and from
 :func:`lpt.lab.cost.measure` the step time relative to the f32 step (interleaved timing after training, so machine
 load during the runs does not enter) and the persistent bytes per parameter (params + optimizer state).
 The learning rate is 1e-3 for every recipe: there, late in the cosine schedule, most bf16 updates fall below half
-an ulp of their weight (the regime seed 000 is about; at tiny_cpu's default 3e-3 the bf16 runs differ by bf16
+an ulp of their weight (the regime of Zamirai et al.'s Theorem 1; at tiny_cpu's default 3e-3 the bf16 runs differ by
+bf16
 compute noise more than by the update rule). Runs resume from ``DIR/recipes_runs/<recipe>``: rerunning with the
 same ``--out`` only re-evaluates finished runs.
 """
@@ -111,7 +113,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
         "bf16 weights with nearest rounding lose the updates that fall below half an ulp and end measurably worse; "
         "Kahan-compensated or stochastically rounded bf16 updates match f32 training (within ~1%) at about half the "
         "bytes per parameter; blockwise FP8 matmuls and GaussWS train to a comparable loss.",
-        "seeds 000, 002, 004; issue 4's bar: bf16+Kahan within 1% of f32, bf16+nearest measurably worse",
+        "Zamirai et al.; DeepSeek-V3; Ahn & Yoo. The bar: bf16+Kahan within 1% of f32, bf16+nearest measurably worse",
     )
     report.text(
         f"Budget: {steps} steps of {cfgs[runs.BASELINE].train.global_batch} x {cfgs[runs.BASELINE].data.seq_len} "

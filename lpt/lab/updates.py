@@ -1,8 +1,11 @@
-"""Lab section ``updates`` (seeds 000 and 003): where low-precision weight updates lose, and what fixes it.
+"""Lab section ``updates`` (Zamirai et al.; the norm-preserving update note): where low-precision weight updates lose,
+and what fixes it.
 
-1. Least squares trained with SGD in f32 and in bf16 with each update rule: the nearest-rounding floor of seed 000's
+1. Least squares trained with SGD in f32 and in bf16 with each update rule: the nearest-rounding floor of Zamirai et
+al.'s
    Theorem 1, and Kahan / stochastic rounding matching f32.
-2. Seed 003's sweep: norm of the applied change over the intended one, ``‖Q(p + lr·u) − p‖ / ‖lr·u‖``, across learning
+2. The norm-preserving update note's sweep: norm of the applied change over the intended one, ``‖Q(p + lr·u) − p‖ /
+‖lr·u‖``, across learning
    rates for float8_e4m3fn, float16 and bfloat16 params, for nearest rounding, stochastic rounding and the
    norm-preserving update.
 """
@@ -68,7 +71,7 @@ def run(report, quick: bool) -> dict:
     curves = least_squares_curves(steps)
     f32 = float(curves["f32"][-1])
     report.section(
-        "Weight updates: the nearest-rounding floor (seed 000)",
+        "Weight updates: the nearest-rounding floor (Zamirai et al., Revisiting BFloat16 Training)",
         "with nearest rounding, updates below half an ulp are cancelled and the loss stalls on an O(ε) floor; Kahan "
         "summation and stochastic rounding in 16 bits match 32-bit training.",
         "Zamirai et al., Revisiting BFloat16 Training, Theorem 1 and Alg. 1",
@@ -94,10 +97,10 @@ def run(report, quick: bool) -> dict:
         for dt in tqdm(dtypes, desc="updates: sweep", leave=False)
     }
     report.section(
-        "Applied vs intended update norm across learning rates (seed 003)",
+        "Applied vs intended update norm across learning rates (the norm-preserving update note)",
         "naive addition zeroes out as the update falls below the minimum step; stochastic rounding works longer; the "
         "norm-preserving binary search keeps the update magnitude for much smaller learning rates.",
-        "seed 003, 'precision-aware update'",
+        "the norm-preserving update note, 'precision-aware update'",
     )
     report.text(
         f"Params ~ N(0,1) of shape {size}x{size} in each dtype, update lr·N(0,1); ratio ‖applied‖/‖lr·u‖. "

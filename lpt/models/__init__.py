@@ -6,7 +6,8 @@ Public API
     ``model(tokens_BT, *, key=None) -> logits_BTV`` (float32). ``key`` is the per-step key; PQT layers fold in their
     static layer id; ``key=None`` = evaluation (no weight noise).
 ``model.aux_loss() -> f32 scalar``
-    seed-004 bitwidth loss ``λ Σ_layers mean_tiles |b_t − b_target|`` (0 without PQT); add it to the training loss.
+    bitwidth loss of Ahn & Yoo (GaussWS, Eq. 12) ``λ Σ_layers mean_tiles |b_t − b_target|`` (0 without PQT); add it to
+    the training loss.
 ``diagnostics(model) -> dict[str, f32 scalar]``
     Jittable (call on a merged model inside the step). With PQT: ``pqt/all/bt_mean``, ``pqt/all/frac_le{5,9,12}``,
     ``pqt/bt_min``, ``pqt/bt_max``, ``pqt/bt_mean/<kind>`` (kind in qkv/out/up/down). With fp8 ``param_dtype``:

@@ -1,7 +1,7 @@
 """Causal self-attention with grouped-query heads (GQA), RoPE for Llama, and the attention switch of the recipe.
 
 ``precision.attention.impl`` ("xla": blockwise XLA twin of the flash kernel, "pallas": the flash kernel,
-"softmax": plain f32 softmax attention), ``stable`` and ``beta`` (seed 001's fix) go to
+"softmax": plain f32 softmax attention), ``stable`` and ``beta`` (Qiu & Yao's fix) go to
 ``lpt.attention.dot_product_attention``.
 """
 

@@ -1,4 +1,5 @@
-"""PQT (seed 004) inside the model, built on :mod:`lpt.pqt`: bitwidth parameters, noisy weights, loss, diagnostics.
+"""PQT (Ahn & Yoo, Gaussian Weight Sampling) inside the model, built on :mod:`lpt.pqt`: bitwidth parameters, noisy
+weights, loss, diagnostics.
 
 Each linear layer of a kind listed in ``precision.pqt.layers`` owns a :class:`lpt.pqt.PQTBitwidth` ``b_i``
 (float32, one per 32×32 tile, initialised to 1; ``b_t = b_target + b_i · (b_init − b_target)``, Eq. 11). In training
@@ -44,12 +45,12 @@ def make_bitwidth(shape: tuple[int, int], prec: PrecisionSpec):
 
 
 def sample(w_view: jax.Array, bitwidth, key: jax.Array, *, method: str, path: str, prec: PrecisionSpec) -> jax.Array:
-    """ŵ of seed 004 Eq. 3 in the compute dtype (:func:`lpt.pqt.apply_pqt`)."""
+    """ŵ of Ahn & Yoo (GaussWS), Eq. 3 in the compute dtype (:func:`lpt.pqt.apply_pqt`)."""
     return _pqt().apply_pqt(w_view, bitwidth, key, method=method, path=path, compute_dtype=prec.compute)
 
 
 def aux_loss(model) -> jax.Array:
-    """``λ Σ_layers mean_tiles |b_t − b_target|`` (seed 004 Eq. 12), float32; 0 without PQT layers."""
+    """``λ Σ_layers mean_tiles |b_t − b_target|`` (Ahn & Yoo (GaussWS), Eq. 12), float32; 0 without PQT layers."""
     if model.prec.pqt_method == "none":
         return jnp.zeros((), jnp.float32)
     return _pqt().bitwidth_loss(model, model.prec.pqt_loss_weight)

@@ -29,7 +29,7 @@ What the layers record (names without the trainer's ``model/`` prefix):
 * every attention layer (:func:`record_attention`): ``attn/repeated_max_frac`` (mean over layers) and
   ``attn/repeated_max_frac_max`` (max over layers) of :func:`lpt.attention.repeated_max_fraction` — the fraction of
   causal query rows whose scaled logits hold ≥ 2 entries within 2⁻⁹ of the row max, where a bf16 ``exp(s − m)``
-  gives several exact 1s (seed 001's trigger). The logits matrix is materialised here (the flash path never does),
+  gives several exact 1s (Qiu & Yao's trigger). The logits matrix is materialised here (the flash path never does),
   for the first ``n`` sequences of the batch with ``n · H · T² ≤ ATTENTION_LOGITS_BUDGET`` (at least one).
 """
 

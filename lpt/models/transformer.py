@@ -187,7 +187,8 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def aux_loss(self) -> jax.Array:
-        """The PQT bitwidth loss ``λ Σ_layers mean_tiles |b_t − b_target|`` (seed 004 Eq. 12; float32 0 without PQT).
+        """The PQT bitwidth loss ``λ Σ_layers mean_tiles |b_t − b_target|`` (Ahn & Yoo (GaussWS), Eq. 12; float32 0
+        without PQT).
 
         Add it to the training loss."""
         return pqt_wiring.aux_loss(self)

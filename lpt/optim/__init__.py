@@ -10,8 +10,9 @@ Each update rule goes **last** in an optax chain and emits ``new_param.astype(f3
 For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit fp8 + f32 promotion that
 ``optax.apply_updates`` relies on).
 
-Rules: :func:`kahan_summation` (seed 000 Alg. 1), :func:`stochastic_rounding` (seed 000), :func:`nearest_rounding`
-(the baseline), :func:`norm_preserving_update` (seed 003). Helpers: compensated gradient accumulation, diagnostics,
+Rules: :func:`kahan_summation` (Zamirai et al., Algorithm 1), :func:`stochastic_rounding` (Zamirai et al.),
+:func:`nearest_rounding` (the baseline), :func:`norm_preserving_update` (the norm-preserving update note); the papers
+are listed in docs/references.md. Helpers: compensated gradient accumulation, diagnostics,
 f32-checkpoint conversion, and recipes (:func:`adamw`, :func:`kahan_adamw`: one fused transform with
 ``impl="xla" | "pallas"``, :func:`update_rule`).
 """

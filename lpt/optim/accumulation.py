@@ -1,6 +1,6 @@
 """Compensated gradient accumulation over micro-batches.
 
-Seed 000: when many small micro-batch gradients are summed in bf16, each addition rounds to nearest and the small
+Zamirai et al.: when many small micro-batch gradients are summed in bf16, each addition rounds to nearest and the small
 ones are lost, exactly like small weight updates. A Kahan-compensated sum keeps them: the running total and its
 compensation both live in the accumulator dtype (2 + 2 bytes per parameter in bf16) and the result matches an f32
 sum to about 16 significant bits.

@@ -1,4 +1,4 @@
-"""Kahan-compensated weight updates (seed 000, Algorithm 1) as an optax transform that goes last in a chain."""
+"""Kahan-compensated weight updates (Zamirai et al., Algorithm 1) as an optax transform that goes last in a chain."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ def kahan_step(p, u32, c, compensation_dtype=None):
         s     = Q_p(t)                      (rounded to nearest in p's dtype, exactly, even under jit)
         c_new = Q_c(s - t)                  (s - t is exact in f32; Q_c rounds into the compensation dtype)
 
-    ``s - t`` equals the seed's ``(s - p) - y`` up to the f32 rounding of ``p + y`` (2^-24 relative to p), far
+    ``s - t`` equals the paper's ``(s - p) - y`` up to the f32 rounding of ``p + y`` (2^-24 relative to p), far
     below the compensation's own resolution (a bf16 c resolves 2^-9 of |c| <= ulp(p)/2, about 2^-17 of p).
     Writing it through ``t`` lets XLA materialize ``t`` once and compute ``s`` and ``c_new`` from it, instead of
     copying the old ``p`` and ``c`` (both outputs alias donated inputs) and recomputing everything twice.
 
     The arithmetic is f32 and both roundings go through :func:`lpt.numerics.round_nearest`, so XLA's excess
-    precision cannot skip them (the seed's all-bf16 arithmetic is the special case Q = bf16 everywhere; f32
+    precision cannot skip them (the paper's all-bf16 arithmetic is the special case Q = bf16 everywhere; f32
     intermediates only make y and the error measurement more exact).
     """
     cdt = c.dtype if compensation_dtype is None else compensation_dtype
@@ -89,7 +89,7 @@ def compensation_from_f32(params_f32, dtype, compensation_dtype=None):
     """Split f32 (master) params into ``(params in dtype, compensation)`` such that ``p - c`` ≈ the f32 value.
 
     Use it to start :func:`kahan_summation` from an f32 checkpoint without losing its low bits: put the result in
-    ``KahanSummationState(compensation=..., diagnostics=...)`` (or use :func:`lpt.optim.replace_states`).
+    ``KahanSummationState(compensation=..., diagnostics=...)`` (or use :func:`lpt.optim.replace_compensation`).
     Leaves that are not floating point are rejected; f32 stays f32 when ``dtype`` is f32.
     """
 

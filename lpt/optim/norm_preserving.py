@@ -1,9 +1,11 @@
-"""The norm-preserving update of seed 003 as an optax transform that goes last in a chain.
+"""The norm-preserving update (the norm-preserving update note, docs/references.md) as an optax transform that goes
+last in a chain.
 
-Seed 003 observes that a tensor's collective properties (the norm of its change) are more precise than its
+The norm-preserving update note observes that a tensor's collective properties (the norm of its change) are more
+precise than its
 elements: when most elements of ``lr·u`` are below half an ulp, nearest rounding zeroes them and the applied change
 is far smaller than intended. It searches a per-tensor scale ``alpha`` so that the *applied* change has the intended
-norm. The seed's code compares the squared norm of the applied change with ``target_lr · ||u||²`` (a squared norm
+norm. The note's code compares the squared norm of the applied change with ``target_lr · ||u||²`` (a squared norm
 against an unsquared learning rate); we implement the intent instead: in an optax chain the incoming ``u`` already
 contains the learning rate, so the target is ``||Q(p + alpha·u) - p||₂ = ||u||₂``.
 
@@ -71,7 +73,7 @@ def norm_preserving_update(
     max_scale: float = 2.0**16,
     diagnostics: bool = False,
 ) -> optax.GradientTransformation:
-    """Seed 003's norm-preserving update. Put it **last** in an optax chain.
+    """The norm-preserving update of the norm-preserving update note. Put it **last** in an optax chain.
 
     For each low-precision leaf, finds ``alpha ∈ [min_scale, max_scale]`` by ``iterations`` bisection steps on
     log2(alpha) so that ``||round_nearest(p + alpha·u) - p||₂ ≈ ||u||₂`` and emits that change as an exact f32

@@ -27,7 +27,7 @@ def nearest_rounding(*, diagnostics: bool = False) -> optax.GradientTransformati
     """``new_p = round_nearest(p + u)`` in p's dtype: what ``optax.apply_updates`` does to bf16 params anyway.
 
     It exists as the baseline of the other rules: it emits the exact f32 change (so ``apply_updates`` is bit-exact)
-    and, with ``diagnostics=True``, reports how many elements' updates were cancelled (seed 000, Theorem 1: every
+    and, with ``diagnostics=True``, reports how many elements' updates were cancelled (Zamirai et al., Theorem 1: every
     |u| below half an ulp of p is lost). f32/f64 leaves pass through unchanged.
     """
 
@@ -51,7 +51,8 @@ def stochastic_rounding(seed: int = 0, *, diagnostics: bool = False) -> optax.Gr
     """``new_p = round_stochastic(p + u)`` in p's dtype, so that E[new_p] = p + u. Put it **last** in a chain.
 
     The random bits of a leaf come from ``fold_in(fold_in(key(seed), step), crc32(leaf path))``: the same in every
-    process and for every sharding (JAX's partitionable threefry makes ``random.bits`` sharding-invariant), and
+    process and for every sharding (the default ``lpt.numerics.hash_bits`` hashes each element's global index with the
+    key, so the bits do not depend on how the leaf is sharded), and
     different for every step and leaf. f32/f64 leaves pass through unchanged.
 
     Args:

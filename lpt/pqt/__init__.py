@@ -1,4 +1,5 @@
-"""lpt.pqt: pseudo-quantization training by Gaussian weight sampling (seed 004) and the DiffQ baseline.
+"""lpt.pqt: pseudo-quantization training by Gaussian weight sampling (Ahn & Yoo, Gaussian Weight Sampling) and the
+DiffQ baseline.
 
 * :func:`rounded_normal` — R ≈ round(N(0,1)/2) of Eq. 10 from random bits with AND / OR (``noise.py``).
 * :func:`gaussws` / :func:`diffq` — ŵ = w + R ⊙ broadcast(max₃₂ₓ₃₂|w| · 2^(1−b_t)) with a ``custom_vjp`` that

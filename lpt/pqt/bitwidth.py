@@ -1,4 +1,4 @@
-"""Learnable per-tile bitwidth of seed 004 (Section 3.6): Eq. 11, the optional loss of Eq. 12, diagnostics.
+"""Learnable per-tile bitwidth of Ahn & Yoo (Section 3.6): Eq. 11, the optional loss of Eq. 12, diagnostics.
 
 Each ``block × block`` tile of a PQT kernel owns an internal parameter b_i (initialised to 1). The bitwidth used by
 :func:`lpt.pqt.gaussws` is the affine map (Eq. 11)
@@ -12,7 +12,7 @@ so b_t starts at b_init and weight decay on b_i pulls it toward b_target. Option
 
 b_i lives in a :class:`PQTBitwidth` variable (an ``nnx.Param`` subclass, f32) whose metadata records b_init,
 b_target, the tile size and the kernel shape, so the loss and the diagnostics need nothing but the model.
-Optimizer masks can select it by type (``nnx.state(model, PQTBitwidth)``); the seed applies weight decay to b_i.
+Optimizer masks can select it by type (``nnx.state(model, PQTBitwidth)``); the paper applies weight decay to b_i.
 """
 
 from collections.abc import Sequence
@@ -104,7 +104,7 @@ def bitwidth_stats(model_or_state, *, tiers: Sequence[float] = DEFAULT_TIERS, pr
 
     Per layer (key ``f"{prefix}/{path}/..."``): ``bt_mean`` (weighted by parameters per tile), ``bt_min``,
     ``bt_max`` and ``frac_le{t}`` = fraction of the layer's parameters whose tile has b_t ≤ t for each tier
-    t (default 5 / 9 / 12, the seed's Figure 5 tiers: FP8_e3m4, FP12_e4m7, FP16_e5m10). The same fractions and
+    t (default 5 / 9 / 12, the paper's Figure 5 tiers: FP8_e3m4, FP12_e4m7, FP16_e5m10). The same fractions and
     the mean over all PQT parameters go under ``f"{prefix}/all/..."``.
     """
     stats = {}

@@ -1,4 +1,4 @@
-"""Gaussian weight sampling (seed 004, Eq. 3 / Eq. 4) and the DiffQ baseline, as one ``jax.custom_vjp`` op.
+"""Gaussian weight sampling (Ahn & Yoo, Eq. 3 / Eq. 4) and the DiffQ baseline, as one ``jax.custom_vjp`` op.
 
 Forward (Eq. 3), over square ``block × block`` tiles of the last two axes of ``w[..., m, n]``:
 
@@ -6,7 +6,7 @@ Forward (Eq. 3), over square ``block × block`` tiles of the last two axes of ``
 
 with R = :func:`lpt.pqt.rounded_normal` (GaussWS) or :func:`lpt.pqt.symmetric_uniform` (DiffQ), one b_t per tile.
 
-Backward (Eq. 4, with the seed's approximation ∂max_blk(|w|)/∂w ≈ 0):
+Backward (Eq. 4, with the paper's approximation ∂max_blk(|w|)/∂w ≈ 0):
 
     ∂L/∂w   = ∂L/∂ŵ
     ∂L/∂b_t = −ln 2 · max_blk(|w|) · 2^(1 − b_t) · Σ_blk(∂L/∂ŵ ⊙ R)
@@ -14,7 +14,7 @@ Backward (Eq. 4, with the seed's approximation ∂max_blk(|w|)/∂w ≈ 0):
 R is regenerated in the backward from the same key (nothing but the per-tile step and the key is saved), so
 forward and backward see the identical R.
 
-Arithmetic and casts (``compute_dtype`` = bf16 by default, the seed's "BF16 operator"):
+Arithmetic and casts (``compute_dtype`` = bf16 by default, the paper's "BF16 operator"):
 
 1. ``w_c = w.astype(compute_dtype)``: f32 → bf16 (RNE); a no-op for bf16 parameters.
 2. ``max_blk(|w_c|)``: exact in bf16.
@@ -153,7 +153,7 @@ def pqn_sample(w, bitwidth, key, *, method: str = "gaussws", block: int = 32, co
       key: PRNG key for this layer and step (see :func:`lpt.pqt.pqt_key`); the backward regenerates R from it.
       method: "gaussws" (R = rounded normal) or "diffq" (R = symmetric U(−0.5, 0.5)).
       block: square tile size (32, MX-compliant).
-      compute_dtype: dtype of the noise arithmetic and of ŵ: bfloat16 (default, the seed's), float16 or float32.
+      compute_dtype: dtype of the noise arithmetic and of ŵ: bfloat16 (default, the paper's), float16 or float32.
 
     Returns:
       ŵ in ``compute_dtype``, shape of ``w``.
@@ -177,7 +177,7 @@ def pqn_sample(w, bitwidth, key, *, method: str = "gaussws", block: int = 32, co
 
 
 def gaussws(w, bitwidth, key, *, block: int = 32, compute_dtype=jnp.bfloat16):
-    """Gaussian weight sampling, seed 004 Eq. 3: ŵ = w + R ⊙ broadcast(max₃₂ₓ₃₂(|w|) · 2^(1 − b_t)).
+    """Gaussian weight sampling, Ahn & Yoo (GaussWS), Eq. 3: ŵ = w + R ⊙ broadcast(max₃₂ₓ₃₂(|w|) · 2^(1 − b_t)).
 
     R = :func:`lpt.pqt.rounded_normal`. Gradients (Eq. 4): ∂L/∂w = ∂L/∂ŵ;
     ∂L/∂b_t = −ln2 · max_blk(|w|) · 2^(1−b_t) · Σ_blk(∂L/∂ŵ ⊙ R), with R regenerated from ``key``.
@@ -187,7 +187,7 @@ def gaussws(w, bitwidth, key, *, block: int = 32, compute_dtype=jnp.bfloat16):
 
 
 def diffq(w, bitwidth, key, *, block: int = 32, compute_dtype=jnp.bfloat16):
-    """The DiffQ baseline of seed 004: :func:`gaussws` with R ~ U(−0.5, 0.5) in bf16 (:func:`symmetric_uniform`)."""
+    """The DiffQ baseline of Ahn & Yoo: :func:`gaussws` with R ~ U(−0.5, 0.5) in bf16 (:func:`symmetric_uniform`)."""
     return pqn_sample(w, bitwidth, key, method="diffq", block=block, compute_dtype=compute_dtype)
 
 

@@ -1,6 +1,6 @@
-"""Pseudo-quantization noise R from random bits (seed 004, Section 3.4, Eq. 10) and DiffQ's uniform R.
+"""Pseudo-quantization noise R from random bits (Ahn & Yoo, Section 3.4, Eq. 10) and DiffQ's uniform R.
 
-GaussWS needs R ≈ round(N(0, 1) / 2) with values in {0, ±1, ±2}. Seed 004 builds it from independent random bits
+GaussWS needs R ≈ round(N(0, 1) / 2) with values in {0, ±1, ±2}. Ahn & Yoo build it from independent random bits
 with AND / OR only (P(A∧B) = P(A)·P(B), P(A∨B) = P(A) + P(B) − P(A)·P(B), Eq. 9), never Box-Muller. We use 16 bits
 per sample, two samples per 32-bit word of ``jax.random.bits`` (:func:`random_words`; bit i of a
 sample's 16 bits is called u_i):
@@ -15,12 +15,12 @@ which gives exactly Eq. 10 (every probability is a multiple of 2⁻¹⁶):
     Pr(R = ±1) = (3/4)² · 2⁻² · (1 − Pr(|R| = 2)) = 9189/65536 ≈ 1/7.13    (each sign)
     Pr(R = 0)  = 1 − Pr(|R| = 1) − Pr(|R| = 2)    = 46966/65536 ≈ 0.7166
 
-Reading of Eq. 10: the seed's "(1 − Pr(±2))" is the probability of *not* drawing magnitude 2 (both signs,
+Reading of Eq. 10: the paper's "(1 − Pr(±2))" is the probability of *not* drawing magnitude 2 (both signs,
 3/4 · 2⁻⁸); with that reading its Pr(0) ≈ 0.717 comes out, while the per-sign reading would give 0.716.
 (For comparison round(N(0,1)/2) has Pr(0) = 0.683, Pr(±1) = 0.157, Pr(±2) = 0.0060.)
 
 The sign–magnitude code is turned into bf16 directly from bits (sign << 15 | exponent/mantissa of 1.0 or 2.0), so
-no float arithmetic is involved. Seed 004 additionally packs 8 such 4-bit codes per uint32 between its separate
+no float arithmetic is involved. Ahn & Yoo additionally pack 8 such 4-bit codes per uint32 between their separate
 Triton kernels; under XLA the generation fuses into its consumer and the backward regenerates R from the key, so
 R is never stored (``benchmarks/pqt_overhead.py`` measures the trade-off; see docs/pqt.md).
 
@@ -115,7 +115,7 @@ def _symmetric_uniform(key, shape):
 
 
 def rounded_normal(key: jax.Array, shape) -> jax.Array:
-    """R ≈ round(N(0, 1) / 2) of seed 004 Eq. 10, as bf16 with values in {0, ±1, ±2}.
+    """R ≈ round(N(0, 1) / 2) of Ahn & Yoo (GaussWS), Eq. 10, as bf16 with values in {0, ±1, ±2}.
 
     Pr(±2) = 3/4·2⁻⁹ each, Pr(±1) = (3/4)²·2⁻²·(1 − 3/4·2⁻⁸) each, Pr(0) ≈ 0.7166; built from 16 random bits
     per element with AND / OR (module docstring). Values are exact in every float dtype, so cast freely.

@@ -1,4 +1,4 @@
-"""Bias of the O used for δ = rowsum(dO ∘ O) against an f64 truth (seed 001's mechanism), and the low-rank toy.
+"""Bias of the O used for δ = rowsum(dO ∘ O) against an f64 truth (Qiu & Yao's mechanism), and the low-rank toy.
 
 Data: every row has 2–4 exactly repeated maximal logits (one key copied, an "attention sink") about 15 above the
 rest, and mostly negative V ~ N(−1, 0.5): the regime where P̄ holds several 1s and the sum of the sink values lands
@@ -42,7 +42,7 @@ def test_paper_all_bf16_arithmetic_biased_with_max_shift_not_with_beta():
     """Non-tiled (one key block, as the paper's analysis), P̄V result and running O rounded to bf16, ℓ in f32."""
     mean_max, t_max, _ = _stats(_error(AttentionPolicy(shift="max", denominator="f32", accumulator="pv"), T))
     mean_beta, t_beta, _ = _stats(_error(AttentionPolicy(shift="beta", denominator="f32", accumulator="pv"), T))
-    assert t_max < -6.0 and mean_max < -2e-4  # O pushed towards more negative values, as seed 001 finds
+    assert t_max < -6.0 and mean_max < -2e-4  # O pushed towards more negative values, as Qiu & Yao find
     assert abs(t_beta) < 3.0 and abs(mean_beta) < 0.1 * abs(mean_max)
 
 
@@ -64,14 +64,14 @@ def test_fa2_default_unbiased_and_not_worse_than_standard():
 
 
 def _toy(policy):
-    """Seed 001 eq. 2 as a toy: E_n = Σ_{steps ≤ n} Σ_rows δ_err[row] · pk_row ⊗ x_row with δ_err = dO · (O − O_f64)
+    """Qiu & Yao eq. 2 as a toy: E_n = Σ_{steps ≤ n} Σ_rows δ_err[row] · pk_row ⊗ x_row with δ_err = dO · (O − O_f64)
     per row, pk and x similar low-rank rows across rows and steps, dO sign-correlated with O's features (Fig. 5).
     One draw = one step. Returns (log-log slope of the mean over PATHS of ||E_n||_2 over n >= 8, that mean at
     n = STEPS).
 
     Independent paths (own draws, dO, pk, x): "∝ √steps" is a statement about the expected norm. A single path of an
-    unbiased walk has a log-log slope anywhere between about 0 and 1.2 (its endpoint is one Gaussian draw), which
-    an earlier single-path version of this toy showed across data seeds; the mean over 16 paths is stable (measured
+    unbiased walk has a log-log slope anywhere between about 0 and 1.2 (its endpoint is one Gaussian draw: across data
+    seeds a single path gives anything in that range); the mean over 16 paths is stable (measured
     over data seeds 0-5: standard 0.94-1.03, default 0.31-0.52, stochastic residual 0.40-0.69)."""
     err = _error(policy, 16, draws="toy").reshape(PATHS, STEPS, T, 1, D)
     norms = np.zeros(STEPS)

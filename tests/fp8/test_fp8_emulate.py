@@ -1,4 +1,4 @@
-"""emulated_dot: seed 002's accumulator table at K = 4096 and its hand-worked swamping example."""
+"""emulated_dot: the FP8 accumulation tutorial's accumulator table at K = 4096 and its hand-worked swamping example."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,8 @@ _emu = jax.jit(emulated_dot, static_argnames=("accumulator_bits", "promote_every
 
 
 def test_accumulator_table_k4096():
-    """FP8 inputs, K = 4096, 8x8 outputs; mean |error| / mean |truth| against an f64 sum, as in seed 002."""
+    """FP8 inputs, K = 4096, 8x8 outputs; mean |error| / mean |truth| against an f64 sum, as in the FP8 accumulation
+    tutorial."""
     rng = np.random.default_rng(0)
     q = lambda v: np.asarray(round_nearest(v, jnp.float8_e4m3fn, out_dtype=jnp.float32))
     a = q((rng.standard_normal((8, 4096)) * 0.5).astype(np.float32))
@@ -33,7 +34,7 @@ def test_accumulator_table_k4096():
     for name, e in err.items():
         print(f"{name:32s} {e:.2e}")
     assert err["FP8 acc (3 bits, sat. 448)"] >= 1e-2
-    assert 3e-5 <= err["14-bit register only"] <= 1e-3  # seed 002 reports ~2-3e-4
+    assert 3e-5 <= err["14-bit register only"] <= 1e-3  # the FP8 accumulation tutorial reports ~2-3e-4
     assert err["14-bit register only"] >= 3 * err["14-bit, promote every 128"]
     assert err["f32 sequential (23 bits)"] < 1e-6
 

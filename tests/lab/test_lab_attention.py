@@ -1,4 +1,4 @@
-"""``python -m lpt.lab attention --quick``: seed 001's bias with repeated maxima, and its removal."""
+"""``python -m lpt.lab attention --quick``: Qiu & Yao's bias with repeated maxima, and its removal."""
 
 from lpt.lab.__main__ import main
 

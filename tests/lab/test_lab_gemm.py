@@ -1,4 +1,5 @@
-"""``python -m lpt.lab gemm --quick``: seed 002's accumulator table and the blockwise-vs-per-tensor comparison."""
+"""``python -m lpt.lab gemm --quick``: the FP8 accumulation tutorial's accumulator table and the
+blockwise-vs-per-tensor comparison."""
 
 from lpt.lab.__main__ import main
 
@@ -7,7 +8,7 @@ def test_lab_gemm_quick(tmp_path):
     res = main(["gemm", "--out", str(tmp_path), "--quick"])
     g = res["gemm"]
     assert g["acc/K=4096/FP8 register (3 bits, sat. 448)"] >= 1e-2
-    assert 3e-5 <= g["acc/K=4096/14-bit register"] <= 1e-3  # seed 002: ~2-3e-4
+    assert 3e-5 <= g["acc/K=4096/14-bit register"] <= 1e-3  # FP8 accumulation tutorial: ~2-3e-4
     assert g["acc/K=4096/14-bit register"] >= 3 * g["acc/K=4096/14-bit, promote every 128"]
     assert g["promote/None"] > g["promote/128"] > g["promote/16"]  # shorter intervals, smaller error
     block, tensor = g["massive/blockwise"], g["massive/per-tensor"]

@@ -1,4 +1,5 @@
-"""``python -m lpt.lab recipes cost --quick`` on a subset: the trainer's own runs show the seed-000 floor."""
+"""``python -m lpt.lab recipes cost --quick`` on a subset: the trainer's own runs show the
+nearest-rounding floor of Zamirai et al."""
 
 import os
 

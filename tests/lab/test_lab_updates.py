@@ -1,4 +1,5 @@
-"""``python -m lpt.lab updates --quick`` writes a report whose numbers show the seed-000/003 effects."""
+"""``python -m lpt.lab updates --quick`` writes a report whose numbers show the effects of
+Zamirai et al. and of the norm-preserving update note."""
 
 import os
 
@@ -14,7 +15,7 @@ def test_lab_updates_quick(tmp_path):
     assert u["least_squares/bf16 nearest_over_f32"] > 2.0  # the Theorem 1 floor
     assert u["least_squares/bf16 kahan_over_f32"] < 1.01
     assert u["least_squares/bf16 stochastic_over_f32"] < 1.01
-    # seed 003: at lr = 1e-4 nearest loses most of a bf16 update's norm, the norm-preserving search keeps it
+    # norm-preserving update note: at lr = 1e-4 nearest loses most of a bf16 update's norm, the search keeps it
     i = 3  # lrs = 1e-7 ... 1e-1, quick: 7 points
     assert u["sweep/bfloat16/nearest"][i] < 0.5
     assert abs(u["sweep/bfloat16/norm_preserving"][i] - 1) < 0.02

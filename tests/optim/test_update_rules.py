@@ -20,7 +20,7 @@ def _apply(p, d):
     return optax.apply_updates(p, d)
 
 
-# ---------------------------------------------------------------- convergence floor (seed 000, Theorem 1)
+# ---------------------------------------------------------------- convergence floor (Zamirai et al., Theorem 1)
 def _least_squares(d=64, n=256, sigma=0.05, seed=0):
     rng = np.random.default_rng(seed)
     A = jnp.asarray(rng.standard_normal((n, d)) / np.sqrt(n), jnp.float32)
@@ -85,9 +85,10 @@ def _tree(dtype, seed=0):
 
 
 def _kahan_ref(p, c, u, dtype, cdt):
-    """Seed 000 Algorithm 1 in numpy/ml_dtypes (f32 arithmetic, RNE casts), independent of lpt.
+    """Algorithm 1 of Zamirai et al. (Revisiting BFloat16 Training) in numpy/ml_dtypes (f32 arithmetic, RNE casts),
+    independent of lpt.
 
-    The error is measured as ``s - t`` with ``t = p + y`` (the seed writes ``(s - p) - y``; equal up to the f32
+    The error is measured as ``s - t`` with ``t = p + y`` (the paper writes ``(s - p) - y``; equal up to the f32
     rounding of ``p + y``, see ``lpt.optim.kahan_step``)."""
     p32 = np.asarray(p).astype(np.float32)
     y = np.asarray(u, np.float32) - np.asarray(c).astype(np.float32)
@@ -248,7 +249,7 @@ def test_diagnostics_report_cancellation_and_norms():
     assert 0.8 < frac < 0.95  # rounds up with probability 1e-3 / 2^-7 = 0.128
 
 
-# ---------------------------------------------------------------- norm-preserving update (seed 003)
+# ---------------------------------------------------------------- norm-preserving update (norm-preserving update note)
 def test_norm_preserving_update_keeps_the_norm_where_nearest_loses_it():
     key = jax.random.key(0)
     p = {"w": jax.random.normal(key, (256, 256), jnp.float32).astype(jnp.float8_e4m3fn)}

@@ -1,4 +1,4 @@
-"""rounded_normal matches seed 004 Eq. 10; DiffQ's symmetric_uniform is an exact zero-mean bf16 uniform."""
+"""rounded_normal matches Ahn & Yoo (GaussWS), Eq. 10; DiffQ's symmetric_uniform is an exact zero-mean bf16 uniform."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ VALUES = (-2, -1, 0, 1, 2)
 
 
 def eq10_pmf():
-    """Eq. 10 written out from the seed's formulas (not from our constants)."""
+    """Eq. 10 written out from the paper's formulas (not from our constants)."""
     p2 = 3 / 4 * 2.0**-9  # each sign
     p1 = (3 / 4) ** 2 * 2.0**-2 * (1 - 2 * p2)  # each sign; (1 − Pr(|R| = 2))
     return {-2: p2, -1: p1, 0: 1 - 2 * p1 - 2 * p2, 1: p1, 2: p2}

@@ -1,5 +1,5 @@
 """The trainer's activation diagnostics (train.diagnostics_every): logged on their steps in metrics.jsonl, absent from
-the train step's jaxpr, and the config key is optional (older configs) and validated."""
+the train step's jaxpr, and the config key is required and validated."""
 
 import logging
 from pathlib import Path
