@@ -20,6 +20,15 @@ Triton on CUDA, Mosaic on TPU), ``impl="mosaic_gpu"`` the Hopper wgmma kernel (C
 ``interpret=True``; needs ``grad_dtype == fwd_dtype`` because wgmma cannot mix FP8 formats). Scales are
 recomputed from the current tensors on every call, so there is no state to carry through scan, remat or gradient
 accumulation. The output and ``dx`` take ``x``'s dtype, ``dw`` takes ``w``'s dtype.
+
+Under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) the kernel impls (``"pallas"``, ``"mosaic_gpu"``) run
+the forward and the backward each inside one ``shard_map`` (:func:`lpt.kernels.dispatch.shard_map`): ``x``'s rows
+(tokens) follow the "batch" axes; ``w``'s K and N follow the layer's logical axes ``w_axes`` (resolved with
+``("batch", k_name, n_name)``, first unused rule wins, by :func:`lpt.sharding.kernel_spec`; ``w_axes=None``
+replicates the weight). Each shard quantizes and multiplies its own blocks, then the partial sums are added with
+``lax.psum`` where the contracted dim is split: the output over K's axes, ``dx`` over N's, ``dw`` over the batch
+axes. A psum adds the shards' f32 partials in a different order than one device adds the K-chunks, so the result
+can differ from the unsharded one in the last f32 bits, except with two shards of one chunk each (``a + b``).
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from lpt import sharding
 from lpt.fp8.quantize import _check_scale_format, check_fp8_dtype, quantize_blocks, quantize_tiles
+from lpt.kernels import dispatch
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
 
@@ -48,6 +60,8 @@ class BlockwiseConfig(NamedTuple):
     scale_format: str = "f32"
     impl: str = "xla"
     interpret: bool | None = None
+    mesh: object = None  # the kernels' mesh, None: whole arrays
+    axes: tuple | None = None  # mesh axes of (x rows, K, N) on ``mesh`` (PartitionSpec entries)
 
 
 def scaled_matmul(a, sa, b, sb, cfg: BlockwiseConfig) -> jax.Array:
@@ -72,19 +86,18 @@ def _forward(x2, w, cfg: BlockwiseConfig):
     return y, (qw, sw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _bdot(x2, w, cfg: BlockwiseConfig):
-    y, _ = _forward(x2, w, cfg)
-    return y.astype(x2.dtype)  # f32 accumulator -> x dtype
+def _psum(x, axes):
+    return x if axes is None else jax.lax.psum(x, axes)
 
 
-def _bdot_fwd(x2, w, cfg: BlockwiseConfig):
+def _forward_shard(x2, w, cfg: BlockwiseConfig):
+    """One shard's forward: ``(y f32, qw, sw)``, y summed over the shards of K."""
     y, (qw, sw) = _forward(x2, w, cfg)
-    return y.astype(x2.dtype), (x2, qw, sw, jnp.zeros((0,), w.dtype))  # f32 -> x dtype; last: w's dtype tag
+    return _psum(y, None if cfg.axes is None else cfg.axes[1]), qw, sw
 
 
-def _bdot_bwd(cfg: BlockwiseConfig, res, g):
-    x2, qw, sw, w_tag = res
+def _backward_shard(x2, qw, sw, g, cfg: BlockwiseConfig):
+    """One shard's ``(dx f32, dw f32)``: dx summed over the shards of N, dw over the shards of the rows."""
     b = cfg.block
     g32 = g.astype(jnp.float32)  # y dtype -> f32
     # dx = g @ w.T: g in 1 x B tiles along N; w.T from the forward's blocks, transposed.
@@ -98,6 +111,35 @@ def _bdot_bwd(cfg: BlockwiseConfig, res, g):
     qxt, sxt = quantize_tiles(x_p, cfg.fwd_dtype, axis=0, block=b, scale_format=cfg.scale_format)
     qgt, sgt = quantize_tiles(g_p, cfg.grad_dtype, axis=0, block=b, scale_format=cfg.scale_format)
     dw = scaled_matmul(qxt.T, sxt.T, qgt, sgt, cfg)
+    if cfg.axes is None:
+        return dx, dw
+    return _psum(dx, cfg.axes[2]), _psum(dw, cfg.axes[0])
+
+
+def _sharded(fn, cfg: BlockwiseConfig, in_specs, out_specs):
+    """``fn(..., cfg=cfg)`` per shard on ``cfg.mesh``; specs name operands: "x" [M, K], "w" [K, N], "y" [M, N]."""
+    run = functools.partial(fn, cfg=cfg)
+    if cfg.axes is None:
+        return run
+    rows, k, n = cfg.axes
+    spec = {"x": PartitionSpec(rows, k), "w": PartitionSpec(k, n), "y": PartitionSpec(rows, n)}
+    return dispatch.shard_map(run, cfg.mesh, [spec[s] for s in in_specs], tuple(spec[s] for s in out_specs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bdot(x2, w, cfg: BlockwiseConfig):
+    y, _, _ = _sharded(_forward_shard, cfg, ("x", "w"), ("y", "w", "w"))(x2, w)
+    return y.astype(x2.dtype)  # f32 accumulator -> x dtype
+
+
+def _bdot_fwd(x2, w, cfg: BlockwiseConfig):
+    y, qw, sw = _sharded(_forward_shard, cfg, ("x", "w"), ("y", "w", "w"))(x2, w)
+    return y.astype(x2.dtype), (x2, qw, sw, jnp.zeros((0,), w.dtype))  # f32 -> x dtype; last: w's dtype tag
+
+
+def _bdot_bwd(cfg: BlockwiseConfig, res, g):
+    x2, qw, sw, w_tag = res
+    dx, dw = _sharded(_backward_shard, cfg, ("x", "w", "w", "y"), ("x", "w"))(x2, qw, sw, g)
     return dx.astype(x2.dtype), dw.astype(w_tag.dtype)  # f32 -> x dtype, f32 -> w dtype
 
 
@@ -114,6 +156,8 @@ def blockwise_dot(
     grad_dtype=jnp.float8_e5m2,
     scale_format: str = "f32",
     interpret: bool | None = None,
+    w_axes: tuple[str | None, str | None] | None = None,
+    mesh=None,
 ) -> jax.Array:
     """FP8 blockwise matmul ``x[..., K] @ w[K, N]`` with promoted f32 accumulation; differentiable in x and w.
 
@@ -129,9 +173,13 @@ def blockwise_dot(
       scale_format: ``"f32"`` (scale = amax / max) or ``"pow2"`` (scale rounded up to a power of two).
       interpret: for the kernels: ``True`` forces the interpreter; ``None``: ``"pallas"`` picks per platform
         (``lax.platform_dependent``), ``"mosaic_gpu"`` compiles for CUDA.
+      w_axes: logical names of ``w``'s (K, N) dims, e.g. ``("embed", "mlp")``; the kernel impls split ``w`` by
+        them under a mesh (see the module doc). None: ``w`` is replicated on every shard.
+      mesh: the kernels' mesh; None: the mesh of ``jax.set_mesh`` if one is set, else whole arrays.
 
     Raises:
-      ValueError: for non-float inputs, mismatched K, K or N not a multiple of ``block``, unknown options.
+      ValueError: for non-float inputs, mismatched K, K or N not a multiple of ``block``, unknown options, or
+        under a mesh: rows not divisible by the batch axes, or a shard of K or N not a multiple of ``block``.
     """
     x = jnp.asarray(x)
     w = jnp.asarray(w)
@@ -167,5 +215,26 @@ def blockwise_dot(
             f"{cfg.block}x{cfg.block} weight blocks); choose a smaller block or pad the layer"
         )
     lead = x.shape[:-1]
+    if impl != "xla":
+        cfg = _with_mesh(cfg, dispatch.kernel_mesh(mesh), x.size // k, k, n, w_axes)
     y2 = _bdot(x.reshape(-1, k), w, cfg)
     return y2.reshape(*lead, n)
+
+
+def _with_mesh(cfg: BlockwiseConfig, mesh, m: int, k: int, n: int, w_axes) -> BlockwiseConfig:
+    """``cfg`` with the mesh and the (rows, K, N) mesh axes; unchanged without a multi-device mesh."""
+    if mesh is None or mesh.size == 1:
+        return cfg
+    if w_axes is not None and len(w_axes) != 2:
+        raise ValueError(f"w_axes must name the weight's (K, N) dims, got {w_axes!r}")
+    k_name, n_name = (None, None) if w_axes is None else w_axes
+    axes = tuple(sharding.kernel_spec(("batch", k_name, n_name), mesh))
+    dispatch.check_divisible("rows of x (tokens)", m, mesh, axes[0])
+    for what, size, a in (("K", k, axes[1]), ("N", n, axes[2])):
+        shard = dispatch.check_divisible(what, size, mesh, a)
+        if shard % cfg.block:
+            raise ValueError(
+                f"{what}={size} split over mesh axes {dispatch.as_axes(a)} gives shards of {shard}, not a multiple "
+                f"of block={cfg.block} (quantization blocks must stay within a shard)"
+            )
+    return cfg._replace(mesh=mesh, axes=axes)

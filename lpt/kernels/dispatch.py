@@ -15,7 +15,7 @@ The mesh side: a ``pallas_call`` cannot be partitioned by XLA (Mosaic refuses; T
 all-gathered), so a kernel wrapper that runs under a multi-device mesh wraps its per-shard function in
 :func:`shard_map`. :func:`kernel_mesh` names that mesh: an explicit ``mesh=`` argument, else the mesh of
 ``jax.set_mesh`` (``jax.sharding.get_abstract_mesh()``), else none, and then the kernel runs unwrapped.
-:func:`mesh_axis_size` and :func:`check_divisible` help the wrappers validate their specs.
+:func:`as_axes`, :func:`mesh_axis_size` and :func:`check_divisible` help the wrappers validate their specs.
 """
 
 from __future__ import annotations
@@ -71,20 +71,23 @@ def kernel_mesh(mesh=None):
     return None if abstract.empty else abstract
 
 
-def mesh_axis_size(mesh, axes) -> int:
-    """Product of the sizes of mesh ``axes`` (a name, a tuple of names, or None -> 1)."""
+def as_axes(axes) -> tuple[str, ...]:
+    """A ``PartitionSpec`` entry (a name, a tuple of names, or None) as a tuple of mesh axis names."""
     if axes is None:
-        return 1
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(mesh.shape[a] for a in axes)
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def mesh_axis_size(mesh, axes) -> int:
+    """Product of the sizes of mesh ``axes`` (a ``PartitionSpec`` entry; None -> 1)."""
+    return math.prod(mesh.shape[a] for a in as_axes(axes))
 
 
 def check_divisible(what: str, size: int, mesh, axes) -> int:
     """``size // mesh_axis_size(mesh, axes)``; ValueError naming ``what`` if the split is not even."""
     n = mesh_axis_size(mesh, axes)
-    axes = (axes,) if isinstance(axes, str) else axes
     if size % n:
-        raise ValueError(f"{what}={size} is not divisible by mesh axes {axes} of size {n}")
+        raise ValueError(f"{what}={size} is not divisible by mesh axes {as_axes(axes)} of size {n}")
     return size // n
 
 

@@ -113,13 +113,16 @@ def view_weight(w: jax.Array, prec: PrecisionSpec, dtype=None) -> jax.Array:
     return round_ste(w, dtype)  # f32/f16 -> bf16 by RNE
 
 
-def matmul(x: jax.Array, w: jax.Array, kind: str, out_dtype, *, name: str = "matmul") -> jax.Array:
+def matmul(
+    x: jax.Array, w: jax.Array, kind: str, out_dtype, *, name: str = "matmul", w_axes: tuple | None = None
+) -> jax.Array:
     """``x[..., K] @ w[K, N]`` with the layer kind's matmul, accumulated in float32, returned in ``out_dtype``.
 
     "bf16": compute-dtype operands (bf16, or f32 when compute_dtype is float32), ``preferred_element_type=f32``.
     "fp8": :func:`lpt.fp8.blockwise_dot` (e4m3 operands with 1×128 / 128×128 scales, f32 promotion every 128 of K,
     e5m2 output gradients); K and N must be multiples of 128.
 
+    ``w_axes`` (the weight's logical axes) tells the FP8 kernels how to split ``w`` under a mesh.
     ``name`` (the layer kind, e.g. "qkv") labels the FP8 statistics recorded in a diagnostics pass
     (:mod:`lpt.models.probes`); outside one nothing is recorded and no operation is added.
     """
@@ -131,7 +134,7 @@ def matmul(x: jax.Array, w: jax.Array, kind: str, out_dtype, *, name: str = "mat
 
         # blockwise_dot returns x's dtype: hand it f32 (exact widening; it quantizes to e4m3 anyway) to get the
         # f32 accumulator back, then round once to out_dtype like the bf16 path.
-        y_f32 = blockwise_dot(x.astype(jnp.float32), w)  # compute -> f32 (exact)
+        y_f32 = blockwise_dot(x.astype(jnp.float32), w, w_axes=w_axes)  # compute -> f32 (exact)
         if probes.active():  # diagnostics pass only (trace-time switch)
             probes.record_fp8(name, x, w, y_f32)
         return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
@@ -158,7 +161,7 @@ class Linear(nnx.Module):
         use_bias: bool = False,
         rngs: nnx.Rngs,
     ):
-        self.layer_kind, self.prec, self.path = layer_kind, prec, path
+        self.layer_kind, self.prec, self.path, self.axes = layer_kind, prec, path, tuple(axes)
         self.pqt_method = prec.pqt_for(layer_kind) if layer_kind != "lm_head" else "none"
         self.kernel = make_param(rngs.params(), (d_in, d_out), std, axes, prec.store_dtype)
         self.bias = make_param(None, (d_out,), 0.0, axes[1:], prec.store_dtype, const=0.0) if use_bias else None
@@ -172,7 +175,8 @@ class Linear(nnx.Module):
             w = pqt_wiring.sample(w_view, self.bitwidth, key, method=self.pqt_method, path=self.path, prec=self.prec)
         else:
             w = view_weight(self.kernel[...], self.prec)
-        y = matmul(x, w, self.prec.matmul_for(self.layer_kind), out_dtype, name=self.layer_kind)
+        kind = self.prec.matmul_for(self.layer_kind)
+        y = matmul(x, w, kind, out_dtype, name=self.layer_kind, w_axes=self.axes)
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)
         return y
