@@ -220,6 +220,47 @@ def split_weights(p, s, m, policy: AttentionPolicy):
     return jnp.where(big, p, zero), jnp.where(big, zero, p)
 
 
+def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, native: bool = False):
+    """One key block of the online softmax (module docstring): the rules every flash forward applies per block.
+
+    carry: (M, n, c, ℓ, acc) with M, n, c, ℓ [..., 1] f32 and acc [..., D] f32; s: [..., bk] f32 logits; valid:
+    bool like s; ``matmul(w)`` returns w V for weights w [..., bk] in pv_dtype (the caller holds V, already rounded
+    to pv_dtype) as f32. Returns the new carry.
+    """
+    m, n, c, l, acc = carry
+    m_new, n_new = update_max_count(m, n, s, valid, policy.tie_tol)
+    c_new = shift_of(m_new, n_new, policy)
+    alpha = rescale(c, c_new, m, policy, pv_dtype, native)
+    p = probs(s, valid, c_new)
+    p_pv = round_to(p, pv_dtype, native)  # f32 -> pv dtype (RNE)
+    p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
+    if policy.accumulator == "split":  # large and small weights in separate matmuls, summed once
+        p_big, p_small = split_weights(p_pv, s, m_new, policy)
+        sum_big, sum_small = split_weights(p_sum, s, m_new, policy)
+        pv = matmul(p_big) + matmul(p_small)
+        p_rowsum = jnp.sum(sum_big, axis=-1, keepdims=True) + jnp.sum(sum_small, axis=-1, keepdims=True)
+    else:
+        pv = matmul(p_pv)
+        p_rowsum = jnp.sum(p_sum, axis=-1, keepdims=True)
+    l_new = alpha * l + p_rowsum
+    if policy.accumulator == "pv":
+        acc_new = round_grid_f32(
+            round_grid_f32(alpha * acc, pv_dtype, native) + round_grid_f32(pv, pv_dtype, native), pv_dtype, native
+        )
+    else:
+        acc_new = alpha * acc + pv
+    return m_new, n_new, c_new, l_new, acc_new
+
+
+def backward_weights(s, valid, lse, dp, delta, in_dtype, native: bool = False):
+    """FA2 backward weights of one block: (round(P), round(dS)) in ``in_dtype`` with P = exp(s − lse) (masked),
+    dS = P ∘ (dP − δ); s, dp [..., bk] f32, lse, delta [..., 1] f32. They feed dV = round(P)ᵀ dO,
+    dQ = round(dS) K, dK = round(dS)ᵀ Q (f32 accumulation)."""
+    p = probs(s, valid, lse)
+    ds = p * (dp - delta)
+    return round_to(p, in_dtype, native), round_to(ds, in_dtype, native)  # f32 -> input dtype (RNE)
+
+
 def finalize(acc, l, c):
     """O = acc / ℓ (0 where ℓ = 0) and lse = c + log ℓ (−inf where ℓ = 0)."""
     safe_l = jnp.where(l > 0, l, 1.0)

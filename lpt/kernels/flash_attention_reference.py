@@ -6,12 +6,15 @@ j iff ``q_seg[i] == kv_seg[j]`` and, if causal, ``j <= i``. Tk must be a multipl
 
 Forward: a ``lax.scan`` over key blocks of size ``block_k`` applying :mod:`flash_attention_math`'s rules; all query
 rows at once (rows are independent, so the query blocking of the kernel does not change a row's arithmetic).
-Backward (FA2, given lse and δ = rowsum(dO ∘ O_residual)), on whole rows::
+Backward (FA2, given lse and δ = rowsum(dO ∘ O_residual)): a ``lax.scan`` over the same key blocks, all query
+rows at once; per block (:func:`flash_attention_math.backward_weights`)::
 
-    P = exp(S − lse);  dV = round(P)ᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − δ)
-    dQ = round(dS) K·scale;  dK = round(dS)ᵀ Q·scale
+    P = exp(S − lse);  dV_j = round(P)ᵀ dO;  dP = dO V_jᵀ;  dS = P ∘ (dP − δ)
+    dQ += round(dS) K_j;  dK_j = round(dS)ᵀ Q·scale      (dQ·scale after the last block)
 
-with ``round`` into the input dtype (the matmul operand dtype of an FA2 kernel) and f32 accumulation.
+with ``round`` into the input dtype (the matmul operand dtype of an FA2 kernel) and f32 accumulation; dK_j, dV_j
+are the scan's outputs (each sums over the G query heads of its kv head). Peak memory is O(B·H·Tq·block_k): no
+[Tq, Tk] score matrix exists in either direction.
 """
 
 from __future__ import annotations
@@ -89,27 +92,49 @@ def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, cau
     return o.reshape(b, h, tq, d), lse.reshape(b, h, tq)
 
 
-def reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, *, causal: bool, scale: float):
-    """FA2 backward on whole rows. lse, delta: [B, H, Tq] f32. Returns f32 (dq [B,H,Tq,D], dk, dv [B,Hkv,Tk,D])."""
+def reference_backward(
+    q, k, v, q_seg, kv_seg, lse, do, delta, *, causal: bool, scale: float, block_k: int | None = None
+):
+    """Blockwise FA2 backward. lse, delta: [B, H, Tq] f32. Returns f32 (dq [B,H,Tq,D], dk, dv [B,Hkv,Tk,D]).
+
+    ``block_k`` None: the largest power of two <= 128 that divides Tk."""
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = h // hkv
+    if block_k is None:
+        block_k = next(c for c in (128, 64, 32, 16, 8, 4, 2, 1) if tk % c == 0)
+    if tk % block_k:
+        raise ValueError(f"Tk={tk} must be a multiple of block_k={block_k}")
+    nk = tk // block_k
     in_dtype = q.dtype
     qg = q.reshape(b, hkv, g, tq, d)
     dog = do.reshape(b, hkv, g, tq, d)
     lse_g = lse.reshape(b, hkv, g, tq, 1)
     delta_g = delta.reshape(b, hkv, g, tq, 1)
-    valid = _valid(q_seg, kv_seg, jnp.arange(tq, dtype=jnp.int32), jnp.arange(tk, dtype=jnp.int32), causal)
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
-    p = fm.probs(s, valid, lse_g)
-    p_in = fm.round_to(p, in_dtype)
-    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p_in, dog, preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bhgqd,bhkd->bhgqk", dog, v, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_g)
-    ds_in = fm.round_to(ds, in_dtype)
-    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds_in, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
-    dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds_in, qg, preferred_element_type=jnp.float32) * jnp.float32(scale)
-    return dq.reshape(b, h, tq, d), dk, dv
+    k_blocks = k.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
+    v_blocks = v.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
+    seg_blocks = kv_seg.reshape(b, nk, block_k).transpose(1, 0, 2)
+    q_pos = jnp.arange(tq, dtype=jnp.int32)
+
+    def step(dq, xs):
+        j, k_blk, v_blk, seg_blk = xs
+        valid = _valid(q_seg, seg_blk, q_pos, j * block_k + jnp.arange(block_k, dtype=jnp.int32), causal)
+        s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32) * jnp.float32(scale)
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", dog, v_blk, preferred_element_type=jnp.float32)
+        p_in, ds_in = fm.backward_weights(s, valid, lse_g, dp, delta_g, in_dtype)
+        dv_blk = jnp.einsum("bhgqk,bhgqd->bhkd", p_in, dog, preferred_element_type=jnp.float32)
+        dk_blk = jnp.einsum("bhgqk,bhgqd->bhkd", ds_in, qg, preferred_element_type=jnp.float32) * jnp.float32(scale)
+        dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds_in, k_blk, preferred_element_type=jnp.float32)
+        return dq, (dk_blk, dv_blk)
+
+    xs = (jnp.arange(nk, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks)
+    dq, (dk_blocks, dv_blocks) = lax.scan(step, jnp.zeros((b, hkv, g, tq, d), jnp.float32), xs)
+    dq = dq * jnp.float32(scale)
+
+    def unblock(x):  # [nk, B, Hkv, bk, D] -> [B, Hkv, Tk, D]
+        return x.transpose(1, 2, 0, 3, 4).reshape(b, hkv, tk, d)
+
+    return dq.reshape(b, h, tq, d), unblock(dk_blocks), unblock(dv_blocks)
 
 
 def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float):

@@ -1,0 +1,193 @@
+"""The "loop" structure of the flash-attention kernel (Triton GPU, and the interpreter): a ``fori_loop`` over blocks.
+
+A Triton program cannot carry state across grid steps, so each program loops over the blocks it reduces, loading one
+block per iteration with ``pl.ds`` from a whole-sequence ref (a pointer: only the loaded [b, D] tiles occupy
+registers and shared memory, whatever T is):
+
+* forward ``(B, H, Tq/bq)``: loop over key blocks (causal: up to the diagonal) with the online softmax.
+* dQ ``(B, H, Tq/bq)``: loop over key blocks (causal: up to the diagonal).
+* dK/dV ``(B, Hkv, Tk/bk)``: one loop over the G query heads of kv head hk (outer) and their query blocks (inner;
+  causal: from the diagonal), accumulating dk, dv [bk, D] f32, written as [B, Hkv, Tk, D]. q, dO, lse, δ come in as
+  [B, Hkv, G·Tq, ·] (a free reshape of [B, H, Tq, ·]).
+
+Same block order and per-block rules as the "grid" structure (:mod:`lpt.kernels.flash_attention_tpu`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from lpt.kernels import dispatch
+from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention_tiles import NT, TN, dot, valid_mask
+
+_TRITON = dict(num_warps=4, num_stages=2)
+
+
+def _n_keys(i, bq: int, bk: int, nk: int, causal: bool):
+    """Number of key blocks query block i visits (causal: up to the diagonal)."""
+    return jnp.minimum(nk, lax.div((i + 1) * bq + bk - 1, bk)) if causal else nk  # ceil; lax.div: no sign op
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, policy, causal, scale, bq, bk, native):
+    i = pl.program_id(2)
+    q = q_ref[...]
+    q_seg = qseg_ref[...]
+    pv_dtype = policy.pv(v_ref.dtype)
+    nk = k_ref.shape[0] // bk
+
+    def body(j, carry):
+        start = pl.multiple_of(j * bk, bk)
+        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal)
+        s = dot(q, k_ref[pl.ds(start, bk), :], NT) * jnp.float32(scale)
+        v_pv = fm.round_to(v_ref[pl.ds(start, bk), :].astype(jnp.float32), pv_dtype, native)  # -> f32 -> pv (RNE)
+        return fm.forward_step(carry, s, valid, lambda w: dot(w, v_pv), policy, pv_dtype, native)
+
+    col = jnp.zeros((bq, 1), jnp.float32)
+    init = (col - jnp.inf, col, col, col, jnp.zeros(q.shape, jnp.float32))
+    _, _, c, l, acc = lax.fori_loop(0, _n_keys(i, bq, bk, nk, causal), body, init)
+    o, lse = fm.finalize(acc, l, c)
+    o_ref[...] = fm.round_to(o, o_ref.dtype, native)  # f32 -> O dtype (RNE; bf16 for residual "input")
+    lse_ref[...] = lse
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *, causal, scale, bq, bk, native
+):
+    i = pl.program_id(2)
+    q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qseg_ref[...]
+    nk = k_ref.shape[0] // bk
+
+    def body(j, dq):
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal)
+        s = dot(q, k, NT) * jnp.float32(scale)
+        dp = dot(do, v_ref[pl.ds(start, bk), :], NT)
+        _, ds_in = fm.backward_weights(s, valid, lse, dp, delta, q_ref.dtype, native)
+        return dq + dot(ds_in, k)
+
+    dq = lax.fori_loop(0, _n_keys(i, bq, bk, nk, causal), body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = dq * jnp.float32(scale)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, **kw):
+    causal, scale, bq, bk, tq, g, native = (kw[n] for n in ("causal", "scale", "bq", "bk", "tq", "g", "native"))
+    j = pl.program_id(2)
+    k, v, kv_seg = k_ref[...], v_ref[...], kvseg_ref[...]
+    nq = tq // bq
+    lo = lax.div(j * bk, bq) if causal else 0  # first query block at or after the diagonal
+    n_i = nq - lo  # query blocks per head
+
+    def body(t, carry):
+        dk, dv = carry
+        gi, i = lax.div(t, n_i), lo + lax.rem(t, n_i)  # query head gi of the group (outer), query block i (inner)
+        start = pl.multiple_of(i * bq, bq)
+        row = pl.multiple_of(gi * tq + start, bq)
+        q, do = q_ref[pl.ds(row, bq), :], do_ref[pl.ds(row, bq), :]
+        valid = valid_mask(qseg_ref[pl.ds(start, bq), :], kv_seg, start, j * bk, (bq, bk), causal)
+        s = dot(q, k, NT) * jnp.float32(scale)
+        dp = dot(do, v, NT)
+        lse, delta = lse_ref[pl.ds(row, bq), :], delta_ref[pl.ds(row, bq), :]
+        p_in, ds_in = fm.backward_weights(s, valid, lse, dp, delta, q_ref.dtype, native)
+        return dk + dot(ds_in, q, TN), dv + dot(p_in, do, TN)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, g * n_i, body, (zeros, zeros))
+    dk_ref[...] = dk * jnp.float32(scale)
+    dv_ref[...] = dv
+
+
+def _mode_kwargs(mode):
+    return dispatch.mode_kwargs(mode, **(_TRITON if mode == "triton" else {}))
+
+
+def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
+    """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1])."""
+    b, h, tq, d = shape
+    full_kv = pl.BlockSpec((None, None, tk, d), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
+    in_specs = [
+        pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0)),
+        full_kv,
+        full_kv,
+        pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0)),
+        pl.BlockSpec((None, 1, tk), lambda bi, hi, i: (bi, 0, 0)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0)),
+        pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0)),
+    ]
+    kernel = functools.partial(_fwd_kernel, policy=policy, causal=causal, scale=scale, bq=bq, bk=bk, native=False)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, h, tq // bq),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
+        name="lpt_flash_attention_fwd",
+        **_mode_kwargs(mode),
+    )
+
+
+def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+    """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D]."""
+    b, h, tq, d = shape
+    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0))
+    row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0))
+    full_kv = pl.BlockSpec((None, None, tk, d), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
+    in_specs = [
+        q_spec,
+        full_kv,
+        full_kv,
+        q_spec,
+        row_spec,
+        row_spec,
+        pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0)),
+        pl.BlockSpec((None, 1, tk), lambda bi, hi, i: (bi, 0, 0)),
+    ]
+    kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, bq=bq, bk=bk, native=False)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, h, tq // bq),
+        in_specs=in_specs,
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
+        name="lpt_flash_attention_dq",
+        **_mode_kwargs(mode),
+    )
+
+
+def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+    """``pallas_call`` of dK/dV on (q, k, v, do, lse, δ, q_seg, kv_seg) with q, do [B, Hkv, G·Tq, D] and lse, δ
+    [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D]."""
+    b, hkv, gtq, d = shape
+    tq = gtq // g
+    full_q = pl.BlockSpec((None, None, gtq, d), lambda bi, hk, j: (bi, hk, 0, 0))
+    full_row = pl.BlockSpec((None, None, gtq, 1), lambda bi, hk, j: (bi, hk, 0, 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hk, j: (bi, hk, j, 0))
+    in_specs = [
+        full_q,
+        kv_spec,
+        kv_spec,
+        full_q,
+        full_row,
+        full_row,
+        pl.BlockSpec((None, tq, 1), lambda bi, hk, j: (bi, 0, 0)),
+        pl.BlockSpec((None, 1, bk), lambda bi, hk, j: (bi, 0, j)),
+    ]
+    kernel = functools.partial(_dkdv_kernel, causal=causal, scale=scale, bq=bq, bk=bk, tq=tq, g=g, native=False)
+    out = jax.ShapeDtypeStruct((b, hkv, tk, d), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, tk // bk),
+        in_specs=in_specs,
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[out, out],
+        name="lpt_flash_attention_dkdv",
+        **_mode_kwargs(mode),
+    )

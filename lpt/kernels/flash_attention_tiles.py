@@ -1,0 +1,88 @@
+"""Tile sizes and block-level helpers shared by the two structures of the flash-attention kernel.
+
+:func:`tiles` is the one place that chooses the kernel's (bq, bk) per compile mode. The caller's ``block_q`` /
+``block_k`` are the padding granularity (T is a multiple of them) and the tiles of the interpreter; the compiled
+modes take the tile the hardware wants that divides T:
+
+* ``"mosaic"`` (TPU): the largest multiple of the caller's block that divides T, is at most 512 (D <= 128; 256 for
+  larger D) and is a multiple of 128 or all of T (a lane-dim block of kv segments must be).
+* ``"triton"`` (GPU): the largest power of two dividing the caller's block, at most 128 (D <= 64; 64 for larger D,
+  which keeps the split accumulation's extra P̃ tiles in registers and shared memory), at least 16.
+
+Without such a tile the mode uses the caller's block, and its compiler reports the problem: every mode's kernel is
+built when ``lax.platform_dependent`` traces, so a choice for another platform must not raise.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+TN = (((0,), (0,)), ((), ()))  # a.T @ b
+STRUCTURES = ("grid", "loop")
+
+
+def dot(a, b, dims=None):
+    """Matmul with f32 accumulation (result f32)."""
+    if dims is None:
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def valid_mask(q_seg, kv_seg, q_start, k_start, shape, causal: bool):
+    """[bq, bk] attend mask from q_seg [bq, 1], kv_seg [1, bk] (int32) and the blocks' first positions."""
+    ok = q_seg == kv_seg
+    if causal:
+        q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+        k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        ok = ok & (k_pos <= q_pos)
+    return ok
+
+
+def check(q, k, block_q: int, block_k: int) -> int:
+    """Validate the kernel layout; return the GQA group size G = H / Hkv."""
+    tq, tk, h, hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+    if block_q < 1 or block_k < 1 or tq % block_q or tk % block_k or h % hkv:
+        raise ValueError(
+            f"need Tq % block_q == 0, Tk % block_k == 0, H % Hkv == 0; got Tq={tq}, block_q={block_q}, "
+            f"Tk={tk}, block_k={block_k}, H={h}, Hkv={hkv}"
+        )
+    return h // hkv
+
+
+def _mosaic_tile(t: int, block: int, cap: int) -> int:
+    legal = [m for m in range(block, max(cap, block) + 1, block) if t % m == 0 and (m % 128 == 0 or m == t)]
+    return max(legal) if legal else block  # none: the caller's block (Mosaic rejects it if it is illegal)
+
+
+def _triton_tile(block: int, cap: int) -> int:
+    tile = 1
+    while block % (2 * tile) == 0 and 2 * tile <= cap:
+        tile *= 2
+    return tile if tile >= 16 else block  # < 16: the caller's block (Triton rejects it if it is illegal)
+
+
+def tiles(mode: str, tq: int, tk: int, d: int, block_q: int, block_k: int) -> tuple[int, int]:
+    """(bq, bk) the kernel uses in ``mode`` for sequence lengths tq, tk (multiples of the blocks), head dim d."""
+    if mode == "interpret":
+        return block_q, block_k
+    if mode == "mosaic":
+        cap = 512 if d <= 128 else 256
+        return _mosaic_tile(tq, block_q, cap), _mosaic_tile(tk, block_k, cap)
+    if mode == "triton":
+        cap = 128 if d <= 64 else 64
+        return _triton_tile(block_q, cap), _triton_tile(block_k, cap)
+    raise ValueError(f"mode={mode!r} is not one of ('interpret', 'triton', 'mosaic')")
+
+
+def structure_of(mode: str, structure: str | None) -> str:
+    """The kernel structure of ``mode``: "grid" on Mosaic, "loop" on Triton; the interpreter runs ``structure``
+    (default "grid")."""
+    if structure is not None and structure not in STRUCTURES:
+        raise ValueError(f"structure={structure!r} is not one of {STRUCTURES}")
+    if mode == "mosaic":
+        return "grid"
+    if mode == "triton":
+        return "loop"
+    return structure or "grid"

@@ -1,0 +1,244 @@
+"""The "grid" structure of the flash-attention kernel (Mosaic TPU, and the interpreter): one block per grid step.
+
+Every BlockSpec holds one block, so VMEM per program is O(bq·D + bk·D + bq·bk) whatever T is. The reduction runs
+over a trailing grid axis with "arbitrary" semantics; its running state lives in VMEM scratch, set on the axis'
+first step (``pl.when``) and written out on its last:
+
+* forward ``(B, H, Tq/bq, Tk/bk)``: key block j of query block i; scratch M, n, c, ℓ [bq, 1] and acc [bq, D] f32;
+  the last step writes O (f32, or the input dtype for the "input" residual) and lse.
+* dQ ``(B, H, Tq/bq, Tk/bk)``: scratch dq [bq, D] f32.
+* dK/dV ``(B, Hkv, Tk/bk, G·Tq/bq)``: key block j of kv head hk; the trailing axis r runs over the G query heads of
+  hk (g = r // (Tq/bq), outer) and their query blocks (i = r mod (Tq/bq), inner); scratch dk, dv [bk, D] f32, written
+  as dk, dv [B, Hkv, Tk, D] f32. q, dO, lse, δ come in as [B, Hkv, G·Tq, ·] (a free reshape of [B, H, Tq, ·]).
+
+Causal: a step whose block is fully above the diagonal computes nothing (``pl.when``), and its index_map repeats the
+previous block's index (clamped to the diagonal), so Pallas issues no DMA for it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from lpt.kernels import dispatch
+from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention_tiles import NT, TN, dot, valid_mask
+
+_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+def _last_k(i, bq: int, bk: int):
+    """Last key block with a key at or below the last query of query block i (causal)."""
+    return lax.div((i + 1) * bq - 1, bk)  # non-negative operands: lax.div == floor
+
+
+def _first_q(j, bq: int, bk: int):
+    """First query block with a query at or after the first key of key block j (causal)."""
+    return lax.div(j * bk, bq)
+
+
+def _when(cond, fn):
+    if cond is None:
+        fn()
+    else:
+        pl.when(cond)(fn)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, m_sc, n_sc, c_sc, l_sc, acc_sc, **kw):
+    policy, causal, scale, bq, bk, nk, native = (
+        kw[n] for n in ("policy", "causal", "scale", "bq", "bk", "nk", "native")
+    )
+    i, j = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        for ref in (n_sc, c_sc, l_sc, acc_sc):
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+    def _step():
+        pv_dtype = policy.pv(v_ref.dtype)
+        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal)
+        s = dot(q_ref[...], k_ref[...], NT) * jnp.float32(scale)
+        v_pv = fm.round_to(v_ref[...].astype(jnp.float32), pv_dtype, native)  # v dtype -> f32 -> pv dtype (RNE)
+        carry = (m_sc[...], n_sc[...], c_sc[...], l_sc[...], acc_sc[...])
+        new = fm.forward_step(carry, s, valid, lambda w: dot(w, v_pv), policy, pv_dtype, native)
+        for ref, value in zip((m_sc, n_sc, c_sc, l_sc, acc_sc), new, strict=True):
+            ref[...] = value
+
+    _when(j <= _last_k(i, bq, bk) if causal else None, _step)
+
+    @pl.when(j == nk - 1)
+    def _finalize():
+        o, lse = fm.finalize(acc_sc[...], l_sc[...], c_sc[...])
+        o_ref[...] = fm.round_to(o, o_ref.dtype, native)  # f32 -> O dtype (RNE; bf16 for residual "input")
+        lse_ref[...] = lse
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, dq_sc, **kw):
+    causal, scale, bq, bk, nk, native = (kw[n] for n in ("causal", "scale", "bq", "bk", "nk", "native"))
+    i, j = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+    def _step():
+        k = k_ref[...]
+        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal)
+        s = dot(q_ref[...], k, NT) * jnp.float32(scale)
+        dp = dot(do_ref[...], v_ref[...], NT)
+        _, ds_in = fm.backward_weights(s, valid, lse_ref[...], dp, delta_ref[...], q_ref.dtype, native)
+        dq_sc[...] += dot(ds_in, k)
+
+    _when(j <= _last_k(i, bq, bk) if causal else None, _step)
+
+    @pl.when(j == nk - 1)
+    def _finalize():
+        dq_ref[...] = dq_sc[...] * jnp.float32(scale)
+
+
+def _dkdv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, dk_sc, dv_sc, **kw
+):
+    causal, scale, bq, bk, nq, g, native = (kw[n] for n in ("causal", "scale", "bq", "bk", "nq", "g", "native"))
+    j, r = pl.program_id(2), pl.program_id(3)
+    i = lax.rem(r, nq)
+
+    @pl.when(r == 0)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    def _step():
+        q, do = q_ref[...], do_ref[...]
+        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal)
+        s = dot(q, k_ref[...], NT) * jnp.float32(scale)
+        dp = dot(do, v_ref[...], NT)
+        p_in, ds_in = fm.backward_weights(s, valid, lse_ref[...], dp, delta_ref[...], q_ref.dtype, native)
+        dv_sc[...] += dot(p_in, do, TN)
+        dk_sc[...] += dot(ds_in, q, TN)
+
+    _when(i >= _first_q(j, bq, bk) if causal else None, _step)
+
+    @pl.when(r == g * nq - 1)
+    def _finalize():
+        dk_ref[...] = dk_sc[...] * jnp.float32(scale)
+        dv_ref[...] = dv_sc[...]
+
+
+def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
+    """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1])."""
+    b, h, tq, d = shape
+    nq, nk = tq // bq, tk // bk
+
+    def kv_blk(i, j):
+        return jnp.minimum(j, _last_k(i, bq, bk)) if causal else j
+
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_blk(i, j), 0))
+    in_specs = [
+        pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0)),
+        kv_spec,
+        kv_spec,
+        pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
+        pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_blk(i, j))),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0)),
+        pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0)),
+    ]
+    kernel = functools.partial(
+        _fwd_kernel, policy=policy, causal=causal, scale=scale, bq=bq, bk=bk, nk=nk, native=mode == "mosaic"
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(b, h, nq, nk),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32) for _ in range(4)] + [pltpu.VMEM((bq, d), jnp.float32)],
+        name="lpt_flash_attention_fwd",
+        **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
+    )
+
+
+def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+    """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D]."""
+    b, h, tq, d = shape
+    nq, nk = tq // bq, tk // bk
+
+    def kv_blk(i, j):
+        return jnp.minimum(j, _last_k(i, bq, bk)) if causal else j
+
+    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0))
+    row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_blk(i, j), 0))
+    in_specs = [
+        q_spec,
+        kv_spec,
+        kv_spec,
+        q_spec,
+        row_spec,
+        row_spec,
+        pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
+        pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_blk(i, j))),
+    ]
+    kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, bq=bq, bk=bk, nk=nk, native=mode == "mosaic")
+    return pl.pallas_call(
+        kernel,
+        grid=(b, h, nq, nk),
+        in_specs=in_specs,
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+        name="lpt_flash_attention_dq",
+        **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
+    )
+
+
+def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+    """``pallas_call`` of dK/dV on (q, k, v, do, lse, δ, q_seg, kv_seg) with q, do [B, Hkv, G·Tq, D] and lse, δ
+    [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D]."""
+    b, hkv, gtq, d = shape
+    tq = gtq // g
+    nq, nk = tq // bq, tk // bk
+
+    def q_blk(j, r):
+        i = lax.rem(r, nq)
+        return jnp.maximum(i, _first_q(j, bq, bk)) if causal else i
+
+    def grouped(bi, hk, j, r):  # query block i of query head g = r // nq of kv head hk, in [B, Hkv, G·Tq, ·]
+        return (bi, hk, lax.div(r, nq) * nq + q_blk(j, r), 0)
+
+    q_spec = pl.BlockSpec((None, None, bq, d), grouped)
+    row_spec = pl.BlockSpec((None, None, bq, 1), grouped)
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hk, j, r: (bi, hk, j, 0))
+    in_specs = [
+        q_spec,
+        kv_spec,
+        kv_spec,
+        q_spec,
+        row_spec,
+        row_spec,
+        pl.BlockSpec((None, bq, 1), lambda bi, hk, j, r: (bi, q_blk(j, r), 0)),
+        pl.BlockSpec((None, 1, bk), lambda bi, hk, j, r: (bi, 0, j)),
+    ]
+    kernel = functools.partial(
+        _dkdv_kernel, causal=causal, scale=scale, bq=bq, bk=bk, nq=nq, g=g, native=mode == "mosaic"
+    )
+    out = jax.ShapeDtypeStruct((b, hkv, tk, d), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, nk, g * nq),
+        in_specs=in_specs,
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[out, out],
+        scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
+        name="lpt_flash_attention_dkdv",
+        **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
+    )
