@@ -146,22 +146,49 @@ def _stochastic_bf16(x32, r16):
     return jnp.where(x32 != x32, x32, r)
 
 
-def moment_bits(shape, key_words, base=None):
+def moment_bits(shape, key_words, base=None, index_map=None):
     """One uniform u32 per element: :func:`lpt.numerics.hash_bits` of ``(k0, k1)`` and the element's flat index.
 
-    ``base=None``: the whole leaf, via ``hash_bits``. Inside the kernel ``base`` is the global flat index of the
-    block's first element and the same mixer runs on ``base + i`` here, because Triton cannot lower ``hash_bits``'
-    key handling (it stacks and indexes the two key words)."""
+    ``base=None``: the whole leaf, via ``hash_bits``. Inside the kernel ``base`` is the flat index of the block's
+    first element and the same mixer runs on ``base + i`` here, because Triton cannot lower ``hash_bits``' key
+    handling (it stacks and indexes the two key words). On a shard of a leaf, ``index_map`` (from
+    :func:`shard_index_map`) maps that local flat index to the leaf's global one."""
     k0, k1 = key_words
     if base is None:
         return hash_bits(jnp.stack([k0, k1]), shape)
     idx = base + (
         lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1]) + lax.broadcasted_iota(jnp.uint32, shape, 1)
-    )  # global flat (row-major) index of each element, as hash_bits numbers them
+    )  # flat (row-major) index of each element, as hash_bits numbers them
+    if index_map is not None:
+        idx = index_map(idx)
     return hash_index(idx, k0, k1)  # = hash_bits((k0, k1), leaf shape)[idx]
 
 
-def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None):
+def shard_index_map(local_shape, global_shape, offset):
+    """``f -> global flat index`` of the element at local flat index ``f`` (u32) of a shard of ``local_shape`` whose
+    first element sits at global flat index ``offset`` (u32 scalar) of a leaf of ``global_shape``.
+
+    Only the dims up to the last split one need a div/mod: the trailing whole dims keep their strides, so a leaf
+    split along its first dim only costs one add."""
+    split = [i for i, (lo, gl) in enumerate(zip(local_shape, global_shape, strict=True)) if lo != gl]
+    last = split[-1] if split else 0
+    tail = math.prod(local_shape[last + 1 :])  # = prod(global_shape[last + 1:])
+    strides = [math.prod(global_shape[i + 1 :]) for i in range(len(global_shape))]
+
+    def index_map(f):
+        if last == 0:
+            return offset + f
+        q = f // jnp.uint32(tail)
+        out = f % jnp.uint32(tail)
+        for i in range(last, 0, -1):
+            out = out + (q % jnp.uint32(local_shape[i])) * jnp.uint32(strides[i])
+            q = q // jnp.uint32(local_shape[i])
+        return offset + out + q * jnp.uint32(strides[0])
+
+    return index_map
+
+
+def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, index_map=None):
     """Q_m of both moments into bf16, returned as f32: nearest, or stochastic from ONE hash word per element.
 
     Stochastic: the top 16 bits of :func:`moment_bits` round ``m`` (bit-identical to
@@ -172,11 +199,11 @@ def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None):
         return round_nearest(m32, jnp.bfloat16, out_dtype=jnp.float32), round_nearest(
             v32, jnp.bfloat16, out_dtype=jnp.float32
         )
-    rnd = moment_bits(m32.shape, key_words, base)
+    rnd = moment_bits(m32.shape, key_words, base, index_map)
     return _stochastic_bf16(m32, rnd >> jnp.uint32(16)), _stochastic_bf16(v32, rnd & jnp.uint32(0xFFFF))
 
 
-def _leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, base=None):
+def _leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, base=None, index_map=None):
     """One step on arrays of any (equal) shape; returns ``(p', c', mv')`` in bf16, bf16, u32."""
     inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
     zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
@@ -184,7 +211,9 @@ def _leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stocha
     p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
     c32 = c.astype(jnp.float32)  # bf16 -> f32 (exact)
     m_new, v_new = moment_update(g32, *unpack_bf16_pair(mv), zero, b1=b1, b2=b2)
-    mq, vq = round_moments(m_new, v_new, stochastic=stochastic, key_words=(words[0], words[1]), base=base)
+    mq, vq = round_moments(
+        m_new, v_new, stochastic=stochastic, key_words=(words[0], words[1]), base=base, index_map=index_map
+    )
     t = kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, eps=eps, weight_decay=weight_decay)
     s32, c_new32 = kahan_round(t, jnp.bfloat16, jnp.bfloat16)
     # f32 -> bf16 casts below are exact: the values are on the bf16 grid
@@ -213,24 +242,27 @@ def adamw_kahan_reference(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_de
     return _leaf_math(g, p, c, mv, scalars, words, **hp)
 
 
-def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, p_out, c_out, mv_out, *, block, hp):
+def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, p_out, c_out, mv_out, *, block, hp, shapes):
     scalars = (sc_ref[0], sc_ref[1], sc_ref[2], sc_ref[3])
     words = (w_ref[0], w_ref[1])
     base = (pl.program_id(0) * block).astype(jnp.uint32) if hp["stochastic"] else None  # int32 -> u32
-    p_new, c_new, mv_new = _leaf_math(g_ref[...], p_ref[...], c_ref[...], mv_ref[...], scalars, words, base=base, **hp)
+    index_map = None if shapes is None else shard_index_map(*shapes, w_ref[2])
+    p_new, c_new, mv_new = _leaf_math(
+        g_ref[...], p_ref[...], c_ref[...], mv_ref[...], scalars, words, base=base, index_map=index_map, **hp
+    )
     p_out[...] = p_new
     c_out[...] = c_new
     mv_out[...] = mv_new
 
 
-def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, mode):
+def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, shapes, mode):
     rows = p2.shape[0]
     tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
     if mode == "mosaic":
         scalar_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)] * 2
     else:
-        scalar_specs = [pl.BlockSpec((4,), lambda i: (0,)), pl.BlockSpec((2,), lambda i: (0,))]
-    kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp)
+        scalar_specs = [pl.BlockSpec((4,), lambda i: (0,)), pl.BlockSpec(w.shape, lambda i: (0,))]
+    kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp, shapes=shapes)
     return pl.pallas_call(
         kernel,
         grid=(rows // block_rows,),
@@ -250,7 +282,24 @@ TPU_BLOCK_ROWS = 512  # 64K elements per program: ~1.2 MB of VMEM per buffer set
 TRITON_BLOCK_ROWS = 16  # 2K elements per program: 16 per thread with 4 warps (a big block would spill registers)
 
 
-def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, block_rows=None, interpret=None):
+def adamw_kahan(
+    g,
+    p,
+    c,
+    mv,
+    scalars,
+    words,
+    *,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    stochastic,
+    block_rows=None,
+    interpret=None,
+    global_shape=None,
+    offset=None,
+):
     """Pallas kernel: one pass ``(g, p, c, mv) -> (p', c', mv')`` for one leaf of any shape (see module doc).
 
     Args:
@@ -261,8 +310,16 @@ def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stoch
         platform, :data:`TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`TRITON_BLOCK_ROWS` on CUDA.
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform
         (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Triton on CUDA, Mosaic on TPU.
+      global_shape, offset: the arrays are one shard of a leaf of ``global_shape`` whose first element has global
+        flat index ``offset`` (u32 scalar); the stochastic rounding hashes each element's global flat index, so
+        the bits do not depend on the sharding. None: the arrays are the whole leaf.
     """
     _check(g, p, c, mv, scalars, words)
+    if (global_shape is None) != (offset is None):
+        raise ValueError(f"pass global_shape and offset together, got {global_shape=} and offset={offset!r}")
+    shapes = None if global_shape is None or tuple(global_shape) == p.shape else (p.shape, tuple(global_shape))
+    extra = jnp.zeros((1,), jnp.uint32) if offset is None else jnp.reshape(offset, (1,)).astype(jnp.uint32)  # -> u32
+    words = jnp.concatenate([words, extra])  # (k0, k1, offset)
     if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
     dispatch.check_interpret(interpret)
@@ -280,6 +337,7 @@ def adamw_kahan(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stoch
 
     args = (scalars, words, flat(g), flat(p), flat(c), flat(mv))
     hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
-    build = lambda mode: functools.partial(_pallas, block_rows=small if mode == "triton" else big, hp=hp, mode=mode)
+    rows_of = lambda mode: small if mode == "triton" else big
+    build = lambda mode: functools.partial(_pallas, block_rows=rows_of(mode), hp=hp, shapes=shapes, mode=mode)
     outs = dispatch.platform_call(build, *args, interpret=interpret)
     return tuple(x.reshape(-1)[:n].reshape(p.shape) for x in outs)

@@ -15,7 +15,10 @@ kahan_summation`` (bit for bit, tested), see :mod:`lpt.kernels.adamw_kahan`. Wha
 
 Per low-precision leaf the compiled step (XLA:CPU) is 4 loop fusions and no copies: moments (reads g, mv; writes
 mv), ``t`` (reads mv, p, c), ``p'`` (inside ``optax.apply_updates``: reads t, p) and ``c'`` (reads t).
-``impl="pallas"`` runs :func:`lpt.kernels.adamw_kahan.adamw_kahan` instead: one pass for GPU/TPU.
+``impl="pallas"`` runs :func:`lpt.kernels.adamw_kahan.adamw_kahan` instead: one pass for GPU/TPU, through
+:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`, so that inside a jit over several devices each
+device updates its own shard of every leaf (whatever the params' sharding; nothing is gathered) and draws the same
+stochastic-rounding bits as one device would (they hash the element's global flat index).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import optax
 from jax import lax
 
 from lpt.kernels import adamw_kahan as K
+from lpt.kernels.adamw_kahan_sharded import adamw_kahan_partitioned
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.adam import MOMENT_ROUNDINGS
 from lpt.optim.leaves import UpdateDiagnostics, _check, leaf_id, leaf_name, needs_rounding, zeros_like_rounded
@@ -227,7 +231,7 @@ def fused_kahan_adamw(
                     )
                 words = _key_words(km)
                 scalars = jnp.stack([inv_c1, inv_c2, neg_lr, lax.bitcast_convert_type(zero, jnp.float32)])
-                new_p, new_c, new_mv = K.adamw_kahan(
+                new_p, new_c, new_mv = adamw_kahan_partitioned(
                     g, p, c, mv, scalars, words, b1=b1, b2=b2, stochastic=stochastic, interpret=interpret, **hp
                 )
                 p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
