@@ -8,7 +8,9 @@ by ``precision.pqt.loss_weight``) when a PQT method is on. The step key is ``fol
 With ``optim.microbatches = m > 1`` the batch is split into m equal slices along the batch axis; gradients are
 summed in float32 over a ``lax.scan`` and divided by m (cast back to the param dtype before the optimizer).
 
-Both steps are ``jax.jit``-ed with explicit in/out shardings; the train step donates the incoming state.
+Both steps are ``jax.jit``-ed with explicit in/out shardings; the train step donates the incoming state. Their bodies
+are traced under :func:`on_mesh`: the logical-axis rules (``lpt.sharding.axis_rules``) and the mesh as the abstract
+mesh (``jax.sharding.get_abstract_mesh()``), where the Pallas kernels find it and run per shard.
 
 The diagnostics step (``make_diagnostics_step``) is a separate jitted forward pass with the model's probes on
 (``lpt.models.activation_diagnostics``: FP8 underflow/subnormal fractions, scale range and GEMM SNR per layer kind,
@@ -19,7 +21,8 @@ is the same whether diagnostics are on or off).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,13 @@ from lpt.models import partitioning
 from lpt.train import mesh as mesh_lib
 from lpt.train.optimizer import optimizer_diagnostics
 from lpt.train.state import ModelDef, TrainState
+
+
+@contextlib.contextmanager
+def on_mesh(mesh: Mesh) -> Iterator[None]:
+    """Trace-time context of a step body: the logical-axis rules on ``mesh`` and ``mesh`` as the abstract mesh."""
+    with partitioning.axis_rules(mesh, mesh_lib.RULES), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -78,7 +88,7 @@ def make_train_step(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        with partitioning.axis_rules(mesh, mesh_lib.RULES):
+        with on_mesh(mesh):
             key = jax.random.fold_in(seed_key, state.step)
             if m == 1:
                 (_, (ce, aux)), grads = grad_fn(
@@ -132,7 +142,7 @@ def make_eval_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
     """``eval_step(params, rest, batch) -> mean cross entropy`` (no weight noise: key=None)."""
 
     def step(params, rest, batch):
-        with partitioning.axis_rules(mesh, mesh_lib.RULES):
+        with on_mesh(mesh):
             model = model_def.merge(params, rest)
             return cross_entropy(model(batch["inputs"], key=None), batch["targets"])
 
@@ -152,7 +162,7 @@ def make_diagnostics_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: Train
     seed_key = jax.random.PRNGKey(cfg.train.seed)
 
     def step(params, rest, batch, step):
-        with partitioning.axis_rules(mesh, mesh_lib.RULES):
+        with on_mesh(mesh):
             model = model_def.merge(params, rest)
             key = jax.random.fold_in(seed_key, step)
             stats = lpt.models.activation_diagnostics(model, batch["inputs"], key=key)
