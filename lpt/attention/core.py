@@ -124,7 +124,9 @@ def _rowsum(x: jax.Array) -> jax.Array:
 
 
 def _default_block(t: int) -> int:
-    """min(128, next power of two >= max(t, 16)): a Triton-friendly tile."""
+    """min(128, next power of two >= max(t, 16)): the padding granularity and the block of the XLA twin and the
+    interpreter; the compiled kernels grow or split it per platform (:func:`lpt.kernels.flash_attention_tiles.tiles`:
+    512 on TPU, 64 or 128 on GPU)."""
     return min(128, 1 << max(4, (t - 1).bit_length()))
 
 
@@ -224,7 +226,10 @@ def dot_product_attention(
       scale: logit scale, default 1/sqrt(D).
       policy: an explicit :class:`AttentionPolicy` (overrides stable/beta).
       key: PRNG key, required by ``policy.residual == "stochastic"``.
-      block_q, block_k: tile sizes (default min(128, pow2 >= T)); T is padded up to a multiple internally.
+      block_q, block_k: block sizes (default min(128, pow2 >= T)); T is padded up to a multiple internally. The
+        XLA twin and the interpreted kernel use them as given; the compiled kernels use a per-platform tile derived
+        from them (:func:`lpt.kernels.flash_attention_tiles.tiles`: on TPU a multiple, up to 512; on GPU a
+        power-of-two divisor, up to 128).
       interpret: Pallas only. None: interpret on CPU, compiled kernel on cuda/tpu (``lax.platform_dependent``);
         True: always interpret.
       mesh: Pallas only: the mesh the kernels run on, one shard per device (see the module doc). None: the mesh of
