@@ -3,8 +3,10 @@
 * ``fp8_blockwise_matmul``: portable ``pallas_call`` FP8 GEMM with f32 promotion every K-chunk (Triton on CUDA,
   Mosaic on TPU, interpreted on CPU); twin ``fp8_blockwise_matmul_reference``.
 * ``fp8_blockwise_matmul_mgpu``: the Hopper (Mosaic GPU, wgmma + TMA) variant.
-* ``flash_attention``: FA2 forward and backward with lpt's attention numerics policy; twin in
-  ``flash_attention_reference`` (shared block rules in ``flash_attention_math``).
+* ``flash_attention``: FA2 forward and backward with lpt's attention numerics policy, in two structures:
+  ``flash_attention_tpu`` (grid axis + VMEM scratch, Mosaic) and ``flash_attention_gpu`` (in-kernel block loop,
+  Triton), tiles per platform in ``flash_attention_tiles``; twin in ``flash_attention_reference`` (shared block
+  rules in ``flash_attention_math``).
 
 Each is tested in interpret mode against its twin and lowered for ``cuda`` and ``tpu`` in the tests.
 """

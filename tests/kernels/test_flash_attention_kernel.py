@@ -114,3 +114,38 @@ def test_lowers_to_kernel_custom_call(platform, marker):
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=(platform,)).as_text()
     assert fwd.count(marker) == 1  # the forward kernel
     assert bwd.count(marker) == 3  # forward (recomputed for residuals), dK/dV and dQ kernels
+
+
+def _fetches(eqn, operand: int) -> int:
+    """Block fetches of input ``operand`` over the grid in order: steps whose block index differs from the previous
+    step's (Pallas copies a block only then)."""
+    mapping = eqn.params["grid_mapping"]
+    index_map = mapping.block_mappings[operand].index_map_jaxpr
+    fetches, previous = 0, None
+    for point in np.ndindex(*mapping.grid):
+        idx = tuple(int(x) for x in jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, *map(jnp.int32, point)))
+        fetches += idx != previous
+        previous = idx
+    return fetches
+
+
+def test_causal_index_maps_skip_masked_blocks():
+    """Causal grid kernels fetch only blocks at or below the diagonal: with Tq/bq = 4 query and Tk/bk = 8 key blocks
+    the forward and dQ read K for each of the H = 2 heads 2·(2+4+6+8) = 40 times (64 without the clamp); dK/dV reads
+    the Q blocks at or after each key block's diagonal for each of the G = 2 heads: 2·(4+4+3+3+2+2+1+1) = 40 (64
+    without)."""
+    b, h, hkv, t, d = 1, 2, 1, 32, 8
+    q = jnp.zeros((b, h, t, d), jnp.bfloat16)
+    k = jnp.zeros((b, hkv, t, d), jnp.bfloat16)
+    seg = jnp.zeros((b, t), jnp.int32)
+    rows = jnp.zeros((b, h, t), jnp.float32)
+    kw = dict(causal=True, scale=1.0, block_q=8, block_k=4, interpret=True)
+
+    def both(q, k):
+        fk.forward(q, k, k, seg, seg, policy=fm.default_policy(), **kw)
+        return fk.backward(q, k, k, seg, seg, rows, q, rows, **kw)
+
+    eqns = {e.params["name"]: e for e in jax.make_jaxpr(both)(q, k).jaxpr.eqns if e.primitive.name == "pallas_call"}
+    assert _fetches(eqns["lpt_flash_attention_fwd"], 1) == 40  # operand 1: k
+    assert _fetches(eqns["lpt_flash_attention_dq"], 1) == 40
+    assert _fetches(eqns["lpt_flash_attention_dkdv"], 0) == 40  # operand 0: q [B, Hkv, G·Tq, D]
