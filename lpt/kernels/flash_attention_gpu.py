@@ -26,8 +26,6 @@ from lpt.kernels import dispatch
 from lpt.kernels import flash_attention_math as fm
 from lpt.kernels.flash_attention_tiles import NT, TN, dot, valid_mask
 
-_TRITON = dict(num_warps=4, num_stages=2)
-
 
 def _n_keys(i, bq: int, bk: int, nk: int, causal: bool):
     """Number of key blocks query block i visits (causal: up to the diagonal)."""
@@ -103,8 +101,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
     dv_ref[...] = dv
 
 
-def _mode_kwargs(mode):
-    return dispatch.mode_kwargs(mode, **(_TRITON if mode == "triton" else {}))
+def _mode_kwargs(mode, d: int):
+    """Triton: 4 warps for D <= 64, 8 above (the f32 [b, D] accumulators spread over more threads), 2 stages."""
+    if mode != "triton":
+        return dispatch.mode_kwargs(mode)
+    return dispatch.mode_kwargs(mode, num_warps=4 if d <= 64 else 8, num_stages=2)
 
 
 def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
@@ -130,7 +131,7 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
         name="lpt_flash_attention_fwd",
-        **_mode_kwargs(mode),
+        **_mode_kwargs(mode, d),
     )
 
 
@@ -158,7 +159,7 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
         name="lpt_flash_attention_dq",
-        **_mode_kwargs(mode),
+        **_mode_kwargs(mode, d),
     )
 
 
@@ -189,5 +190,5 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=[kv_spec, kv_spec],
         out_shape=[out, out],
         name="lpt_flash_attention_dkdv",
-        **_mode_kwargs(mode),
+        **_mode_kwargs(mode, d),
     )
