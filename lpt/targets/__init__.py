@@ -8,10 +8,15 @@ devices).compile()`` then runs the real XLA:TPU + Mosaic or XLA:GPU + Triton + p
 Needs ``jax[tpu]`` (libtpu) for TPU names and ``jax-cuda12-plugin`` + ``nvidia-cuda-nvcc-cu12`` for GPU names (the
 ``dev`` extras). Set ``JAX_PLATFORMS=cpu`` before jax initializes a backend (:func:`compile_only_environment`),
 so that ordinary computation stays on the CPU and neither plugin probes for real hardware.
+
+:func:`device_facts` gives the HBM capacity and peak dense bf16 FLOP/s of one device of a topology (the vendors' data
+sheets, per chip, divided by the devices per chip when a chip shows up as several devices, e.g. v4 without megacore;
+GPU memory from the target config's ``device_memory_size``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -22,15 +27,39 @@ import jax
 GPU_TARGETS = {"h100": "h100_sxm.txtpb"}  # name -> GpuTargetConfigProto text shipped beside this module
 _TPU = re.compile(r"^v(\d+)([a-z]*):(\d+(x\d+)*)$")
 _GPU = re.compile(r"^([a-z0-9]+):(\d+)x(\d+)x(\d+)$")
+_GIB = 1 << 30
+
+# device_kind -> (HBM bytes per chip that the compiler may use, peak dense bf16 FLOP/s per chip), device_kind exactly as
+# jax reports it. TPU HBM: what libtpu's out-of-memory error calls "available HBM" (16/95/32 GiB chips, less what
+# libtpu reserves; v4 measured as 15.25 GiB per TensorCore device); H100: the target config's device_memory_size wins.
+CHIP_FACTS: dict[str, tuple[int, float]] = {
+    "TPU v4": (int(30.5 * _GIB), 275e12),
+    "TPU v5 lite": (int(15.75 * _GIB), 197e12),  # v5e
+    "TPU v5": (int(95.74 * _GIB), 459e12),  # v5p
+    "TPU v6 lite": (int(31.25 * _GIB), 918e12),  # v6e (Trillium)
+    "NVIDIA H100 80GB HBM3": (80 * 10**9, 989e12),  # SXM
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """One device of a topology: its kind, platform, HBM bytes and peak dense bf16 FLOP/s."""
+
+    device_kind: str
+    platform: str
+    hbm_bytes: int
+    peak_flops: float
 
 
 def compile_only_environment() -> None:
     """Set the environment for compile-only targets (call before jax initializes a backend): CPU for computation,
-    and libtpu's host probing off."""
+    libtpu's host probing off, and libtpu's one-process lockfile off (compile-only processes share no chip)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: several processes may load libtpu
     if not jax.config.jax_platforms:  # jax read JAX_PLATFORMS at import; its backends start on first use
         jax.config.update("jax_platforms", "cpu")
 
@@ -49,7 +78,11 @@ def devices(topology: str) -> tuple:
     from jax.experimental import topologies
 
     if _TPU.match(topology):
-        return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+        try:
+            return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+        except Exception as e:  # noqa: BLE001 -- libtpu rejects unknown chips and shapes with a runtime error
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise ValueError(f"topology {topology!r} is not a TPU slice libtpu knows: {first}") from None
     m = _GPU.match(topology)
     if m and m.group(1) in GPU_TARGETS:
         topo = topologies.get_topology_desc(
@@ -72,3 +105,19 @@ def mesh(topology: str, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> 
     if math.prod(shape) != len(devs):
         raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices; topology {topology} has {len(devs)}")
     return jax.sharding.Mesh(np.asarray(devs, dtype=object).reshape(shape), axis_names)
+
+
+def device_facts(topology: str) -> DeviceFacts:
+    """HBM capacity and peak bf16 FLOP/s of one device of ``topology`` (see :data:`CHIP_FACTS`)."""
+    devs = devices(topology)
+    kind, platform = devs[0].device_kind, devs[0].platform
+    if kind not in CHIP_FACTS:
+        raise ValueError(f"device kind {kind!r} of {topology} has no entry in CHIP_FACTS; known: {sorted(CHIP_FACTS)}")
+    hbm, peak = CHIP_FACTS[kind]
+    m = _GPU.match(topology)
+    if platform != "tpu" and m:
+        mem = re.search(r"device_memory_size:\s*(\d+)", gpu_target_config(m.group(1)))
+        hbm = int(mem.group(1)) if mem else hbm
+    chips = len({tuple(d.coords) for d in devs}) if platform == "tpu" else len(devs)
+    per_chip = len(devs) // chips
+    return DeviceFacts(kind, platform, hbm // per_chip, peak / per_chip)

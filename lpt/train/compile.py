@@ -1,0 +1,298 @@
+"""``python -m lpt.train.compile --config CFG --topology TOPO [--config.key=value ...]``: will this run fit?
+
+Compiles the trainer's own train step (``lpt.train.step.make_train_step``: same model, optimizer, shardings and
+kernels) ahead of time for a TPU slice (``v5e:2x4``, ``v5p:2x2x1``, anything libtpu accepts) or a GPU node
+(``h100:1x1x8``), on a machine with no accelerator (:mod:`lpt.targets`), and prints ONE JSON line on stdout: the
+mesh, per-device memory (``compiled.memory_analysis()``) against the device's HBM, FLOPs and the compiler's roofline
+time (``compiled.cost_analysis()``), the implied MFU bound, the custom-call kernels and the collectives of the
+compiled program (:mod:`lpt.targets.hlo`) and the compile time. No data is read: the batch is a
+``ShapeDtypeStruct[global_batch, seq_len]`` int32 for inputs and targets.
+
+Exit status: 0 the step compiles and fits; 1 it does not compile (the ``error`` field and a one-line ``error: ...`` on
+stderr) or does not fit (``fits: false``, ``advice``: which knob to turn and by how much); 2 bad input (config,
+unknown topology, a mesh that does not divide the topology's devices, a batch that does not split over the mesh).
+
+On TPU the compile runs with libtpu's ``--xla_tpu_no_crash_on_oom=true`` (set by :func:`main` before libtpu starts),
+so a program that needs more than the HBM still compiles and reports its full requirement; without it libtpu stops at
+the first allocation past the HBM and the message gives a lower bound (``temp_note`` says which). See docs/compile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+GIB = 1 << 30
+USAGE = "python -m lpt.train.compile --config CFG --topology TOPO [--config.key=value ...]"
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)", re.S)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class DoesNotCompile(RuntimeError):
+    """The compiler rejected the train step (a Mosaic error, an XLA error, ...)."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def parse_tpu_oom(message: str) -> tuple[int, int] | None:
+    """(temporaries bytes, available HBM bytes) from libtpu's ``RESOURCE_EXHAUSTED ... exceeds available HBM``."""
+    m = _OOM.search(message)
+    if not m:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)])
+
+
+def _build(cfg, topology: str):
+    """(mesh, jitted train step, sharded abstract state, batch structs); ValueError on bad input."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+
+    from lpt import targets
+    from lpt.train import mesh as mesh_lib
+    from lpt.train import optimizer
+    from lpt.train import state as state_lib
+    from lpt.train import step as step_lib
+
+    devs = targets.devices(topology)
+    shape = mesh_lib.resolve_mesh_shape(cfg.train.mesh, len(devs))
+    mesh = jax.make_mesh(shape, mesh_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devs)
+    mesh_lib.check_batch(cfg.train.global_batch, cfg.optim.microbatches, mesh)
+    tx = optimizer.make_optimizer(cfg)
+    schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
+    model_def = state_lib.make_model_def(cfg)
+    abstract = state_lib.abstract_state(cfg, tx)
+    shardings = state_lib.state_shardings(abstract, model_def, mesh)
+    state = state_lib.with_shardings(abstract, shardings)
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.data.seq_len), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
+    )
+    step = step_lib.make_train_step(cfg, model_def, tx, schedule, mesh, shardings)
+    return mesh, step, state, {"inputs": tokens, "targets": tokens}
+
+
+def shard_bytes(tree) -> int:
+    """Bytes per device of a tree of ShapeDtypeStructs with shardings (the largest shard of each leaf)."""
+    import jax
+
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.shape != ()
+    ) + sum(x.dtype.itemsize for x in jax.tree.leaves(tree) if x.shape == ())
+
+
+def compile_step(cfg, topology: str) -> dict:
+    """Compile ``cfg``'s train step for ``topology`` and return the report (see module docstring and docs/compile.md).
+
+    Raises ValueError on bad input and :class:`DoesNotCompile` when the compiler rejects the step (except libtpu's
+    HBM out-of-memory, which is reported with ``fits: false``)."""
+    import jax
+
+    from lpt import models, targets
+    from lpt.targets import hlo
+
+    facts = targets.device_facts(topology)
+    mesh, step, state, batch = _build(cfg, topology)
+    n = mesh.size
+    seq_len, global_batch = cfg.data.seq_len, cfg.train.global_batch
+    model_flops = models.flops_per_token(cfg.model, seq_len) * global_batch * seq_len
+    report = {
+        "topology": topology,
+        "platform": facts.platform,
+        "device_kind": facts.device_kind,
+        "devices": n,
+        "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "microbatches": cfg.optim.microbatches,
+        "remat": bool(cfg.model.remat),
+        "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+        "state_bytes": shard_bytes(state),
+        "batch_bytes": shard_bytes(batch),
+        "hbm_bytes": facts.hbm_bytes,
+        "peak_flops": facts.peak_flops,
+        "model_flops": model_flops,
+    }
+    t0 = time.perf_counter()
+    try:
+        lowered = step.lower(state, batch)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 -- the compiler's errors come as several exception types
+        text = str(e)
+        oom = parse_tpu_oom(text)
+        if oom is None:
+            first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+            raise DoesNotCompile(f"the train step does not compile for {topology}: {type(e).__name__}: {first}") from e
+        report.update(_oom_report(report, *oom, seconds=time.perf_counter() - t0))
+        report["advice"] = advise(cfg, report)
+        return report
+    t2 = time.perf_counter()
+    report.update(_memory(compiled.memory_analysis(), facts))
+    report.update(_cost(compiled.cost_analysis(), model_flops, n, facts.peak_flops))
+    text = compiled.as_text()
+    report["kernels"] = hlo.kernels(text)
+    report["collectives"] = hlo.collectives(text)
+    report["lower_seconds"] = round(t1 - t0, 2)
+    report["compile_seconds"] = round(t2 - t1, 2)
+    report["error"] = None
+    report["advice"] = [] if report["fits"] else advise(cfg, report)
+    return report
+
+
+def _memory(ma, facts) -> dict:
+    temp, note = int(ma.temp_size_in_bytes), None
+    if facts.platform != "tpu":
+        if temp == 0:
+            temp, note = None, "XLA:GPU reported 0 temporaries for this program: unknown, not counted in total_bytes"
+        else:
+            note = "XLA:GPU buffer assignment; allocator fragmentation and cuBLAS/cuDNN workspaces are not included"
+    out_extra = int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)  # outputs not donated into arguments
+    code = int(ma.generated_code_size_in_bytes)
+    total = int(ma.argument_size_in_bytes) + out_extra + (temp or 0) + code
+    return {
+        "argument_bytes": int(ma.argument_size_in_bytes),
+        "output_bytes": int(ma.output_size_in_bytes),
+        "alias_bytes": int(ma.alias_size_in_bytes),
+        "temp_bytes": temp,
+        "temp_note": note,
+        "generated_code_bytes": code,
+        "total_bytes": total,
+        "fits": total <= facts.hbm_bytes,
+    }
+
+
+def _oom_report(report: dict, temp: int, hbm: int, seconds: float) -> dict:
+    args = report["state_bytes"] + report["batch_bytes"]
+    return {
+        "argument_bytes": args,
+        "output_bytes": None,
+        "alias_bytes": None,
+        "temp_bytes": temp,
+        "temp_note": "lower bound: libtpu stopped at the first allocation past the HBM (RESOURCE_EXHAUSTED); "
+        "argument_bytes is the sharded state + batch computed from the shardings",
+        "generated_code_bytes": None,
+        "total_bytes": args + temp,
+        "hbm_bytes": hbm,
+        "fits": False,
+        "flops": None,
+        "optimal_seconds": None,
+        "mfu_bound": None,
+        "kernels": None,
+        "collectives": None,
+        "lower_seconds": None,
+        "compile_seconds": round(seconds, 2),
+        "error": "RESOURCE_EXHAUSTED: HLO temporaries exceed the available HBM",
+    }
+
+
+def _cost(ca, model_flops: float, n: int, peak: float) -> dict:
+    ca = ca[0] if isinstance(ca, list | tuple) and ca else ca
+    if not ca:
+        return {"flops": None, "optimal_seconds": None, "mfu_bound": None, "cost_note": "no cost analysis (XLA:GPU)"}
+    flops, secs = ca.get("flops"), ca.get("optimal_seconds")
+    note = None
+    if secs is not None and secs <= 0:
+        secs, note = None, f"the compiler's optimal_seconds was {ca['optimal_seconds']:.3g} (not a time): dropped"
+    bound = model_flops / (n * peak * secs) if secs else None
+    return {"flops": flops, "optimal_seconds": secs, "mfu_bound": bound, "cost_note": note}
+
+
+def advise(cfg, r: dict) -> list[str]:
+    """Knobs that bring a step that does not fit under the HBM, with estimates (temporaries ~ per-device batch)."""
+    hbm, temp = r["hbm_bytes"], r["temp_bytes"] or 0
+    fixed = r["total_bytes"] - temp  # state, batch, outputs, code: independent of the microbatch size
+    budget = 0.95 * hbm - fixed  # room for temporaries, 5% margin
+    b, m = cfg.train.global_batch, cfg.optim.microbatches
+    split = r["mesh"]["data"] * r["mesh"]["fsdp"]
+    out = []
+    if budget > 0 and temp:
+        for m2 in range(m + 1, b + 1):
+            if b % m2 == 0 and (b // m2) % split == 0 and temp * m / m2 <= budget:
+                out.append(
+                    f"set optim.microbatches={m2} (temps {_gib(temp)} -> ~{_gib(temp * m / m2)} GiB; same global "
+                    f"batch in {m2} passes)"
+                )
+                break
+        step = split * m
+        fit_b = (b * budget / temp) // step * step
+        if 0 < fit_b < b:
+            out.append(f"set train.global_batch={int(fit_b)} (temps {_gib(temp)} -> ~{_gib(temp * fit_b / b)} GiB)")
+    if not cfg.model.remat:
+        out.append("set model.remat=true (recomputes block activations in the backward pass: fewer temps)")
+    data, fsdp = r["mesh"]["data"], r["mesh"]["fsdp"]
+    if data > 1:
+        state = r["state_bytes"]
+        out.append(
+            f"set train.mesh.data=1 train.mesh.fsdp=-1 (state sharded {data * fsdp}-way instead of {fsdp}-way: "
+            f"state {_gib(state)} -> ~{_gib(state * fsdp / (data * fsdp))} GiB)"
+        )
+    if budget <= 0:
+        out.append(
+            f"the state, batch and outputs alone take {_gib(fixed)} GiB of {_gib(hbm)} GiB: use more devices "
+            f"(a larger topology; params shard over train.mesh.fsdp)"
+        )
+    return out
+
+
+def _summary(r: dict) -> str:
+    temp = "unknown" if r["temp_bytes"] is None else _gib(r["temp_bytes"])
+    verdict = "fits" if r["fits"] else "does NOT fit"
+    return (
+        f"{r['topology']} ({r['devices']}x {r['device_kind']}, mesh {r['mesh']}): {_gib(r['total_bytes'])} GiB per "
+        f"device (args {_gib(r['argument_bytes'])}, temps {temp}) of {_gib(r['hbm_bytes'])} GiB HBM: {verdict}"
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(f"{message}; usage: {USAGE}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI (see module docstring); returns the exit status."""
+    from lpt import targets
+
+    targets.compile_only_environment()
+    flag = "--xla_tpu_no_crash_on_oom=true"
+    if flag not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
+    from lpt.train import config as config_lib
+
+    parser = _Parser(prog="python -m lpt.train.compile", usage=USAGE)
+    parser.add_argument("--config", required=True, help="config file, e.g. configs/llama_1b.py")
+    parser.add_argument("--topology", required=True, help="e.g. v5e:2x4, v5p:2x2x1, h100:1x1x8")
+    try:
+        args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+        overrides = {}
+        for item in rest:
+            if not item.startswith("--config.") or "=" not in item:
+                raise ValueError(f"unrecognised argument {item!r}; overrides look like --config.train.global_batch=64")
+            key, text = item[len("--config.") :].split("=", 1)
+            overrides[key] = text
+        cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
+        report = compile_step(cfg, args.topology)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DoesNotCompile as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    report = {"config": args.config, "overrides": overrides, **report}
+    print(json.dumps(report), flush=True)
+    if not report["fits"]:
+        advice = report["advice"][0] if report["advice"] else "no advice"
+        print(f"error: does not fit: {_summary(report)}; try {advice}", file=sys.stderr)
+        return 1
+    print(_summary(report), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""``python -m lpt.train.compile``: the trainer's step compiled ahead of time for a TPU slice / GPU node, in-process.
+
+One small model compile per test (configs/tiny_cpu.py, ~5-10 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import pytest
+
+from lpt.targets import hlo
+from lpt.train import compile as compile_lib
+from lpt.train import config as config_lib
+
+TINY = "configs/tiny_cpu.py"
+FSDP4 = ["--config.train.mesh.data=1", "--config.train.mesh.fsdp=-1", "--config.train.global_batch=8"]
+
+
+def run(capsys, *argv: str) -> tuple[int, dict | None, str]:
+    rc = compile_lib.main(list(argv))
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) <= 1, out
+    return rc, (json.loads(lines[0]) if lines else None), err
+
+
+def expected_state_bytes(overrides: list[str], n_devices: int) -> tuple[int, int]:
+    """(bytes per device of the fsdp-sharded train state, bytes if it were replicated), from the shapes alone."""
+    from lpt.train import optimizer
+    from lpt.train import state as state_lib
+
+    cfg = config_lib.apply_overrides(
+        config_lib.load_config_file(TINY), dict(o[len("--config.") :].split("=", 1) for o in overrides)
+    )
+    abstract = state_lib.abstract_state(cfg, optimizer.make_optimizer(cfg))
+    full = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    # tiny_cpu: every matrix and embedding has d_model=128 on its 'embed' axis, split over fsdp; vectors (norm scales)
+    # and scalars are small. Sharded: matrices / n.
+    sharded = 0
+    for x in jax.tree.leaves(abstract):
+        nbytes = math.prod(x.shape) * x.dtype.itemsize
+        sharded += nbytes // n_devices if x.ndim >= 2 else nbytes
+    return sharded, full
+
+
+def check_common(r: dict, n: int) -> None:
+    assert r["devices"] == n and r["mesh"] == {"data": 1, "fsdp": n, "tensor": 1}
+    assert r["fits"] is True and r["error"] is None and r["advice"] == []
+    for key in ("argument_bytes", "output_bytes", "alias_bytes", "total_bytes", "hbm_bytes"):
+        assert isinstance(r[key], int) and r[key] > 0, key
+    assert r["compile_seconds"] > 0
+    sharded, full = expected_state_bytes(FSDP4, n)
+    # arguments = this device's shard of the state + its slice of the batch (TPU pads small arrays to tiles)
+    assert r["argument_bytes"] == pytest.approx(sharded + r["batch_bytes"], rel=0.10)
+    assert r["argument_bytes"] < 0.5 * full  # a replicated state would take `full` on every device
+    assert r["state_bytes"] == pytest.approx(sharded, rel=0.02)
+    assert r["batch_bytes"] == 2 * (8 // n) * 64 * 4  # inputs + targets, int32 [8/n, 64] per device
+    coll = r["collectives"]
+    assert coll["all-gather"]["count"] + coll["reduce-scatter"]["count"] > 0  # fsdp gathers params / scatters grads
+    assert coll["all-gather"]["bytes"] > 0 or coll["reduce-scatter"]["bytes"] > 0
+
+
+def test_tpu_v5e_2x2(capsys):
+    rc, r, err = run(capsys, "--config", TINY, "--topology", "v5e:2x2", *FSDP4)
+    assert rc == 0, err
+    assert r["platform"] == "tpu" and r["device_kind"] == "TPU v5 lite"
+    check_common(r, 4)
+    assert r["temp_bytes"] > 0 and r["temp_note"] is None and r["generated_code_bytes"] > 0
+    assert r["hbm_bytes"] == int(15.75 * 2**30)
+    assert r["flops"] > 0 and r["optimal_seconds"] > 0
+    # per-device FLOPs of the compiled step ~ model FLOPs / devices (6N + attention; XLA counts a little more)
+    assert r["model_flops"] / 4 <= r["flops"] < 2 * r["model_flops"] / 4
+    assert r["mfu_bound"] == pytest.approx(r["model_flops"] / (4 * 197e12 * r["optimal_seconds"]))
+    assert "fits" in err
+
+
+def test_gpu_h100_1x1x8(capsys):
+    rc, r, err = run(capsys, "--config", TINY, "--topology", "h100:1x1x8", *FSDP4)
+    assert rc == 0, err
+    assert r["platform"] == "gpu" and r["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert r["hbm_bytes"] == 84978434048  # device_memory_size of lpt/targets/h100_sxm.txtpb
+    assert r["flops"] is None and r["optimal_seconds"] is None and r["mfu_bound"] is None  # no GPU cost analysis
+    # XLA:GPU's temporaries: a number with a note saying what it leaves out, or null ("unknown") when it reports 0
+    assert r["temp_note"] and (r["temp_bytes"] is None or r["temp_bytes"] > 0)
+    assert r["kernels"].get("__triton_nested_gemm_fusion", 0) > 0, r["kernels"]  # XLA:GPU's Triton GEMMs
+    check_common(r, 8)
+
+
+def test_does_not_fit_gives_advice(capsys):
+    # 6 layers of d_model 8192 (6.4B float32 params + Adam moments = 77 GB) on one H100 (85 GB): state + temps
+    # exceed the HBM; XLA:GPU compiles it in seconds.
+    big = [
+        "--config.model.d_model=8192",
+        "--config.model.d_ff=32768",
+        "--config.model.n_layers=6",
+        "--config.model.n_heads=64",
+        "--config.model.n_kv_heads=64",
+        "--config.train.global_batch=4",
+    ]
+    rc, r, err = run(capsys, "--config", TINY, "--topology", "h100:1x1x1", *big)
+    assert rc == 1
+    assert r["fits"] is False and r["total_bytes"] > r["hbm_bytes"]
+    assert r["argument_bytes"] == pytest.approx(r["state_bytes"] + r["batch_bytes"], rel=0.01)
+    assert r["advice"], r
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "does not fit" in line and "model.remat=true" in err + json.dumps(r["advice"])
+
+
+def test_advice_numbers():
+    cfg = config_lib.apply_overrides(config_lib.load_config_file("configs/llama_1b.py"), {})
+    gib = 2**30
+    r = {
+        "hbm_bytes": int(15.75 * gib),
+        "temp_bytes": int(24 * gib),
+        "total_bytes": int(25 * gib),
+        "state_bytes": int(0.9 * gib),
+        "mesh": {"data": 1, "fsdp": 8, "tensor": 1},
+    }
+    advice = compile_lib.advise(cfg, r)
+    # budget for temps = 0.95 * 15.75 - 1 = 13.96 GiB: 24/2 = 12 fits
+    assert advice[0].startswith("set optim.microbatches=2 (temps 24.00 -> ~12.00 GiB")
+    assert advice[1].startswith("set train.global_batch=144 ")  # 256 * 13.96 / 24 = 148.9 -> multiple of 8
+
+
+def test_tpu_oom_message_parsed():
+    msg = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (15.81G) exceeds "
+        "available HBM (15.75G)."
+    )
+    assert compile_lib.parse_tpu_oom(msg) == (int(15.81 * 2**30), int(15.75 * 2**30))
+    assert compile_lib.parse_tpu_oom("INVALID_ARGUMENT: Mosaic failed") is None
+
+
+def test_hlo_collectives_and_loops():
+    text = """HloModule m
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %ag = f32[8,4]{1,0} all-gather(%x), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+  %ags = (bf16[2,4]{1,0}, bf16[8,4]{1,0}) all-gather-start(%y), channel_id=4, dimensions={0}
+  %agd = bf16[8,4]{1,0} all-gather-done(%ags)
+  ROOT %t = (s32[], f32[8,4]) tuple(%i, %ag)
+}
+
+ENTRY %main (a: f32[8,4]) -> f32[8,4] {
+  %w = (s32[], f32[8,4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"16"}}
+  %ar = f32[8,4]{1,0} all-reduce(%a), channel_id=1, to_apply=%add
+  %ar2 = f32[8,4]{1,0} all-reduce(%a), channel_id=1, to_apply=%add
+  %rs = f32[2,4]{1,0} reduce-scatter(%a), channel_id=2, dimensions={0}, to_apply=%add
+  ROOT %cc = f32[8,4]{1,0} custom-call(%a), custom_call_target="tpu_custom_call"
+}
+"""
+    c = hlo.collectives(text)
+    assert c["all-gather"] == {"count": 2, "bytes": 128 + 64, "count_per_step": 32, "bytes_per_step": 16 * 192}
+    assert c["all-reduce"] == {"count": 1, "bytes": 128, "count_per_step": 1, "bytes_per_step": 128}  # same channel
+    assert c["reduce-scatter"]["bytes"] == 32
+    assert hlo.kernels(text) == {"tpu_custom_call": 1}
+    assert hlo.array_bytes("(f8e4m3fn[4,4]{1,0}, pred[3], s4[8])") == [16, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--topology", "v9z:2x2"], "'v9z:2x2'"),
+        (["--topology", "a100:1x1x8"], "'a100:1x1x8' is not recognised"),
+        (["--topology", "v5e:2x2", "--config.train.mesh.data=3"], "needs 3 devices but 4 are available"),
+        (["--topology", "v5e:2x2", "--config.train.mesh.fsdp=3", "--config.train.mesh.data=-1"], "do not divide"),
+    ],
+)
+def test_bad_input_exits_2(capsys, argv, needle):
+    rc, r, err = run(capsys, "--config", TINY, *argv)
+    assert rc == 2 and r is None
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
