@@ -6,8 +6,12 @@ count), ``metadata`` a JSON dict (step, config, library versions, mesh, process 
 
 * Saves are asynchronous (orbax writes in a background thread after copying device arrays); ``wait()`` blocks.
 * ``keep_checkpoints`` newest steps are kept, older ones deleted.
+* Every save records a checksum of every array of the train state in the metadata (:func:`checksums`: two
+  position-mixed uint32 sums per leaf, exact and independent of the sharding). A restore recomputes them; a mismatch
+  (bytes overwritten on disk, which orbax does not detect) makes the checkpoint unreadable.
 * ``restore_latest`` tries the newest step first; if it cannot be read (a crash mid-write that orbax did not catch,
-  a truncated or deleted file), it warns and falls back to the previous step, and so on.
+  a truncated, deleted or overwritten file), the step is moved aside to ``<workdir>/checkpoints_damaged/`` (kept,
+  reported in one line) and the previous step is tried, and so on; training continues past the damaged step.
 * Restoring takes an abstract state whose ``ShapeDtypeStruct`` leaves carry the *current* mesh's shardings, so a
   checkpoint written on one mesh restores onto another (orbax reshards on read).
 """
@@ -15,16 +19,61 @@ count), ``metadata`` a JSON dict (step, config, library versions, mesh, process 
 from __future__ import annotations
 
 import logging
-import warnings
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import grain.checkpoint
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lpt.train.state import TrainState
 
 log = logging.getLogger("lpt.train")
+
+CHECKSUM = "lpt-sum64-v1"  # the algorithm of :func:`checksums`; checkpoints record it beside the values
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A fixed uint32 -> uint32 mixer (xor-shift-multiply); part of the checksum format, never to be changed."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _leaf_sum(x: jax.Array) -> jax.Array:
+    """uint32[2]: sums over elements i of mix(w_i + mix(i ^ c)) for two constants c, w_i the element's bits."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        words = x.astype(jnp.uint32)  # bool -> 0/1
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned)
+        if x.dtype.itemsize == 8:  # fold 64-bit words: high ^ low (u64 -> u32)
+            bits = (bits >> 32) ^ (bits & jnp.uint64(0xFFFFFFFF))
+        words = bits.astype(jnp.uint32)  # exact: the bit pattern, zero-extended
+    idx = jax.lax.iota(jnp.uint32, words.size).reshape(words.shape)
+    sums = [jnp.sum(_mix32(words + _mix32(idx ^ jnp.uint32(c))), dtype=jnp.uint32) for c in (0x9E3779B9, 0x85EBCA6B)]
+    return jnp.stack(sums)  # uint32 addition wraps: exact and the same in any reduction order
+
+
+_checksum_fn = jax.jit(lambda tree: jax.tree.map(_leaf_sum, tree))
+
+
+def checksums(tree) -> dict[str, str]:
+    """``{leaf path: 16 hex digits}`` of every array in ``tree`` (a pytree of possibly sharded arrays)."""
+    sums = jax.device_get(_checksum_fn(tree))
+    flat = jax.tree_util.tree_flatten_with_path(sums)[0]
+    return {jax.tree_util.keystr(path): "".join(f"{int(w):08x}" for w in np.asarray(v)) for path, v in flat}
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint whose arrays do not match the checksums recorded when it was saved."""
 
 
 class Checkpointer:
@@ -41,7 +90,9 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: TrainState, data_iter, metadata: dict, *, force: bool = False) -> bool:
-        """Start saving ``state`` (and the iterator position, and metadata) as ``step``; returns immediately."""
+        """Start saving ``state`` (and the iterator position, and metadata with the state's checksums) as ``step``;
+        returns once the checksums are computed and the arrays copied, while the files are written."""
+        metadata = {**metadata, "checksum": CHECKSUM, "checksums": checksums(state.to_dict())}
         items = {"state": ocp.args.StandardSave(state.to_dict()), "metadata": ocp.args.JsonSave(metadata)}
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)
@@ -50,25 +101,33 @@ class Checkpointer:
     def restore_latest(self, abstract: TrainState, data_iter) -> tuple[TrainState, dict] | None:
         """Restore the newest readable checkpoint onto ``abstract``'s shardings (None if there is none).
 
-        Raises ValueError if checkpoints exist but none can be restored (typically a changed model config).
+        A step whose files cannot be read, or whose arrays fail their checksums, is moved aside (:meth:`move_aside`)
+        and the previous step is tried. A step whose stored arrays do not have the current config's shapes and
+        dtypes raises ValueError (a changed model, precision or optimizer: use a new workdir); nothing is moved then.
         """
-        errors = []
+        wanted = _layout(abstract.to_dict())
         for step in reversed(self.steps()):
             try:
+                stored = _layout(
+                    ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state").item_metadata
+                )
+            except Exception as e:  # noqa: BLE001 -- unreadable metadata: a damaged step
+                self.move_aside(step, e)
+                continue
+            if stored != wanted:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.directory} holds {len(stored)} arrays that do not match the "
+                    f"{len(wanted)} arrays of the current config (did the model, precision or optimizer change?); "
+                    f"use a new --workdir"
+                )
+            try:
                 return self.restore(step, abstract, data_iter)
-            except Exception as e:  # noqa: BLE001 -- any read failure means "this checkpoint is unusable"
-                errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
-                msg = f"checkpoint {errors[-1]} could not be restored; falling back to the previous checkpoint"
-                warnings.warn(msg, stacklevel=2)
-                log.warning(msg)
-        if errors:
-            raise ValueError(
-                f"{self.directory} holds checkpoints {self.steps()} but none can be restored with the current config "
-                f"(did the model, precision or process count change?). Use a new --workdir. Errors: {errors}"
-            )
+            except Exception as e:  # noqa: BLE001 -- the layout matches, so a read failure is damage
+                self.move_aside(step, e)
         return None
 
     def restore(self, step: int, abstract: TrainState, data_iter) -> tuple[TrainState, dict]:
+        """Restore ``step``; raises DamagedCheckpointError if its arrays do not match their recorded checksums."""
         items: dict[str, Any] = {
             "state": ocp.args.StandardRestore(abstract.to_dict()),
             "metadata": ocp.args.JsonRestore(),
@@ -76,7 +135,31 @@ class Checkpointer:
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return TrainState.from_dict(restored["state"]), dict(restored["metadata"])
+        meta = dict(restored["metadata"])
+        state = restored["state"]
+        if meta.get("checksum") == CHECKSUM:
+            got = checksums(state)
+            bad = sorted(k for k, v in meta["checksums"].items() if got.get(k) != v)
+            if bad or got.keys() != meta["checksums"].keys():
+                raise DamagedCheckpointError(
+                    f"{len(bad)} array(s) do not match the checksums saved with them, e.g. {bad[:3]}"
+                )
+            meta["verified"] = True
+        return TrainState.from_dict(state), meta
+
+    def move_aside(self, step: int, error: Exception) -> Path:
+        """Move the unreadable ``step`` to ``<workdir>/checkpoints_damaged/<step>-<time>`` and say so in one line."""
+        target = self.directory.parent / "checkpoints_damaged" / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(target))
+            log.warning("checkpoint step %d is unreadable (%s); moved it to %s", step, _one_line(error), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"lpt checkpoint {step} moved aside")
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -84,3 +167,15 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _layout(tree) -> list[tuple[tuple[int, ...], str]]:
+    """The sorted (shape, dtype) of every array of a state tree or of a checkpoint's stored metadata."""
+    leaves = jax.tree.leaves(getattr(tree, "tree", tree))
+    return sorted((tuple(x.shape), str(np.dtype(x.dtype))) for x in leaves)
+
+
+def _one_line(e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    first = first.split(" See full TensorStore details")[0]  # drop the spec dump
+    return f"{type(e).__name__}: {first[:200]}"

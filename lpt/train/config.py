@@ -23,6 +23,18 @@ import lpt.configs
 from lpt.models.config import ATTENTION_IMPLS
 from lpt.optim.recipes import UPDATE_RULES
 
+# integer keys that must be >= 1 (intervals, counts, sizes)
+POSITIVE = (
+    "train.steps",
+    "train.global_batch",
+    "optim.microbatches",
+    "data.seq_len",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+)
 _CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
 MATMUL_KINDS = ("qkv", "out", "up", "down", "lm_head")
 
@@ -146,9 +158,19 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
     if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ValueError(f"train.mesh (data, fsdp, tensor) = {sizes}: each must be >= 1, and at most one may be -1")
-    for key in ("train.steps", "train.global_batch", "optim.microbatches", "data.seq_len", "train.log_every"):
+    for key in POSITIVE:
         if flat[key] < 1:
             raise ValueError(f"config key {key}={flat[key]} must be >= 1")
+    if not cfg.optim.lr > 0:
+        raise ValueError(f"config key optim.lr={cfg.optim.lr} must be > 0")
+    if p.update_rule != "f32_master" and p.param_dtype == "float32":
+        raise ValueError(
+            f"precision.update_rule={p.update_rule!r} rounds each update into low-precision params, but "
+            f"precision.param_dtype='float32'; set precision.param_dtype=bfloat16 (or float16, float8_*) with it, "
+            f"or use precision.update_rule=f32_master for f32 params"
+        )
+    if cfg.train.mesh.tensor > 1:
+        check_heads(cfg, cfg.train.mesh.tensor)
     if cfg.train.global_batch % cfg.optim.microbatches:
         raise ValueError(
             f"train.global_batch={cfg.train.global_batch} is not divisible by optim.microbatches="
@@ -156,6 +178,17 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+
+
+def check_heads(cfg: ml_collections.ConfigDict, tensor: int) -> None:
+    """Raise ValueError unless the query and key/value heads split evenly over a tensor axis of size ``tensor``."""
+    for key in ("n_heads", "n_kv_heads"):
+        n = cfg.model[key]
+        if n % tensor:
+            raise ValueError(
+                f"config key model.{key}={n} cannot be split over train.mesh.tensor={tensor} (attention heads are "
+                f"sharded over the tensor axis); choose a tensor size that divides {n}"
+            )
 
 
 def parse_value(key: str, text: str) -> Any:

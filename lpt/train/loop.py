@@ -29,10 +29,12 @@ from tqdm import tqdm
 import lpt
 from lpt import data as data_lib
 from lpt.train import checkpoint as ckpt_lib
+from lpt.train import config as config_lib
 from lpt.train import distributed, machine, metrics, optimizer
 from lpt.train import mesh as mesh_lib
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
+from lpt.train import workdir as workdir_lib
 
 log = logging.getLogger("lpt.train")
 
@@ -78,15 +80,23 @@ def program(cfg, mesh: Mesh) -> Program:
 
 
 def make_mesh(cfg, devices=None) -> Mesh:
-    """The run's mesh; raises ValueError when the global batch does not split over it."""
+    """The run's mesh; raises ValueError when the global batch or the attention heads do not split over it."""
     mesh = mesh_lib.make_mesh(cfg.train.mesh, devices)
     mesh_lib.check_batch(cfg.train.global_batch, cfg.optim.microbatches, mesh)
+    config_lib.check_heads(cfg, mesh.shape["tensor"])
     return mesh
 
 
 def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
-    """Train per ``cfg`` in ``workdir`` (resuming from its newest checkpoint); return the run summary."""
-    workdir = Path(workdir)
+    """Train per ``cfg`` in ``workdir`` (resuming from its newest checkpoint); return the run summary.
+
+    The workdir is locked for the run (a second trainer on it fails at once, naming the holder); a run that already
+    finished returns its summary without writing anything."""
+    with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
+        return _train(cfg, Path(workdir), hooks)
+
+
+def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
     t_start = time.time()
     is_main = jax.process_index() == 0
     steps, seq_len, global_batch = cfg.train.steps, cfg.data.seq_len, cfg.train.global_batch
@@ -114,6 +124,11 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
         state, meta = restored
         log.info("resumed from step %d (saved on mesh %s, now %s)", meta["step"], meta["mesh"], dict(mesh.shape))
     start = int(state.step)
+    summary_path = workdir / "summary.json"
+    if start == steps and summary_path.exists():
+        ckpt.close()
+        log.info("the run already finished at step %d (%s); nothing to do", steps, summary_path)
+        return json.loads(summary_path.read_text())
 
     # 5. The loop. Step s's metrics are fetched after step s+1 is dispatched (keeps the device busy); every
     #    checkpoint is preceded by a finiteness check of all steps so far, so a NaN never reaches a checkpoint.
@@ -155,8 +170,11 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
                 log.warning("preempted: saved checkpoint at step %d in %s; exiting cleanly", s, ckpt.directory)
                 return {"preempted_at": s}
         logger.drain()
-        if eval_loss is None:  # resumed at the final step
-            eval_loss = evaluate(steps)
+        if eval_loss is None:  # resumed at the final step: its evaluation is in metrics.jsonl unless the crash lost it
+            final = [
+                r["eval_loss"] for r in metrics.read_jsonl(writer.jsonl_path) if r["step"] == steps and "eval_loss" in r
+            ]
+            eval_loss = final[-1] if final else evaluate(steps)
     finally:
         logger.close()
         ckpt.close()
@@ -170,13 +188,13 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
         "eval_loss": eval_loss,
         "unigram_loss": unigram,
         "wall_seconds": elapsed,
-        "tokens_per_sec": (steps - start) * global_batch * seq_len / elapsed,
+        "tokens_per_sec": (steps - start) * global_batch * seq_len / elapsed if steps > start else None,
         "flops_per_token": _flops_per_token(cfg),
         "machine": machine.describe(),  # the last digits of eval_loss depend on the CPU/accelerator (docs/training.md)
     }
     if is_main:
         metrics.plot_losses(writer.jsonl_path, workdir / "loss.png", baseline=unigram, title=_title(cfg))
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary_path.write_text(json.dumps(summary, indent=2))
         log.info("done: validation loss %.4f vs unigram baseline %.4f (%.0f s)", eval_loss, unigram, elapsed)
     return summary
 

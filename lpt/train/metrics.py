@@ -9,10 +9,14 @@ the device's peak is in ``PEAK_FLOPS`` (dense bf16 numbers from the vendors' dat
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 
 import jax
+
+log = logging.getLogger("lpt.train")
 
 # device_kind substring -> peak dense bf16 FLOP/s per device (first match wins; more specific names first)
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
@@ -53,7 +57,7 @@ class MetricsWriter:
             self.workdir.mkdir(parents=True, exist_ok=True)
             if drop_after is not None and self.jsonl_path.exists():
                 kept = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= drop_after]
-                self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                rewrite_jsonl(self.jsonl_path, kept)
             self._file = self.jsonl_path.open("a")
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
 
@@ -81,10 +85,36 @@ def _py(v):
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a metrics file. A torn last line (a crash mid-write) is skipped with a warning; a damaged line
+    elsewhere raises ValueError naming the file and the line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                log.warning("%s: skipping its torn last line %d (%d bytes)", path, i + 1, len(line))
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not a JSON record: {line[:80]!r}") from None
+    return records
+
+
+def rewrite_jsonl(path: str | Path, records: list[dict]) -> None:
+    """Replace ``path`` with ``records`` atomically (a temp file, fsync, rename): a crash leaves the old or the new
+    file, never a partial one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def plot_losses(jsonl_path: str | Path, png_path: str | Path, *, baseline: float | None = None, title: str = ""):

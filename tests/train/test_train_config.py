@@ -163,3 +163,61 @@ def test_configs_by_name_and_shipped_in_the_wheel(tmp_path):
     names = zipfile.ZipFile(next(tmp_path.glob("lpt-*.whl"))).namelist()
     assert {"lpt/configs/tiny_cpu.py", "lpt/configs/llama_1b.py", "lpt/targets/h100_sxm.txtpb"} <= set(names)
     assert not any(n.startswith("configs/") for n in names)
+
+
+def _shown_overrides() -> list[tuple[str, dict[str, str]]]:
+    """Every ``--config.KEY=VALUE`` group shown in README.md and docs/*.md: one group per (continued) line."""
+    import re
+
+    groups = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            found = [(k, v) for k, v in re.findall(r"--config\.([a-z_.]+)=([^\s`'\"]+)", line) if "." in k]
+            found = [(k, v) for k, v in found if v.lower() != "value"]  # the syntax itself, e.g. --config.a.b=value
+            if found:
+                groups.append((f"{doc.name}: {line.strip()[:80]}", dict(found)))
+    return groups
+
+
+def test_every_override_shown_in_the_docs_is_valid():
+    """Each group of overrides the README and docs show applies to tiny_cpu, validates, and gives a train state
+    whose layout builds on a 1-device mesh (the Kahan-on-f32 example used to fail there)."""
+    from lpt.train import optimizer
+    from lpt.train import state as state_lib
+
+    groups = _shown_overrides()
+    assert len(groups) >= 5
+    base = config_lib.load_config_file(TINY)
+    mesh = mesh_lib.make_mesh(base.train.mesh)
+    for where, overrides in groups:
+        overrides = {k: v for k, v in overrides.items() if not k.startswith("data.paths")}
+        cfg = config_lib.apply_overrides(base, overrides)  # raises with the key and value if the docs are wrong
+        if any(k.startswith("train.mesh") for k in overrides):
+            continue
+        tx = optimizer.make_optimizer(cfg)
+        abstract = state_lib.abstract_state(cfg, tx)
+        state_lib.state_shardings(abstract, state_lib.make_model_def(cfg), mesh)
+        assert where
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.keep_checkpoints=0", "train.keep_checkpoints=0 must be >= 1"),
+        ("train.eval_every=0", "train.eval_every=0 must be >= 1"),
+        ("train.checkpoint_every=0", "train.checkpoint_every=0 must be >= 1"),
+        ("train.eval_batches=0", "train.eval_batches=0 must be >= 1"),
+        ("optim.lr=-1", "optim.lr=-1.0 must be > 0"),
+        ("precision.update_rule=kahan", "precision.update_rule='kahan' rounds each update into low-precision params"),
+        ("train.mesh.tensor=4", "model.n_kv_heads=2 cannot be split over train.mesh.tensor=4"),
+    ],
+)
+def test_bad_values_are_one_line_errors(tmp_path, capsys, override, message):
+    """Each bad value exits 2 with one ``error:`` line naming the key and value, and writes nothing."""
+    work = tmp_path / "w"
+    extra = ["--config.model.n_kv_heads=2"] if "tensor" in override else []
+    rc = main(["--config", TINY, "--workdir", str(work), f"--config.{override}", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ") and message in err[-1], err
+    assert not work.exists()

@@ -1,0 +1,177 @@
+"""Faults the trainer must survive without losing a run (in-process runs of the tiny model, 6 steps).
+
+Each test injects a fault (a truncated or overwritten checkpoint file, a checksum that no longer matches, a second
+trainer on the workdir, a torn metrics line, a crash during the metrics rewrite, a finished run started again) and
+asserts the final state: the run finishes with the losses of an uninterrupted run, or stops with a one-line error
+and leaves what was there untouched.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lpt.train import metrics
+from lpt.train import workdir as workdir_lib
+from lpt.train.__main__ import main
+
+ARGS = [
+    "--config",
+    "tiny_cpu",
+    "--config.model.d_model=32",
+    "--config.model.n_layers=1",
+    "--config.model.d_ff=64",
+    "--config.train.global_batch=8",
+    "--config.data.seq_len=32",
+    "--config.train.checkpoint_every=2",
+    "--config.train.keep_checkpoints=5",
+    "--config.train.eval_every=6",
+    "--config.train.eval_batches=1",
+    "--config.train.log_every=1",
+    "--config.train.diagnostics_every=0",
+]
+
+
+class Crash(Exception):
+    """Raised by a hook: the process dies after a step (its pending checkpoint is completed on the way out)."""
+
+
+def run(workdir, crash_after=None) -> int:
+    def hook(step, ckpt):
+        if step == crash_after:
+            raise Crash(step)
+
+    try:
+        return main([*ARGS, "--workdir", str(workdir), "--config.train.steps=6"], hooks=[hook])
+    except Crash:
+        return -1
+
+
+def losses(workdir) -> dict:
+    return {r["step"]: r.get("loss", r.get("eval_loss")) for r in metrics.read_jsonl(Path(workdir) / "metrics.jsonl")}
+
+
+def records(workdir) -> list:
+    return metrics.read_jsonl(Path(workdir) / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    w = tmp_path_factory.mktemp("ref")
+    assert run(w) == 0
+    return w
+
+
+def _largest_state_file(workdir, step) -> Path:
+    files = [p for p in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _snapshot(workdir, step) -> dict:
+    root = Path(workdir) / "checkpoints" / str(step)
+    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("fault", ["truncate", "overwrite", "checksum"])
+def test_damaged_newest_checkpoint_is_moved_aside_and_the_run_continues(reference, tmp_path, fault, caplog):
+    assert run(tmp_path, crash_after=5) == -1  # checkpoints 2 and 4 written, then a crash
+    before = _snapshot(tmp_path, 2)
+    if fault == "truncate":
+        f = _largest_state_file(tmp_path, 4)
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif fault == "overwrite":
+        f = _largest_state_file(tmp_path, 4)
+        data = bytearray(f.read_bytes())
+        data[len(data) // 3 : len(data) // 3 + 4000] = os.urandom(4000)[: len(data) - len(data) // 3]
+        f.write_bytes(bytes(data))
+    else:  # the arrays read fine but one no longer matches the checksum saved with it
+        meta = next((tmp_path / "checkpoints" / "4" / "metadata").glob("*"))
+        m = json.loads(meta.read_text())
+        key = sorted(m["checksums"])[0]
+        m["checksums"][key] = "0" * 16
+        meta.write_text(json.dumps(m))
+    assert run(tmp_path) == 0
+    damaged = list((tmp_path / "checkpoints_damaged").iterdir())
+    assert [d.name.split("-")[0] for d in damaged] == ["4"]  # kept, not deleted
+    assert any("checkpoint step 4 is unreadable" in r.message and "moved it to" in r.message for r in caplog.records)
+    assert losses(tmp_path) == losses(reference)  # steps 3-4 re-run from step 2: the same numbers
+    assert _snapshot(tmp_path, 2) == before  # the good checkpoint is untouched
+    assert sorted(int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()) == [2, 4, 6]
+
+
+def test_checksums_detect_any_changed_bit_and_ignore_nothing():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from lpt.train.checkpoint import checksums
+
+    tree = {
+        "w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4),
+        "b": jnp.ones(5, jnp.bfloat16),
+        "n": jnp.asarray(3, jnp.int32),
+        "u": jnp.arange(4, dtype=jnp.uint32),
+    }
+    base = checksums(tree)
+    assert len(base) == 4 and all(len(v) == 16 for v in base.values())
+    for name, x in tree.items():
+        host = np.asarray(x).reshape(-1)
+        bits = host.view(np.uint8).copy()
+        bits[-1] ^= 1  # one bit of the last byte
+        changed = dict(tree, **{name: jnp.asarray(bits.view(host.dtype).reshape(x.shape))})
+        assert checksums(changed)[f"['{name}']"] != base[f"['{name}']"], name
+    swapped = dict(tree, w=tree["w"].reshape(-1)[::-1].reshape(3, 4))  # same values, other positions
+    assert checksums(swapped)["['w']"] != base["['w']"]
+
+
+def test_a_second_trainer_on_the_workdir_fails_at_once(tmp_path, capsys):
+    with workdir_lib.WorkdirLock(tmp_path):  # another trainer holds the workdir
+        rc = run(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ") and "is in use by another trainer" in err[-1]
+    assert f"pid {os.getpid()}" in err[-1] and "started 20" in err[-1]
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    assert run(tmp_path, crash_after=1) == -1  # the lock was released with its holder: this run starts
+
+
+def test_workdir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    f = tmp_path / "not_a_dir"
+    f.write_text("keep me")
+    rc = run(f)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == f"error: --workdir {str(f)!r} is a file; give a directory (it is created if missing)"
+    assert f.read_text() == "keep me"
+
+
+def test_torn_metrics_line_is_skipped_and_a_finished_run_is_left_alone(reference, tmp_path, caplog):
+    assert run(tmp_path, crash_after=5) == -1
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 5, "loss": 1.2')  # a crash mid-write
+    assert run(tmp_path) == 0
+    assert any("torn last line" in r.message and "metrics.jsonl" in r.message for r in caplog.records)
+    assert losses(tmp_path) == losses(reference)
+    first = (path.read_bytes(), (tmp_path / "summary.json").read_bytes())
+    assert run(tmp_path) == 0  # finished: nothing appended, the summary kept
+    assert (path.read_bytes(), (tmp_path / "summary.json").read_bytes()) == first
+    assert json.loads(first[1])["tokens_per_sec"] > 0
+
+
+def test_a_damaged_line_inside_the_metrics_names_the_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+        metrics.read_jsonl(path)
+
+
+def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    old = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    path.write_text(old)
+
+    def crash(*a):
+        raise KeyboardInterrupt  # killed between writing the temp file and the rename
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        metrics.rewrite_jsonl(path, [{"step": 1, "loss": 2.0}])
+    assert path.read_text() == old
