@@ -4,11 +4,21 @@ For a tile ``t`` (B consecutive elements along one axis, or a B x B block) and F
 ``F`` (448 for float8_e4m3fn, 57344 for float8_e5m2)::
 
     amax  = max |t|
-    scale = amax / F                          (scale_format="f32")
-    scale = 2 ** ceil(log2(amax / F))         (scale_format="pow2": dividing by it is exact, amax/scale <= F)
+    r     = max(amax / F, 2^-126)             (f32; 2^-126 is the smallest normal f32)
+    scale = r                                 (scale_format="f32")
+    scale = 2 ** ceil(log2(r))                (scale_format="pow2": dividing by it is exact, amax/scale <= F)
     scale = 1                                 if amax == 0
     q     = round_nearest(t / scale, fp8)     (saturating, so f32 round-off in t/scale can never give inf)
     t     ~ q * scale                         (dequantize)
+
+The floor at 2^-126 applies to tiles with ``amax < F * 2^-126`` (about 5.3e-36 for e4m3, 6.7e-34 for e5m2), whose
+``amax / F`` would be an f32 subnormal, which XLA flushes to zero (CPU, GPU, TPU), leaving ``t / 0 = inf`` and NaN
+codes. With the floor the scale is exactly 2^-126, so ``t / scale = t * 2^126`` is exact and every normal f32 element
+gets a code in [1, F): a normal FP8 value, rounded with the format's full relative precision, and ``q * scale`` is
+again a normal f32. The only elements lost are f32 subnormals (below 2^-126), which XLA already flushes to zero on
+input; a tile of nothing but f32 subnormals compares equal to zero and gets scale 1. No amax clamp is applied, so
+small tiles are not flushed to zero (DeepGEMM clamps amax at 1e-4, torchao at 1e-12). Tiles with
+``amax >= F * 2^-126`` are untouched by the floor.
 
 Design decision — shapes: the tiled axis (and both axes of a weight) must be a multiple of the block size; anything
 else raises ``ValueError``. We do not pad silently, because a padded weight would change the layer's shape.
@@ -42,6 +52,7 @@ __all__ = [
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 SCALE_FORMATS = ("f32", "pow2")
+_F32_SMALLEST_NORMAL = 2.0**-126  # the smallest scale: t / scale stays exact and finite for every normal f32 t
 
 
 def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
@@ -67,10 +78,12 @@ def _check_float(x, what: str) -> jax.Array:
 
 
 def compute_scale(amax_f32: jax.Array, dtype, scale_format: str = "f32") -> jax.Array:
-    """f32 scale with ``amax / scale <= max(dtype)``; 1 where amax == 0 (see module docstring)."""
+    """f32 scale with ``amax / scale <= max(dtype)``, never below 2^-126; 1 where amax == 0 (see module docstring)."""
     fmax = jnp.float32(get_format(dtype).max)
     _check_scale_format(scale_format)
-    ratio = amax_f32 / fmax
+    # f32 / f32, floored at the smallest normal f32: a subnormal quotient would be flushed to 0 (x / 0 = inf).
+    # maximum() propagates NaN, so a NaN amax still gives a NaN scale.
+    ratio = jnp.maximum(amax_f32 / fmax, jnp.float32(_F32_SMALLEST_NORMAL))
     if scale_format == "pow2":
         e = exponent_of(ratio)  # floor(log2 ratio) from the f32 bits
         e = e + (ratio > pow2(e)).astype(jnp.int32)  # bool -> int32: ceil(log2 ratio)
