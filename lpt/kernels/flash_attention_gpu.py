@@ -101,7 +101,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
     dv_ref[...] = dv
 
 
-def _mode_kwargs(mode, d: int):
+def _compiler_kwargs(mode, d: int):
     """Triton: 4 warps for D <= 64, 8 above (the f32 [b, D] accumulators spread over more threads), 2 stages."""
     if mode != "triton":
         return dispatch.mode_kwargs(mode)
@@ -131,7 +131,7 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
         name="lpt_flash_attention_fwd",
-        **_mode_kwargs(mode, d),
+        **_compiler_kwargs(mode, d),
     )
 
 
@@ -159,7 +159,7 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
         name="lpt_flash_attention_dq",
-        **_mode_kwargs(mode, d),
+        **_compiler_kwargs(mode, d),
     )
 
 
@@ -190,5 +190,5 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=[kv_spec, kv_spec],
         out_shape=[out, out],
         name="lpt_flash_attention_dkdv",
-        **_mode_kwargs(mode, d),
+        **_compiler_kwargs(mode, d),
     )
