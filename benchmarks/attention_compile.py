@@ -12,7 +12,6 @@ ok or the error's first line, the compile seconds and XLA's HBM temp bytes, then
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from lpt import targets
@@ -50,7 +49,6 @@ def main(argv=None) -> None:
     parser.add_argument("--tile", type=int, default=None, help="Mosaic tile override (probe VMEM headroom)")
     args = parser.parse_args(argv)
     targets.compile_only_environment()
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu's lock
     if args.tile is not None:
         from lpt.kernels import flash_attention_tiles
 

@@ -6,16 +6,12 @@ A tile change that Mosaic or Triton rejects, a block that holds a whole sequence
 v5e) or a [B, H, T, T] score matrix in the XLA twin fails here. Measured on 2 shared CPU cores: ~10 s (v5e) and ~5 s
 (H100) per T = 32768 compile (docs/results.md)."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 from lpt import targets
 from lpt.attention import dot_product_attention
-
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes on this machine may hold libtpu's lock
 
 B, H, HKV, D = 1, 8, 2, 128
 TARGETS = {"v5e": "v5e:2x2", "h100": "h100:1x1x8"}
