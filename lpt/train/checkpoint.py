@@ -104,15 +104,18 @@ class Checkpointer:
         A step whose files cannot be read, or whose arrays fail their checksums, is moved aside (:meth:`move_aside`)
         and the previous step is tried. A step whose stored arrays do not have the current config's shapes and
         dtypes raises ValueError (a changed model, precision or optimizer: use a new workdir); nothing is moved then.
+        If every step was damaged (all moved aside), ValueError says so: the next run starts from step 0.
         """
         wanted = _layout(abstract.to_dict())
+        moved = []
         for step in reversed(self.steps()):
             try:
-                stored = _layout(
-                    ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state").item_metadata
-                )
+                meta = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state")
+                stored = _layout(meta.item_metadata)
+                if not stored:
+                    raise ValueError("its array metadata is empty")
             except Exception as e:  # noqa: BLE001 -- unreadable metadata: a damaged step
-                self.move_aside(step, e)
+                moved.append(self.move_aside(step, e))
                 continue
             if stored != wanted:
                 raise ValueError(
@@ -123,7 +126,12 @@ class Checkpointer:
             try:
                 return self.restore(step, abstract, data_iter)
             except Exception as e:  # noqa: BLE001 -- the layout matches, so a read failure is damage
-                self.move_aside(step, e)
+                moved.append(self.move_aside(step, e))
+        if moved:
+            raise ValueError(
+                f"none of the checkpoints in {self.directory} could be read; they were moved to "
+                f"{moved[0].parent} (kept). Run again to start from step 0, or move one back by hand"
+            )
         return None
 
     def restore(self, step: int, abstract: TrainState, data_iter) -> tuple[TrainState, dict]:

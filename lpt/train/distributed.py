@@ -52,14 +52,21 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 
 class PreemptionFlag:
-    """Set by SIGTERM; ``requested()`` is True on every process once any process got the signal."""
+    """Set by SIGTERM or a first SIGINT (Ctrl-C); ``requested()`` is True on every process once any process got one.
+
+    The run then saves a checkpoint after the current step and exits cleanly. A second Ctrl-C aborts at once
+    (KeyboardInterrupt), without saving.
+    """
 
     def __init__(self):
         self._flag = False
-        self._previous = signal.signal(signal.SIGTERM, self._handler)
+        self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handler(self, signum, frame):
-        log.warning("SIGTERM received: will save a checkpoint after the current step and exit")
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self._flag:
+            raise KeyboardInterrupt  # the second Ctrl-C
+        log.warning("%s received: will save a checkpoint after the current step and exit (Ctrl-C again: abort)", name)
         self._flag = True
 
     def requested(self, step: int, sync_every: int = 1) -> bool:
@@ -75,4 +82,5 @@ class PreemptionFlag:
         return bool(np.any(flags))
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)

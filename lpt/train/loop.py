@@ -243,7 +243,10 @@ class _Logger:
         latest = self.ckpt.manager.latest_step()
         if latest is None:
             return "No checkpoint had been written yet."
-        return f"The last good checkpoint is step {latest} in {self.ckpt.directory} (kept intact)."
+        return (
+            f"The newest checkpoint is step {latest} in {self.ckpt.directory}, saved from a state checked finite; "
+            f"it is kept, and its checksums are verified when a run restores it."
+        )
 
     def drain(self) -> None:
         while self.pending:

@@ -48,17 +48,29 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     for f in files:
         f.write_bytes(b"\x00garbage")
     ck = Checkpointer(tmp_path, keep=3)
-    with pytest.warns(UserWarning, match=r"step 2.*could not be restored; falling back"):
-        restored, meta = ck.restore_latest(_state(0.0), None)
-    assert meta["step"] == 1
+    restored, meta = ck.restore_latest(_state(0.0), None)
+    assert [d.name.split("-")[0] for d in (tmp_path / "checkpoints_damaged").iterdir()] == ["2"]  # kept
+    assert meta["step"] == 1 and meta["verified"] and ck.steps() == [1]
     np.testing.assert_array_equal(restored.params["w"], np.full((4, 3), 1.0, np.float32))
     np.testing.assert_array_equal(restored.opt_state[0]["mu"], np.full((4, 3), -1.0, np.float32))
     # and if nothing is readable, a clear error instead of silently starting over
     for f in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\x00garbage")
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"none can be restored.*new --workdir"):
+    with pytest.raises(ValueError, match=r"none of the checkpoints .* could be read; they were moved to"):
         ck.restore_latest(_state(0.0), None)
+    assert ck.restore_latest(_state(0.0), None) is None and ck.steps() == []  # the next run starts over
+    ck.close()
+
+
+def test_checkpoint_of_another_config_is_a_clear_error_and_is_not_moved(tmp_path):
+    ck = Checkpointer(tmp_path, keep=3)
+    ck.save(1, _state(1.0), None, {"step": 1}, force=True)
+    ck.wait()
+    other = _state(0.0).replace(params={"w": jnp.zeros((4, 5), jnp.float32)})
+    with pytest.raises(ValueError, match=r"step 1 .* holds 3 arrays that do not match the 3 arrays of the current config"):
+        ck.restore_latest(other, None)
+    assert ck.steps() == [1] and not (tmp_path / "checkpoints_damaged").exists()
     ck.close()
 
 
@@ -89,7 +101,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         logging.getLogger("lpt.train").removeHandler(handler)
     assert rc == 1
     msg = " ".join(seen)
-    assert "non-finite training state at step 2" in msg and "last good checkpoint is step 1" in msg
+    assert "non-finite training state at step 2" in msg and "newest checkpoint is step 1" in msg
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1]
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1]  # the NaN step is not logged as a normal record

@@ -175,3 +175,18 @@ def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         metrics.rewrite_jsonl(path, [{"step": 1, "loss": 2.0}])
     assert path.read_text() == old
+
+
+def test_ctrl_c_saves_and_exits_cleanly_and_the_run_resumes(reference, tmp_path, caplog):
+    import signal
+
+    def interrupt(step, ckpt):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6"], hooks=[interrupt])
+    assert rc == 0 and any("SIGINT received" in r.message for r in caplog.records)
+    assert (tmp_path / "checkpoints" / "3").is_dir() and not (tmp_path / "summary.json").exists()
+    assert run(tmp_path) == 0
+    assert losses(tmp_path) == losses(reference)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
