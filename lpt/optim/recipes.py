@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
 
+from lpt.kernels.adamw_kahan import no_fma, runtime_zero
 from lpt.optim.adam import scale_by_adam
 from lpt.optim.fused_adamw import fused_kahan_adamw
 from lpt.optim.kahan import kahan_summation
@@ -30,21 +33,61 @@ def update_rule(
     raise ValueError(f"unknown update rule {name!r}; choose one of {UPDATE_RULES}")
 
 
+class AddDecayedWeightsState(NamedTuple):
+    count: jax.Array  # int32 step count: its sign bit is the runtime zero of no_fma
+
+
 def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
     """Decoupled weight decay ``u + wd·p`` computed in f32 (``optax.add_decayed_weights`` multiplies ``wd·p`` in the
-    param dtype, bf16 here, so whether it is rounded depends on XLA's fusion; this one is deterministic and equal to
-    :func:`kahan_adamw`'s fused step). Updates come out f32; ``weight_decay == 0`` passes them through."""
+    param dtype, bf16 here, so whether it is rounded depends on XLA's fusion). The product ``wd·p`` is kept out of
+    an FMA with the add (:func:`lpt.kernels.adamw_kahan.no_fma`, whose runtime zero comes from the step count in
+    the state), so the result is the same in every fusion and equal to :func:`kahan_adamw`'s fused step. Updates
+    come out f32; ``weight_decay == 0`` passes them through."""
+
+    def init_fn(params):
+        del params
+        return AddDecayedWeightsState(jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError("add_decayed_weights needs the parameters: call update(updates, state, params)")
+        count = optax.safe_int32_increment(state.count)
         if isinstance(weight_decay, (int, float)) and weight_decay == 0:
-            return updates, state
+            return updates, AddDecayedWeightsState(count)
         wd = jnp.asarray(weight_decay).astype(jnp.float32)  # hyperparameter (maybe traced) -> f32
-        # update -> f32; param dtype -> f32 (exact)
-        return jax.tree.map(lambda u, p: u.astype(jnp.float32) + wd * p.astype(jnp.float32), updates, params), state
+        zero = runtime_zero(count)
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+        def one(u, p):
+            return u.astype(jnp.float32) + no_fma(wd * p.astype(jnp.float32), zero)  # update, param -> f32 (exact)
+
+        return jax.tree.map(one, updates, params), AddDecayedWeightsState(count)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    """``−lr · u`` in f32 with the product kept out of FMAs (:func:`lpt.kernels.adamw_kahan.no_fma`).
+
+    The state is ``optax.ScaleByScheduleState(count)`` for schedules and constants alike (the count supplies
+    ``no_fma``'s runtime zero); a schedule is read at the count before its increment, as optax does. The product is
+    rounded to f32 on its own, as in :func:`kahan_adamw`'s fused step: ``optax.scale_by_learning_rate``'s product
+    may instead be contracted by XLA:CPU into the next transform's add or subtraction (Kahan's ``u − c``) as one
+    FMA, depending on the fusion."""
+
+    def init_fn(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        del params
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        neg_lr = jnp.asarray(-1 * lr).astype(jnp.float32)  # schedule value -> f32 (as the fused step)
+        count = optax.safe_int32_increment(state.count)
+        zero = runtime_zero(count)
+        updates = jax.tree.map(lambda u: no_fma(neg_lr * u.astype(jnp.float32), zero), updates)  # update -> f32
+        return updates, optax.ScaleByScheduleState(count=count)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def adamw(
@@ -63,7 +106,8 @@ def adamw(
     diagnostics: bool = False,
     compensation_dtype=None,
 ) -> optax.GradientTransformation:
-    """AdamW for low-precision params: ``[clip] -> lpt scale_by_adam -> decoupled decay (f32) -> -lr -> update rule``.
+    """AdamW for low-precision params: ``[clip] -> lpt scale_by_adam -> decoupled decay (f32) -> -lr -> update rule``
+    (the decay and ``-lr`` are lpt's :func:`add_decayed_weights` and :func:`scale_by_learning_rate`).
 
     With bf16 params the moments live in bf16 (computed in f32, stored with ``moment_rounding``, see
     :func:`lpt.optim.scale_by_adam`) and, with ``update="kahan"``, the compensation in bf16: 8 bytes per parameter
@@ -77,7 +121,7 @@ def adamw(
     parts += [
         scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype, rounding=moment_rounding, seed=seed),
         decay if weight_decay_mask is None else optax.masked(decay, weight_decay_mask),
-        optax.scale_by_learning_rate(learning_rate),
+        scale_by_learning_rate(learning_rate),
         update_rule(update, seed=seed + 1, diagnostics=diagnostics, compensation_dtype=compensation_dtype),
     ]
     return optax.chain(*parts)
@@ -103,7 +147,9 @@ def kahan_adamw(
 ) -> optax.GradientTransformation:
     """bf16 AdamW + Kahan in one fused transform: bf16 params, moments and compensation, 8 bytes/param.
 
-    The same numbers as ``adamw(..., update="kahan")`` (bit for bit), computed in fewer passes over memory (see
+    ``impl="xla"`` gives the same numbers as ``adamw(..., update="kahan")`` with the same arguments, bit for bit in
+    params, compensation and moments, for a constant learning rate or a schedule (both keep every product that feeds
+    an add out of FMAs; tested over 120 steps), computed in fewer passes over memory (see
     :mod:`lpt.optim.fused_adamw`); its state is a :class:`KahanAdamWState` with the two moments packed per element.
     ``impl="pallas"`` uses the fused Pallas kernel (GPU/TPU; ``interpret=True`` runs it interpreted anywhere).
     ``weight_decay_mask`` (a tree of bools or a callable, as optax's ``mask``) turns the decay off per leaf.
