@@ -1,4 +1,4 @@
-"""lpt.attention: stabilized (seed-001) flash attention with an explicit numerics policy.
+"""lpt.attention: stabilized flash attention (the repeated-maximum fix of Qiu & Yao) with an explicit numerics policy.
 
 ``dot_product_attention(q, k, v, *, causal=True, stable=True, beta=7.0, impl="xla", ...)`` computes
 ``softmax(scale · q kᵀ) v`` over [batch, seq, heads, head_dim] inputs with grouped-query attention, causal,

@@ -6,7 +6,7 @@ gets O = 0 and zero gradients.
 
 The forward runs the online-softmax block loop of :mod:`lpt.kernels.flash_attention_math` (XLA twin or Pallas
 kernel); the backward is FA2's, with δ = rowsum(dO ∘ O_residual) where the residual O is chosen by the policy
-(the quantity seed 001 traces the loss explosions to).
+(the quantity Qiu & Yao trace the loss explosions to).
 
 With ``impl="pallas"`` under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) each kernel call runs per shard
 (:func:`lpt.kernels.dispatch.shard_map`): q, dO, O [B, H, T, D] split as P(batch, heads, None, None), k, v, dk, dv
@@ -217,7 +217,7 @@ def dot_product_attention(
       stable: True uses :func:`lpt.kernels.flash_attention_math.default_policy` (β shift, ℓ from the rounded P̃,
         f32 O residual for δ); False the standard FA2 kernel (row-max shift, ℓ from f32 P̄, O residual in the
         input dtype). Ignored when ``policy`` is given.
-      beta: β of the seed-001 shift rule (used when ``stable`` and no ``policy``).
+      beta: β of the Qiu & Yao shift rule (used when ``stable`` and no ``policy``).
       impl: "xla" (blockwise XLA twin of the kernel), "pallas" (the flash kernel), "softmax" (plain f32 softmax
         attention with autodiff gradients: the truth for tests; ignores the policy).
       kv_mask: optional bool [B, Tk]; False marks padding keys that nobody attends.

@@ -1,8 +1,8 @@
 """Diagnostics to log next to the loss: how often rows have repeated maxima, and the δ error of a policy.
 
 ``repeated_max_fraction`` counts rows whose (masked, scaled, f32) logits hold at least two entries within
-``tie_tol`` of the row max: the rows where a standard flash kernel's P̄ holds several exact 1s (seed 001's trigger).
-``delta_error`` measures δ_policy − δ_f32 per row, δ = rowsum(dO ∘ O), the coefficient that seed 001 shows
+``tie_tol`` of the row max: the rows where a standard flash kernel's P̄ holds several exact 1s (Qiu & Yao's trigger).
+``delta_error`` measures δ_policy − δ_f32 per row, δ = rowsum(dO ∘ O), the coefficient that Qiu & Yao show
 multiplies a low-rank gradient error; its mean over rows is the bias that accumulates across steps.
 """
 

@@ -1,6 +1,6 @@
 """``blockwise_dot``: a differentiable FP8 matmul ``x[..., K] @ w[K, N]`` whose three GEMMs are all blockwise FP8.
 
-Forward (DeepSeek-V3 recipe, seed 002)::
+Forward (the DeepSeek-V3 recipe)::
 
     qx, sx = quantize_tiles(x, fwd_dtype, axis=-1)     # 1 x B tiles along K, one scale per (token, K-chunk)
     qw, sw = quantize_blocks(w, fwd_dtype)             # B x B blocks

@@ -5,7 +5,7 @@ One step for a parameter ``p`` with gradient ``g``, compensation ``c`` and momen
     m' = Q_m(b1·m + (1−b1)·g)            v' = Q_m(b2·v + (1−b2)·g²)        (Q_m: nearest or stochastic rounding)
     u  = −lr · ( (m'·(1/c1)) / (sqrt(v'·(1/c2)) + eps) + wd·p )            (c1 = 1−b1^t, c2 = 1−b2^t)
     t  = p + (u − c)                                                         (Kahan: y = u − c, t = p + y)
-    p' = Q_p(t)                          c' = Q_c(p' − t)                    (round to nearest, seed 000 Alg. 1)
+    p' = Q_p(t)                          c' = Q_c(p' − t)                    (round to nearest, Zamirai et al. Alg. 1)
 
 This is ``lpt.optim.scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> kahan_summation`` (the
 moments feed the update after rounding, as in the chain), with every product kept out of FMAs (:func:`no_fma`) so

@@ -12,12 +12,12 @@ the denominator ``ℓ`` and the unnormalized output ``acc``. For every key block
     P̃  = round(P̄, pv_dtype)                                              (the matmul input)
     ℓ' = α ℓ + rowsum(P̃ if denominator == "rounded" else P̄)              (f32)
     acc' = α acc + P̃ V          (f32 accumulate; with accumulator == "pv" both terms and the sum are rounded
-                                 to pv_dtype, emulating the all-bf16 arithmetic of the seed-001 paper code;
+                                 to pv_dtype, emulating the all-bf16 arithmetic of the Qiu & Yao paper code;
                                  with accumulator == "split" P̃ V = P̃_big V + P̃_small V, below)
 
 and finally ``O = acc / ℓ`` (0 for a row without any unmasked key) and ``lse = c + log ℓ`` (−inf there).
 
-Shift rules. ``"max"``: ``c = M`` (standard). ``"beta"`` (seed 001, Algorithm 1, intent): if the row max is repeated
+Shift rules. ``"max"``: ``c = M`` (standard). ``"beta"`` (Qiu & Yao, Algorithm 1, intent): if the row max is repeated
 (``n > 1``) the largest exponent is moved below zero by an offset ``o`` so that no ``P̄`` equals 1::
 
     o = (β − 1)·M if M > 0;   −M if M < 0 (the paper's shift 0);   0 if M = 0
@@ -28,7 +28,7 @@ Shift rules. ``"max"``: ``c = M`` (standard). ``"beta"`` (seed 001, Algorithm 1,
 ``M = 20, β = 7`` would flush every ``P̄`` to zero and divide by zero). ``min_offset`` keeps ``exp(−o)`` below 1 after
 rounding to bf16 even when ``|M|`` is tiny (the paper leaves ``M = 0`` rows unchanged). Both guards keep the offset
 dynamic (a function of M) instead of clipping it to a constant: with a constant, every guarded row shares one bf16
-rounding of ``exp(−o)`` (``exp(−64)`` rounds down by 0.15%), which is the fixed offset that seed 001's Appendix C
+rounding of ``exp(−o)`` (``exp(−64)`` rounds down by 0.15%), which is the fixed offset that Qiu & Yao's Appendix C
 rules out; with ℓ summed from f32 P̄ that gave the β = 8 all-bf16 sweep point t = +12.5 (256 draws; see
 docs/attention.md).
 
@@ -38,7 +38,7 @@ counts as a repeat.
 
 Split accumulation (``accumulator="split"``). Inside one f32 matmul a dominant product (a maximum's P̃ times its
 v) swamps the tiny same-signed products of the far logits: each is rounded against the ulp of the large partial sum,
-and the ones below half an ulp are lost, so the sum is biased towards zero (seed 001's mechanism one level down,
+and the ones below half an ulp are lost, so the sum is biased towards zero (Qiu & Yao's mechanism one level down,
 in f32; measured in docs/attention.md). The split sums the weights within ``2**-split_bits`` of the row's largest
 weight and the others in two matmuls and adds the two f32 results once::
 
@@ -72,7 +72,7 @@ class AttentionPolicy:
     """How the flash loop rounds. Hashable (a static argument under ``jit``).
 
     Attributes:
-      shift: "max" (standard row max) or "beta" (seed-001 rule for repeated maxima, with guards; module docstring).
+      shift: "max" (standard row max) or "beta" (the Qiu & Yao rule for repeated maxima, with guards; module docstring).
       beta: β of the "beta" rule (> 1; the paper uses 7, its code 2).
       tie_tol: logits within this distance of the running max count as repeats. Default 2**-9: exp(−x) for
         x < 2**-9 rounds to 1 in bf16, so such entries behave exactly like repeated maxima.

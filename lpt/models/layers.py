@@ -170,7 +170,7 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None, out_dtype=None) -> jax.Array:
         out_dtype = self.prec.compute if out_dtype is None else out_dtype
         if self.bitwidth is not None and key is not None:
-            # storage -> param_dtype view, then ŵ = w + PQN in the compute dtype (seed 004 Eq. 3)
+            # storage -> param_dtype view, then ŵ = w + PQN in the compute dtype (Ahn & Yoo Eq. 3)
             w_view = view_weight(self.kernel[...], self.prec, self.prec.view_dtype)
             w = pqt_wiring.sample(w_view, self.bitwidth, key, method=self.pqt_method, path=self.path, prec=self.prec)
         else:
