@@ -19,6 +19,7 @@ Modules, in the order the recipe (``lpt/train/loop.py``) uses them:
 docs/training.md.
 """
 
+from lpt.train.checkpoint import load_params
 from lpt.train.config import SCHEMA, apply_overrides, load_config_file, parse_args, validate
 
-__all__ = ["SCHEMA", "apply_overrides", "load_config_file", "parse_args", "validate"]
+__all__ = ["SCHEMA", "apply_overrides", "load_config_file", "load_params", "parse_args", "validate"]

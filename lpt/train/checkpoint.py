@@ -66,14 +66,38 @@ _checksum_fn = jax.jit(lambda tree: jax.tree.map(_leaf_sum, tree))
 
 
 def checksums(tree) -> dict[str, str]:
-    """``{leaf path: 16 hex digits}`` of every array in ``tree`` (a pytree of possibly sharded arrays)."""
+    """``{leaf path "a/b/c": 16 hex digits}`` of every array in ``tree`` (a pytree of possibly sharded arrays)."""
     sums = jax.device_get(_checksum_fn(tree))
     flat = jax.tree_util.tree_flatten_with_path(sums)[0]
-    return {jax.tree_util.keystr(path): "".join(f"{int(w):08x}" for w in np.asarray(v)) for path, v in flat}
+    return {_path_name(path): "".join(f"{int(w):08x}" for w in np.asarray(v)) for path, v in flat}
+
+
+def _path_name(path) -> str:
+    """``opt_state/1/0/mu/blocks/0/...``: the same for a state tree and for orbax's target-free restore of it (which
+    gives dicts and lists where the state has named tuples and integer keys)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+    return "/".join(parts)
 
 
 class DamagedCheckpointError(ValueError):
     """A checkpoint whose arrays do not match the checksums recorded when it was saved."""
+
+
+def verify(state, metadata: dict) -> bool:
+    """True if ``state`` matches the checksums in ``metadata``; False if it has none (saved without them); raises
+    DamagedCheckpointError on a mismatch."""
+    if metadata.get("checksum") != CHECKSUM:
+        return False
+    saved, got = metadata["checksums"], checksums(state)
+    bad = sorted(k for k in saved.keys() | got.keys() if saved.get(k) != got.get(k))
+    if bad:
+        raise DamagedCheckpointError(f"{len(bad)} array(s) do not match the checksums saved with them, e.g. {bad[:3]}")
+    return True
 
 
 class Checkpointer:
@@ -144,16 +168,8 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         meta = dict(restored["metadata"])
-        state = restored["state"]
-        if meta.get("checksum") == CHECKSUM:
-            got = checksums(state)
-            bad = sorted(k for k, v in meta["checksums"].items() if got.get(k) != v)
-            if bad or got.keys() != meta["checksums"].keys():
-                raise DamagedCheckpointError(
-                    f"{len(bad)} array(s) do not match the checksums saved with them, e.g. {bad[:3]}"
-                )
-            meta["verified"] = True
-        return TrainState.from_dict(state), meta
+        meta["verified"] = verify(restored["state"], meta)
+        return TrainState.from_dict(restored["state"]), meta
 
     def move_aside(self, step: int, error: Exception) -> Path:
         """Move the unreadable ``step`` to ``<workdir>/checkpoints_damaged/<step>-<time>`` and say so in one line."""
@@ -187,3 +203,24 @@ def _one_line(e: Exception) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     first = first.split(" See full TensorStore details")[0]  # drop the spec dump
     return f"{type(e).__name__}: {first[:200]}"
+
+
+def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any]:
+    """The params of a run's checkpoint (the newest if ``step`` is None) as a nested dict of numpy arrays, and the
+    run's config (an ``ml_collections.ConfigDict``). The arrays are verified against their saved checksums."""
+    import ml_collections
+
+    directory = Path(workdir).resolve() / "checkpoints"
+    manager = ocp.CheckpointManager(directory)
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise ValueError(f"{directory} holds no checkpoint")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ValueError(f"step={step} is not a checkpoint in {directory}; available: {steps}")
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore())
+    restored = manager.restore(step, args=args)
+    manager.close()
+    meta = dict(restored["metadata"])
+    verify(restored["state"], meta)
+    return jax.device_get(restored["state"]["params"]), ml_collections.ConfigDict(meta.get("config", {}))

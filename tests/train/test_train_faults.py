@@ -119,9 +119,9 @@ def test_checksums_detect_any_changed_bit_and_ignore_nothing():
         bits = host.view(np.uint8).copy()
         bits[-1] ^= 1  # one bit of the last byte
         changed = dict(tree, **{name: jnp.asarray(bits.view(host.dtype).reshape(x.shape))})
-        assert checksums(changed)[f"['{name}']"] != base[f"['{name}']"], name
+        assert checksums(changed)[name] != base[name], name
     swapped = dict(tree, w=tree["w"].reshape(-1)[::-1].reshape(3, 4))  # same values, other positions
-    assert checksums(swapped)["['w']"] != base["['w']"]
+    assert checksums(swapped)["w"] != base["w"]
 
 
 def test_a_second_trainer_on_the_workdir_fails_at_once(tmp_path, capsys):
@@ -190,3 +190,28 @@ def test_ctrl_c_saves_and_exits_cleanly_and_the_run_resumes(reference, tmp_path,
     assert run(tmp_path) == 0
     assert losses(tmp_path) == losses(reference)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+
+
+def test_load_params_returns_the_runs_params_and_config(reference):
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    import lpt.train
+
+    params, cfg = lpt.train.load_params(reference)
+    assert cfg.train.steps == 6 and cfg.model.d_model == 32
+    raw = ocp.StandardCheckpointer().restore(Path(reference).resolve() / "checkpoints" / "6" / "state")["params"]
+    flat = lambda t: {"/".join(map(str, p)): np.asarray(v) for p, v in jax_flatten(t)}
+    got, want = flat(params), flat(raw)
+    assert got.keys() == want.keys() and len(got) > 5
+    assert all(np.array_equal(got[k], want[k]) for k in got)
+    params4, _ = lpt.train.load_params(reference, step=4)
+    assert not all(np.array_equal(flat(params4)[k], got[k]) for k in got)
+    with pytest.raises(ValueError, match=r"step=5 is not a checkpoint in .*; available: \[2, 4, 6\]"):
+        lpt.train.load_params(reference, step=5)
+
+
+def jax_flatten(tree):
+    import jax
+
+    return [(tuple(getattr(k, "key", k) for k in path), v) for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
