@@ -68,7 +68,9 @@ def test_checkpoint_of_another_config_is_a_clear_error_and_is_not_moved(tmp_path
     ck.save(1, _state(1.0), None, {"step": 1}, force=True)
     ck.wait()
     other = _state(0.0).replace(params={"w": jnp.zeros((4, 5), jnp.float32)})
-    with pytest.raises(ValueError, match=r"step 1 .* holds 3 arrays that do not match the 3 arrays of the current config"):
+    with pytest.raises(
+        ValueError, match=r"step 1 .* holds 3 arrays that do not match the 3 arrays of the current config"
+    ):
         ck.restore_latest(other, None)
     assert ck.steps() == [1] and not (tmp_path / "checkpoints_damaged").exists()
     ck.close()
