@@ -5,7 +5,8 @@
 * :func:`collectives`: per kind (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute), the number of
   distinct collectives in the program and the bytes of their results per device, both as written in the program
   (``count``, ``bytes``) and as executed in one run (``count_per_step``, ``bytes_per_step``: a collective inside a
-  ``while`` body with a ``known_trip_count`` of n counts n times; a loop without one counts once).
+  ``while`` body runs n times per step when its ``known_trip_count`` is n or its condition is ``i < constant(n)``,
+  as for ``nnx.scan`` over layers and the microbatch ``lax.scan``; other loops count once).
 
 An async pair counts once (the ``-start``; its result tuple holds the operands first, the results after them; ``-done``
 is skipped). XLA:TPU splits one collective into several instructions that share a ``channel_id`` (start, continuation,
@@ -81,15 +82,35 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+    """Trip count of a ``while`` instruction: its ``known_trip_count``, else ``N`` when its condition is
+    ``counter < constant(N)`` (a scan from 0), else 1."""
+    if " while(" not in line:
+        return 1
+    trip = _TRIP.search(line)
+    if trip:
+        return int(trip.group(1))
+    cond = re.search(r"\bcondition=%([\w.\-]+)", line)
+    body = comps.get(cond.group(1), []) if cond else []
+    consts = [int(c) for ln in body for c in re.findall(r"= s32\[\]\S* constant\((\d+)\)", ln)]
+    root = next((ln for ln in body if ln.lstrip().startswith("ROOT ")), "")
+    return consts[0] if len(consts) == 1 and "compare(" in root and "direction=LT" in root else 1
+
+
+def loop_trip_counts(text: str) -> list[int]:
+    """Trip counts of the program's ``while`` loops (see :func:`_trip_count`)."""
+    comps, _ = _computations(text)
+    return [_trip_count(ln, comps) for lines in comps.values() for ln in lines if " while(" in ln]
+
+
 def _multipliers(comps: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     """Times each computation runs per execution of the entry computation."""
     callers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
-            trip = _TRIP.search(line)
+            trip = _trip_count(line, comps)
             for callee in _CALLEE.findall(line):
-                is_body = f"body=%{callee}" in line
-                callers[callee].append((name, int(trip.group(1)) if (trip and is_body) else 1))
+                callers[callee].append((name, trip if f"body=%{callee}" in line else 1))
             for group in _CALLEE_LIST.findall(line):
                 for callee in re.findall(r"%([\w.\-]+)", group):
                     callers[callee].append((name, 1))

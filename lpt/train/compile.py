@@ -30,6 +30,7 @@ import time
 GIB = 1 << 30
 USAGE = "python -m lpt.train.compile --config CFG --topology TOPO [--config.key=value ...]"
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)", re.S)
+_ALLOC = re.compile(r"RESOURCE_EXHAUSTED: Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -42,11 +43,13 @@ def _gib(n: float) -> str:
 
 
 def parse_tpu_oom(message: str) -> tuple[int, int] | None:
-    """(temporaries bytes, available HBM bytes) from libtpu's ``RESOURCE_EXHAUSTED ... exceeds available HBM``."""
+    """(temporaries bytes, available HBM bytes) from libtpu's ``RESOURCE_EXHAUSTED ... exceeds available HBM`` or
+    ``RESOURCE_EXHAUSTED: Allocation (size=X) would exceed memory (size=Y)`` (then X is one buffer: a lower bound)."""
     m = _OOM.search(message)
-    if not m:
-        return None
-    return int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)])
+    if m:
+        return int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)])
+    m = _ALLOC.search(message)  # one buffer larger than the whole HBM (raised even with no_crash_on_oom)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _build(cfg, topology: str):
@@ -135,8 +138,9 @@ def compile_step(cfg, topology: str) -> dict:
         return report
     t2 = time.perf_counter()
     report.update(_memory(compiled.memory_analysis(), facts))
-    report.update(_cost(compiled.cost_analysis(), model_flops, n, facts.peak_flops))
     text = compiled.as_text()
+    report["loops"] = [t for t in hlo.loop_trip_counts(text) if t > 1]
+    report.update(_cost(compiled.cost_analysis(), model_flops, n, facts.peak_flops, looped=bool(report["loops"])))
     report["kernels"] = hlo.kernels(text)
     report["collectives"] = hlo.collectives(text)
     report["lower_seconds"] = round(t1 - t0, 2)
@@ -184,6 +188,7 @@ def _oom_report(report: dict, temp: int, hbm: int, seconds: float) -> dict:
         "flops": None,
         "optimal_seconds": None,
         "mfu_bound": None,
+        "loops": None,
         "kernels": None,
         "collectives": None,
         "lower_seconds": None,
@@ -192,7 +197,7 @@ def _oom_report(report: dict, temp: int, hbm: int, seconds: float) -> dict:
     }
 
 
-def _cost(ca, model_flops: float, n: int, peak: float) -> dict:
+def _cost(ca, model_flops: float, n: int, peak: float, looped: bool) -> dict:
     ca = ca[0] if isinstance(ca, list | tuple) and ca else ca
     if not ca:
         return {"flops": None, "optimal_seconds": None, "mfu_bound": None, "cost_note": "no cost analysis (XLA:GPU)"}
@@ -200,6 +205,10 @@ def _cost(ca, model_flops: float, n: int, peak: float) -> dict:
     note = None
     if secs is not None and secs <= 0:
         secs, note = None, f"the compiler's optimal_seconds was {ca['optimal_seconds']:.3g} (not a time): dropped"
+    if looped:  # XLA's cost analysis counts a while body once, however many times it runs
+        note = "the program has loops (report['loops']: scan over layers / microbatches) and the compiler's cost "
+        note += "analysis counts each loop body once: flops and optimal_seconds undercount the step; no MFU bound"
+        secs = None
     bound = model_flops / (n * peak * secs) if secs else None
     return {"flops": flops, "optimal_seconds": secs, "mfu_bound": bound, "cost_note": note}
 

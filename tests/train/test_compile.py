@@ -70,7 +70,7 @@ def test_tpu_v5e_2x2(capsys):
     check_common(r, 4)
     assert r["temp_bytes"] > 0 and r["temp_note"] is None and r["generated_code_bytes"] > 0
     assert r["hbm_bytes"] == int(15.75 * 2**30)
-    assert r["flops"] > 0 and r["optimal_seconds"] > 0
+    assert r["loops"] == [] and r["flops"] > 0 and r["optimal_seconds"] > 0
     # per-device FLOPs of the compiled step ~ model FLOPs / devices (6N + attention; XLA counts a little more)
     assert r["model_flops"] / 4 <= r["flops"] < 2 * r["model_flops"] / 4
     assert r["mfu_bound"] == pytest.approx(r["model_flops"] / (4 * 197e12 * r["optimal_seconds"]))
@@ -132,6 +132,8 @@ def test_tpu_oom_message_parsed():
     )
     assert compile_lib.parse_tpu_oom(msg) == (int(15.81 * 2**30), int(15.75 * 2**30))
     assert compile_lib.parse_tpu_oom("INVALID_ARGUMENT: Mosaic failed") is None
+    big = "RESOURCE_EXHAUSTED: Allocation (size=19327352832) would exceed memory (size=17179869184) :: %s0 = ..."
+    assert compile_lib.parse_tpu_oom(big) == (19327352832, 17179869184)
 
 
 def test_hlo_collectives_and_loops():
@@ -158,6 +160,13 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
     assert c["all-reduce"] == {"count": 1, "bytes": 128, "count_per_step": 1, "bytes_per_step": 128}  # same channel
     assert c["reduce-scatter"]["bytes"] == 32
     assert hlo.kernels(text) == {"tpu_custom_call": 1}
+    # XLA:TPU writes no known_trip_count: a scan's condition `i < constant(12)` gives the trip count
+    scan = text.replace(', backend_config={"known_trip_count":{"n":"16"}}', "") + (
+        "\n%cond (c: (s32[], f32[8,4])) -> pred[] {\n  %k = s32[]{:T(128)} constant(12)\n"
+        "  ROOT %lt = pred[] compare(%i, %k), direction=LT\n}\n"
+    )
+    assert hlo.loop_trip_counts(scan) == [12]
+    assert hlo.collectives(scan)["all-gather"]["count_per_step"] == 24
     assert hlo.array_bytes("(f8e4m3fn[4,4]{1,0}, pred[3], s4[8])") == [16, 3, 4]
 
 
