@@ -3,14 +3,22 @@
 ``jax.random.bits`` (threefry-2x32) costs about 30x more than a rounding pass on XLA:CPU (133 ms vs 4.4 ms of CPU
 time for 4M u32 here), which would make every stochastically rounded update compute-bound. Stochastic rounding needs
 uniform, independent-looking bits, not cryptographic ones, so :func:`hash_bits` hashes the element's global index
-with the key: ``h((i ^ k1) + k0)`` with the ``lowbias32`` integer mixer (Wellons' two xor-shift-multiply finalizer,
-avalanche bias ~1.7e-4). One mixer call per element (it was two until 2026-11-22: the second call cost ~25 ms of CPU
-per 50M elements in the fused Kahan AdamW step and bought nothing stochastic rounding needs): for a fixed element the
-keys of successive steps give uniformly random mixer inputs, so its draws over steps are independent uniform words
-(the mixer is a bijection); within one array the inputs are consecutive integers, whose 16-bit histograms are
-~3 sigma from uniform over 2^22 draws (the second call removed that; it does not bias a rounding). Being a function of
-(key, global index) only, it is identical for every sharding and process count; its statistics are tested (bit
-balance, lag-1 and cross-key correlation) in tests/numerics.
+with the key: ``h((i ^ m1) + m0)`` with the ``lowbias32`` integer mixer ``h`` (Wellons' two xor-shift-multiply
+finalizer, avalanche bias ~1.7e-4), where ``(m0, m1)`` are the key words ``(k0, k1)`` run through the mixer first::
+
+    m1 = h(k1 ^ 0x9E3779B9)
+    m0 = h(k0 + m1)
+
+(a bijection of the 64-bit key, so distinct keys keep distinct mixer offsets). The key words must be mixed because
+raw keys are far from uniform: ``jax.random.key(s)`` has key data ``[0, s]``, and with ``m1 = s`` every seed
+``s < 2^k`` would XOR the indices of a 2^k-element array onto the same set ``[0, 2^k)``: the same multiset of words,
+and so the same rounding bias, for every such seed. Mixed, the keys of different seeds (raw, or derived by
+``fold_in`` / ``split``) give mixer inputs at unrelated offsets, and for a fixed element the keys of successive steps
+give independent uniform words (the mixer is a bijection). Within one array the inputs are consecutive integers,
+whose 16-bit histograms are ~3 sigma from uniform over 2^22 draws (a second mixer call per element would remove that;
+it does not bias a rounding). Being a function of (key, global index) only, it is identical for every sharding and
+process count; its statistics are tested (bit balance, lag-1 and cross-key correlation, bias across raw seeds) in
+tests/numerics.
 Arrays with more than 2^32 elements would repeat their pattern every 2^32 elements.
 """
 
@@ -41,12 +49,23 @@ def _key_words(key) -> tuple[jax.Array, jax.Array]:
     return kd[0], kd[1]
 
 
-def hash_index(idx: jax.Array, k0: jax.Array, k1: jax.Array) -> jax.Array:
-    """The keyed hash behind :func:`hash_bits`: uint32 element indices and key words -> uniform uint32 bits.
+_KEY_XOR = 0x9E3779B9  # 2^32 / golden ratio: h(0) = 0, so the all-zero key gets a non-zero offset
 
-    Public so that kernels can number their elements themselves (e.g. a Pallas block at a global offset) and still
-    draw exactly the bits ``hash_bits`` gives for the whole array."""
-    return _mix((idx ^ k1) + k0)
+
+def mix_key_words(k0: jax.Array, k1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(m0, m1)`` from the raw u32 key words (module docstring): scalar work, done once per call or kernel block."""
+    m1 = _mix(k1 ^ jnp.uint32(_KEY_XOR))
+    return _mix(k0 + m1), m1
+
+
+def hash_index(idx: jax.Array, k0: jax.Array, k1: jax.Array) -> jax.Array:
+    """The keyed hash behind :func:`hash_bits`: uint32 element indices and raw key words -> uniform uint32 bits.
+
+    Mixes the key words (:func:`mix_key_words`), then hashes each index. Public so that kernels can number their
+    elements themselves (e.g. a Pallas block at a global offset) and still draw exactly the bits ``hash_bits`` gives
+    for the whole array."""
+    m0, m1 = mix_key_words(k0, k1)
+    return _mix((idx ^ m1) + m0)
 
 
 def hash_bits(key, shape) -> jax.Array:
