@@ -136,8 +136,17 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
     #    (model/fp8/..., model/attn/...) to that step's metrics, which are then logged.
     diag_every = cfg.train.diagnostics_every
     writer = metrics.MetricsWriter(workdir, enabled=is_main, drop_after=start)  # forget steps a crash re-runs
-    logger = _Logger(cfg, writer, ckpt, start, disable=not is_main)
+    if is_main:
+        resolved = json.dumps(cfg.to_dict(), indent=2)
+        (workdir / "config.json").write_text(resolved + "\n")
+        writer.text("config", resolved, start)
     preempt = distributed.PreemptionFlag()
+    t_compile = time.time()  # ahead of time, so that the first tokens/s excludes compilation
+    train_step = prog.train_step.lower(state, _batch_structs(cfg, mesh)).compile()
+    compile_seconds = time.time() - t_compile
+    log.info("compiled the train step in %.1f s", compile_seconds)
+    logger = _Logger(cfg, writer, ckpt, start, disable=not is_main)
+    t_loop = time.time()
     eval_loss = None
 
     def evaluate(s: int) -> float:
@@ -153,7 +162,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
             diag = None
             if diag_every and s % diag_every == 0:  # before the step: same params, batch and key as its forward
                 diag = prog.diag_step(state.params, state.rest, batch, state.step)
-            state, step_metrics = prog.train_step(state, batch)
+            state, step_metrics = train_step(state, batch)
             logger.drain()
             logger.add(s, {**step_metrics, **diag} if diag else step_metrics, diag is not None)
             for hook in hooks:
@@ -188,7 +197,8 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
         "eval_loss": eval_loss,
         "unigram_loss": unigram,
         "wall_seconds": elapsed,
-        "tokens_per_sec": (steps - start) * global_batch * seq_len / elapsed if steps > start else None,
+        "compile_seconds": compile_seconds,
+        "tokens_per_sec": (steps - start) * global_batch * seq_len / (time.time() - t_loop) if steps > start else None,
         "flops_per_token": _flops_per_token(cfg),
         "machine": machine.describe(),  # the last digits of eval_loss depend on the CPU/accelerator (docs/training.md)
     }
@@ -197,6 +207,14 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
         summary_path.write_text(json.dumps(summary, indent=2))
         log.info("done: validation loss %.4f vs unigram baseline %.4f (%.0f s)", eval_loss, unigram, elapsed)
     return summary
+
+
+def _batch_structs(cfg, mesh: Mesh) -> dict:
+    """The global batch as sharded ShapeDtypeStructs (int32 [global_batch, seq_len] inputs and targets)."""
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.data.seq_len), np.int32, sharding=mesh_lib.batch_sharding(mesh)
+    )
+    return {"inputs": tokens, "targets": tokens}
 
 
 def _data(cfg, mesh: Mesh):

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import jax
@@ -64,13 +65,19 @@ class MetricsWriter:
     def write(self, step: int, scalars: dict, *, prefix: str = "train") -> None:
         if not self.enabled:
             return
-        record = {"step": int(step), **{k: _py(v) for k, v in scalars.items()}}
+        record = {"step": int(step), **{k: _py(v) for k, v in scalars.items()}, "wall_time": round(time.time(), 3)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         for k, v in record.items():
-            if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+            if k not in ("step", "wall_time") and isinstance(v, int | float) and math.isfinite(v):
                 self._tb.add_scalar(f"{prefix}/{k}", v, int(step))
         self._tb.flush()
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A text summary in TensorBoard (e.g. the resolved config), as Markdown code."""
+        if self.enabled:
+            self._tb.add_text(tag, "```\n" + text + "\n```", int(step))
+            self._tb.flush()
 
     def close(self) -> None:
         if self.enabled:

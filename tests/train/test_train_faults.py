@@ -215,3 +215,15 @@ def jax_flatten(tree):
     import jax
 
     return [(tuple(getattr(k, "key", k) for k in path), v) for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_run_records_config_wall_time_and_compile_time(reference):
+    cfg = json.loads((reference / "config.json").read_text())
+    assert cfg["train"]["steps"] == 6 and cfg["model"]["d_model"] == 32  # the resolved config, overrides applied
+    recs = records(reference)
+    assert all(isinstance(r["wall_time"], float) for r in recs)
+    assert [r["wall_time"] for r in recs] == sorted(r["wall_time"] for r in recs)
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["compile_seconds"] > 0 and summary["tokens_per_sec"] > 0
+    events = list((reference / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and any(b"config" in e.read_bytes() and b"d_model" in e.read_bytes() for e in events)
