@@ -284,11 +284,19 @@ def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Nam
     parser.add_argument("--num_processes", type=int, default=None, help="number of processes (explicit)")
     parser.add_argument("--process_id", type=int, default=None, help="this process's index (explicit)")
     args, rest = parser.parse_known_args(argv)
-    overrides = {}
-    for item in rest:
-        if not item.startswith("--config.") or "=" not in item:
+    overrides, i = {}, 0
+    while i < len(rest):  # --config.a.b=value or --config.a.b value
+        item = rest[i]
+        if not item.startswith("--config."):
             raise ValueError(f"unrecognised argument {item!r}; overrides look like --config.train.steps=100")
-        key, text = item[len("--config.") :].split("=", 1)
+        if "=" in item:
+            key, text = item[len("--config.") :].split("=", 1)
+        elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            key, text = item[len("--config.") :], rest[i + 1]
+            i += 1
+        else:
+            raise ValueError(f"override {item!r} has no value; write {item}=VALUE")
         overrides[key] = text
+        i += 1
     cfg = apply_overrides(load_config_file(args.config), overrides)
     return cfg, args

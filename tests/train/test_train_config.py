@@ -221,3 +221,12 @@ def test_bad_values_are_one_line_errors(tmp_path, capsys, override, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: ") and message in err[-1], err
     assert not work.exists()
+
+
+def test_overrides_take_the_space_form_too():
+    cfg, _ = config_lib.parse_args(
+        ["--config", "tiny_cpu", "--workdir", "w", "--config.train.steps", "20", "--config.optim.lr=0.01"]
+    )
+    assert cfg.train.steps == 20 and cfg.optim.lr == 0.01
+    with pytest.raises(ValueError, match=r"override '--config.train.steps' has no value"):
+        config_lib.parse_args(["--config", "tiny_cpu", "--workdir", "w", "--config.train.steps"])
