@@ -41,6 +41,17 @@ CHIP_FACTS: dict[str, tuple[int, float]] = {
 }
 
 
+# device families the trainer may run on but that have no compile-only target: substring -> peak bf16 FLOP/s
+_PEAK_BY_FAMILY: tuple[tuple[str, float], ...] = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12))
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device of ``device_kind`` (as jax names it), or None if unknown (e.g. CPU)."""
+    if device_kind in CHIP_FACTS:
+        return CHIP_FACTS[device_kind][1]
+    return next((peak for name, peak in _PEAK_BY_FAMILY if name in device_kind), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceFacts:
     """One device of a topology: its kind, platform, HBM bytes and peak dense bf16 FLOP/s."""

@@ -53,32 +53,15 @@ def parse_tpu_oom(message: str) -> tuple[int, int] | None:
 
 
 def _build(cfg, topology: str):
-    """(mesh, jitted train step, sharded abstract state, batch structs); ValueError on bad input."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import AxisType
-
+    """(mesh, jitted train step, sharded abstract state, batch structs): the trainer's own program
+    (:func:`lpt.train.loop.program`) on a mesh of the topology's devices; ValueError on bad input."""
     from lpt import targets
-    from lpt.train import mesh as mesh_lib
-    from lpt.train import optimizer
+    from lpt.train import loop
     from lpt.train import state as state_lib
-    from lpt.train import step as step_lib
 
-    devs = targets.devices(topology)
-    shape = mesh_lib.resolve_mesh_shape(cfg.train.mesh, len(devs))
-    mesh = jax.make_mesh(shape, mesh_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devs)
-    mesh_lib.check_batch(cfg.train.global_batch, cfg.optim.microbatches, mesh)
-    tx = optimizer.make_optimizer(cfg)
-    schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
-    model_def = state_lib.make_model_def(cfg)
-    abstract = state_lib.abstract_state(cfg, tx)
-    shardings = state_lib.state_shardings(abstract, model_def, mesh)
-    state = state_lib.with_shardings(abstract, shardings)
-    tokens = jax.ShapeDtypeStruct(
-        (cfg.train.global_batch, cfg.data.seq_len), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
-    )
-    step = step_lib.make_train_step(cfg, model_def, tx, schedule, mesh, shardings)
-    return mesh, step, state, {"inputs": tokens, "targets": tokens}
+    mesh = loop.make_mesh(cfg, targets.devices(topology))
+    prog = loop.program(cfg, mesh)
+    return mesh, prog.train_step, state_lib.with_shardings(prog.abstract, prog.shardings), loop.batch_structs(cfg, mesh)
 
 
 def shard_bytes(tree) -> int:

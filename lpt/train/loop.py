@@ -142,7 +142,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
         writer.text("config", resolved, start)
     preempt = distributed.PreemptionFlag()
     t_compile = time.time()  # ahead of time, so that the first tokens/s excludes compilation
-    train_step = prog.train_step.lower(state, _batch_structs(cfg, mesh)).compile()
+    train_step = prog.train_step.lower(state, batch_structs(cfg, mesh)).compile()
     compile_seconds = time.time() - t_compile
     log.info("compiled the train step in %.1f s", compile_seconds)
     logger = _Logger(cfg, writer, ckpt, start, disable=not is_main)
@@ -209,7 +209,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
     return summary
 
 
-def _batch_structs(cfg, mesh: Mesh) -> dict:
+def batch_structs(cfg, mesh: Mesh) -> dict:
     """The global batch as sharded ShapeDtypeStructs (int32 [global_batch, seq_len] inputs and targets)."""
     tokens = jax.ShapeDtypeStruct(
         (cfg.train.global_batch, cfg.data.seq_len), np.int32, sharding=mesh_lib.batch_sharding(mesh)

@@ -14,7 +14,6 @@ import math
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from lpt import sharding
@@ -49,9 +48,7 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The ("data", "fsdp", "tensor") mesh over ``devices`` (default: all devices of all processes)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    if len(devices) == len(jax.devices()):
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def _check_divisible(path: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:

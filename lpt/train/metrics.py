@@ -3,7 +3,7 @@
 Only process 0 writes. ``metrics.jsonl`` holds one JSON object per line: ``{"step": s, "loss": ..., ...}`` for
 training logs and ``{"step": s, "eval_loss": ...}`` for evaluations; TensorBoard gets the same scalars under
 ``train/`` and ``eval/``. MFU = (tokens/s * FLOPs per token) / (devices * peak FLOP/s per device), reported only when
-the device's peak is in ``PEAK_FLOPS`` (dense bf16 numbers from the vendors' data sheets).
+the device's peak is known (:func:`lpt.targets.peak_flops`, dense bf16 numbers from the vendors' data sheets).
 """
 
 from __future__ import annotations
@@ -19,27 +19,12 @@ import jax
 
 log = logging.getLogger("lpt.train")
 
-# device_kind substring -> peak dense bf16 FLOP/s per device (first match wins; more specific names first)
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L4", 121e12),
-    ("TPU v6", 918e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12),
-    ("TPU v4", 275e12),
-)
-
 
 def device_peak_flops(device: jax.Device | None = None) -> float | None:
-    """Peak bf16 FLOP/s of one device, or None if unknown (e.g. CPU)."""
-    kind = (device or jax.devices()[0]).device_kind
-    for name, peak in PEAK_FLOPS:
-        if name.lower() in kind.lower():
-            return peak
-    return None
+    """Peak bf16 FLOP/s of one device, or None if unknown (e.g. CPU): :func:`lpt.targets.peak_flops`."""
+    from lpt import targets
+
+    return targets.peak_flops((device or jax.devices()[0]).device_kind)
 
 
 class MetricsWriter:
