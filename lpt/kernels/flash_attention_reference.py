@@ -50,39 +50,17 @@ def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, cau
     q_pos = jnp.arange(tq, dtype=jnp.int32)
 
     def step(carry, xs):
-        m, n, c, l, acc = carry
         j, k_blk, v_blk, seg_blk = xs
         k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
         valid = _valid(q_seg, seg_blk, q_pos, k_pos, causal)
         s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32)
         s = s * jnp.float32(scale)
-        m_new, n_new = fm.update_max_count(m, n, s, valid, policy.tie_tol)
-        c_new = fm.shift_of(m_new, n_new, policy)
-        alpha = fm.rescale(c, c_new, m, policy, pv_dtype)
-        p = fm.probs(s, valid, c_new)
-        p_pv = fm.round_to(p, pv_dtype)
-        p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
         v_pv = fm.round_to(v_blk.astype(jnp.float32), pv_dtype)  # v dtype -> f32 (exact) -> pv dtype
 
         def matmul(p_part):
             return jnp.einsum("bhgqk,bhkd->bhgqd", p_part, v_pv, preferred_element_type=jnp.float32)
 
-        if policy.accumulator == "split":
-            p_big, p_small = fm.split_weights(p_pv, s, m_new, policy)
-            sum_big, sum_small = fm.split_weights(p_sum, s, m_new, policy)
-            pv = matmul(p_big) + matmul(p_small)
-            p_rowsum = jnp.sum(sum_big, axis=-1, keepdims=True) + jnp.sum(sum_small, axis=-1, keepdims=True)
-        else:
-            pv = matmul(p_pv)
-            p_rowsum = jnp.sum(p_sum, axis=-1, keepdims=True)
-        l_new = alpha * l + p_rowsum
-        if policy.accumulator == "pv":
-            acc_new = fm.round_grid_f32(
-                fm.round_grid_f32(alpha * acc, pv_dtype) + fm.round_grid_f32(pv, pv_dtype), pv_dtype
-            )
-        else:
-            acc_new = alpha * acc + pv
-        return (m_new, n_new, c_new, l_new, acc_new), None
+        return fm.forward_step(carry, s, valid, matmul, policy, pv_dtype), None
 
     col = jnp.zeros((b, hkv, g, tq, 1), jnp.float32)
     init = (col - jnp.inf, col, col, col, jnp.zeros((b, hkv, g, tq, d), jnp.float32))
