@@ -1,4 +1,9 @@
-"""The AdamW + Kahan kernel on any sharding of a leaf: ``jax.experimental.custom_partitioning`` around it.
+"""The AdamW + Kahan kernel per shard of a leaf: with the leaf's PartitionSpec given (``shard_map``), or on any
+sharding the partitioner picks (``jax.experimental.custom_partitioning``).
+
+:func:`adamw_kahan_on_shards` runs the kernel per shard of a leaf whose PartitionSpec the caller knows (the trainer
+passes its param shardings to ``kahan_adamw(..., param_specs=...)``); it is a plain ``shard_map``, which every
+compiler, the compile-only TPU one included, partitions.
 
 :func:`adamw_kahan_partitioned` has the signature of :func:`lpt.kernels.adamw_kahan.adamw_kahan`. Inside a jit
 whose operands are split over several devices, XLA's partitioner (Shardy, or GSPMD) calls back into ``_partition``
@@ -28,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lpt.kernels import dispatch
 from lpt.kernels.adamw_kahan import adamw_kahan
 
-__all__ = ["adamw_kahan_partitioned"]
+__all__ = ["adamw_kahan_on_shards", "adamw_kahan_partitioned"]
 
 
 def _options(static) -> dict:
@@ -53,26 +58,33 @@ def _infer(static, mesh, arg_shapes, result_shape):
     return (sh, sh, sh)
 
 
+def _shard_offset(spec: tuple, mesh_shape, local_shape: tuple, global_shape: tuple):
+    """uint32 global flat index of this shard's first element (call per shard, with the mesh axes bound):
+    the sum over dims of (shard position along the dim * shard size) * the dim's stride."""
+    offset = jnp.uint32(0)
+    stride = 1
+    for dim in range(len(global_shape) - 1, -1, -1):
+        pos = jnp.uint32(0)
+        for axis in dispatch.as_axes(spec[dim]):
+            pos = pos * jnp.uint32(mesh_shape[axis]) + lax.axis_index(axis).astype(jnp.uint32)  # i32 -> u32
+        offset = offset + pos * jnp.uint32(local_shape[dim] * stride)
+        stride *= global_shape[dim]
+    return offset
+
+
+def _per_shard(spec: tuple, mesh_shape, global_shape: tuple, opts: dict):
+    def run(g, p, c, mv, scalars, words):
+        offset = _shard_offset(spec, mesh_shape, p.shape, global_shape)
+        return tuple(adamw_kahan(g, p, c, mv, scalars, words, global_shape=global_shape, offset=offset, **opts))
+
+    return run
+
+
 def _partition(static, mesh, arg_shapes, result_shape):
     del mesh, result_shape
     sh = _leaf_sharding(arg_shapes)
     rep = NamedSharding(sh.mesh, PartitionSpec())
-    global_shape = tuple(arg_shapes[1].shape)
-    spec = tuple(sh.spec)
-
-    def lower(g, p, c, mv, scalars, words):
-        # global flat index of this shard's first element: sum over dims of (shard position * shard size) * stride
-        offset = jnp.uint32(0)
-        stride = 1
-        for dim in range(len(global_shape) - 1, -1, -1):
-            pos = jnp.uint32(0)
-            for axis in dispatch.as_axes(spec[dim]):
-                pos = pos * jnp.uint32(sh.mesh.shape[axis]) + lax.axis_index(axis).astype(jnp.uint32)  # i32 -> u32
-            offset = offset + pos * jnp.uint32(p.shape[dim] * stride)
-            stride *= global_shape[dim]
-        opts = _options(static)
-        return tuple(adamw_kahan(g, p, c, mv, scalars, words, global_shape=global_shape, offset=offset, **opts))
-
+    lower = _per_shard(tuple(sh.spec), sh.mesh.shape, tuple(arg_shapes[1].shape), _options(static))
     return sh.mesh, lower, (sh, sh, sh), (sh, sh, sh, sh, rep, rep)
 
 
@@ -112,3 +124,26 @@ def adamw_kahan_partitioned(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_
         ("interpret", interpret),
     )
     return _update(g, p, c, mv, scalars, words, static)
+
+
+def adamw_kahan_on_shards(
+    g, p, c, mv, scalars, words, *, spec, mesh=None, b1, b2, eps, weight_decay, stochastic, interpret=None
+):
+    """:func:`lpt.kernels.adamw_kahan.adamw_kahan` on one leaf laid out by ``spec`` (a PartitionSpec or a
+    NamedSharding) over ``mesh`` (default :func:`lpt.kernels.dispatch.kernel_mesh`): a ``shard_map`` in which every
+    device updates its own shard, hashing global element indices (the same bits as unsharded). ``g``, ``c`` and
+    ``mv`` must be laid out like ``p``; a replicated leaf is updated whole on every device. With no mesh the kernel
+    runs on the whole leaf."""
+    dispatch.check_interpret(interpret)
+    opts = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic, interpret=interpret)
+    mesh = dispatch.kernel_mesh(mesh)
+    spec = tuple(getattr(spec, "spec", spec))
+    spec = spec + (None,) * (p.ndim - len(spec))
+    if mesh is None or mesh.size == 1:
+        return adamw_kahan(g, p, c, mv, scalars, words, **opts)
+    for dim, axes in enumerate(spec):
+        dispatch.check_divisible(f"dimension {dim} of a {tuple(p.shape)} leaf", p.shape[dim], mesh, axes)
+    leaf, rep = PartitionSpec(*spec), PartitionSpec()
+    run = _per_shard(spec, mesh.shape, tuple(p.shape), opts)
+    fn = dispatch.shard_map(run, mesh, in_specs=(leaf, leaf, leaf, leaf, rep, rep), out_specs=(leaf, leaf, leaf))
+    return tuple(fn(g, p, c, mv, scalars, words))

@@ -32,7 +32,7 @@ import optax
 from jax import lax
 
 from lpt.kernels import adamw_kahan as K
-from lpt.kernels.adamw_kahan_sharded import adamw_kahan_partitioned
+from lpt.kernels.adamw_kahan_sharded import adamw_kahan_on_shards, adamw_kahan_partitioned
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.adam import MOMENT_ROUNDINGS
 from lpt.optim.leaves import UpdateDiagnostics, _check, leaf_id, leaf_name, needs_rounding, zeros_like_rounded
@@ -143,6 +143,7 @@ def fused_kahan_adamw(
     impl: str = "xla",
     interpret: bool | None = None,
     sequential_leaves: bool = True,
+    param_specs=None,
 ) -> optax.GradientTransformation:
     """AdamW with 16-bit moments and Kahan-compensated low-precision params as one transform (see module doc).
 
@@ -155,6 +156,10 @@ def fused_kahan_adamw(
     leaf's new compensation so the f32 temporaries of <= 3 leaves exist at a time (see ``_runtime_one``); on a
     multi-device mesh that element costs one scalar all-reduce + all-gather per leaf and step: pass False there to
     avoid them (the transient is then 4 bytes/param of the whole tree) or use ``impl="pallas"``.
+    ``param_specs`` (``impl="pallas"``): a tree like the params of their PartitionSpecs or NamedShardings; each leaf's
+    kernel then runs per shard in a ``shard_map`` over the mesh in context
+    (:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_on_shards`). Without it, ``custom_partitioning`` follows
+    whatever sharding the partitioner picks (:func:`~lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`).
     """
     if moment_rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"moment_rounding must be one of {MOMENT_ROUNDINGS}, got {moment_rounding!r}")
@@ -205,6 +210,7 @@ def fused_kahan_adamw(
         step_key = jax.random.fold_in(jax.random.key(seed), count)
         zero = K.runtime_zero(count)
         flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
+        flat_specs = [None] * len(flat_p) if param_specs is None else treedef.flatten_up_to(param_specs)
         flat_g = treedef.flatten_up_to(updates)
         flat_mv = treedef.flatten_up_to(state.moments)
         flat_c = treedef.flatten_up_to(state.compensation)
@@ -212,7 +218,7 @@ def fused_kahan_adamw(
         leaf_keys = _leaf_keys(step_key, [leaf_name(path) for path, _ in flat_p])
         out_d, out_mv, out_c, stats = [], [], [], []
         dep = jnp.uint32(0)
-        for (path, p), g, mv, c, decay in zip(flat_p, flat_g, flat_mv, flat_c, decays, strict=True):
+        for (path, p), g, mv, c, decay, spec in zip(flat_p, flat_g, flat_mv, flat_c, decays, flat_specs, strict=True):
             hp = dict(eps=eps, weight_decay=weight_decay if decay else 0.0)
             name = leaf_name(path)
             p, g = jnp.asarray(p), jnp.asarray(g)
@@ -231,9 +237,11 @@ def fused_kahan_adamw(
                     )
                 words = _key_words(km)
                 scalars = jnp.stack([inv_c1, inv_c2, neg_lr, lax.bitcast_convert_type(zero, jnp.float32)])
-                new_p, new_c, new_mv = adamw_kahan_partitioned(
-                    g, p, c, mv, scalars, words, b1=b1, b2=b2, stochastic=stochastic, interpret=interpret, **hp
-                )
+                kw = dict(b1=b1, b2=b2, stochastic=stochastic, interpret=interpret, **hp)
+                if spec is None:
+                    new_p, new_c, new_mv = adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw)
+                else:
+                    new_p, new_c, new_mv = adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw)
                 p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
                 delta = new_p.astype(jnp.float32) - p32  # exact: both on the bf16 grid
                 out_d.append(delta)

@@ -144,6 +144,7 @@ def kahan_adamw(
     impl: str = "xla",
     interpret: bool | None = None,
     sequential_leaves: bool = True,
+    param_specs=None,
 ) -> optax.GradientTransformation:
     """bf16 AdamW + Kahan in one fused transform: bf16 params, moments and compensation, 8 bytes/param.
 
@@ -154,7 +155,9 @@ def kahan_adamw(
     ``impl="pallas"`` uses the fused Pallas kernel (GPU/TPU; ``interpret=True`` runs it interpreted anywhere).
     ``weight_decay_mask`` (a tree of bools or a callable, as optax's ``mask``) turns the decay off per leaf.
     With ``grad_clip`` the result is ``optax.chain(clip_by_global_norm(grad_clip), <fused>)``. On a multi-device
-    mesh pass ``sequential_leaves=False`` (see :func:`lpt.optim.fused_adamw.fused_kahan_adamw`).
+    mesh pass ``sequential_leaves=False``, and with ``impl="pallas"`` the params' ``param_specs`` (a tree of
+    PartitionSpecs or NamedShardings) so that the kernel runs per shard in a ``shard_map`` (see
+    :func:`lpt.optim.fused_adamw.fused_kahan_adamw`).
     """
     fused = fused_kahan_adamw(
         learning_rate,
@@ -171,5 +174,6 @@ def kahan_adamw(
         impl=impl,
         interpret=interpret,
         sequential_leaves=sequential_leaves,
+        param_specs=param_specs,
     )
     return fused if grad_clip is None else optax.chain(optax.clip_by_global_norm(grad_clip), fused)

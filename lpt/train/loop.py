@@ -61,9 +61,9 @@ class Program:
 
 def program(cfg, mesh: Mesh) -> Program:
     """Model, optimizer, train-state layout and jitted steps of ``cfg`` on ``mesh``."""
-    tx = optimizer.make_optimizer(cfg, mesh.size)
-    schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
     model_def = state_lib.make_model_def(cfg)
+    tx = optimizer.make_optimizer(cfg, mesh.size, state_lib.param_shardings(model_def, mesh))
+    schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
     abstract = state_lib.abstract_state(cfg, tx)
     shardings = state_lib.state_shardings(abstract, model_def, mesh)
     diag_every = cfg.train.diagnostics_every  # 0 = no activation diagnostics pass

@@ -75,10 +75,11 @@ def f32_view(inner: optax.GradientTransformation) -> optax.GradientTransformatio
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(cfg, mesh_size: int = 1) -> optax.GradientTransformation:
+def make_optimizer(cfg, mesh_size: int = 1, param_shardings=None) -> optax.GradientTransformation:
     """The AdamW of ``cfg.optim`` with ``cfg.precision``'s update rule (see the module docstring), for a mesh of
     ``mesh_size`` devices (on one device the fused Kahan step updates its leaves in sequence, which bounds its f32
-    temporaries; on a mesh that ordering would cost a collective per leaf)."""
+    temporaries; on a mesh that ordering would cost a collective per leaf). ``param_shardings`` (the params'
+    NamedShardings) lets ``update_impl="pallas"`` run its kernel per shard in a ``shard_map``."""
     o, p = cfg.optim, cfg.precision
     schedule = make_schedule(o, cfg.train.steps)
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
@@ -90,7 +91,10 @@ def make_optimizer(cfg, mesh_size: int = 1) -> optax.GradientTransformation:
         lpt_kw = dict(hyper, moment_rounding=moments, grad_clip=clip, seed=cfg.train.seed, diagnostics=True)
         if p.update_rule == "kahan":
             impl = cfg.precision.update_impl
-            return lpt.optim.kahan_adamw(schedule, **lpt_kw, sequential_leaves=mesh_size == 1, impl=impl)
+            specs = param_shardings if impl == "pallas" else None
+            return lpt.optim.kahan_adamw(
+                schedule, **lpt_kw, sequential_leaves=mesh_size == 1, impl=impl, param_specs=specs
+            )
         return lpt.optim.adamw(schedule, **lpt_kw, update=p.update_rule)
     parts = [] if clip is None else [optax.clip_by_global_norm(clip)]
     parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))

@@ -77,9 +77,14 @@ def _mirrors(tree, params_def) -> bool:
         return False
 
 
+def param_shardings(model_def: ModelDef, mesh: Mesh):
+    """NamedShardings of the params (a pure dict like ``TrainState.params``) on ``mesh``, from their logical axes."""
+    return mesh_lib.tree_shardings(model_def.logical_params, model_def.abstract_params.to_pure_dict(), mesh)
+
+
 def state_shardings(abstract_state: TrainState, model_def: ModelDef, mesh: Mesh) -> TrainState:
     """NamedShardings for every leaf of the train state on ``mesh`` (see module docstring)."""
-    param_sh = mesh_lib.tree_shardings(model_def.logical_params, abstract_state.params, mesh)
+    param_sh = param_shardings(model_def, mesh)
     params_def = jax.tree.structure(abstract_state.params)
     repl = mesh_lib.replicated(mesh)
 

@@ -130,6 +130,16 @@ _KAHAN = textwrap.dedent(
         out = upd(sh(g), out[1], sh(w))
     assert out[1].moments["b"].sharding.spec == P(None, "tensor", "data"), out[1].moments["b"].sharding
     same(out, ref, "kahan_adamw pallas, 2 steps")
+    # the trainer's path: the param specs given, the kernel in a shard_map
+    tx = O.kahan_adamw(1e-2, weight_decay=0.1, impl="pallas", sequential_leaves=False,
+                       param_specs={k: s for k, (_, s) in specs.items()})
+    upd = jax.jit(tx.update)
+    with jax.set_mesh(mesh):
+        hlo = upd.lower(sh(g), st_s, sh(w)).compile().as_text()
+        assert hlo.count("all-gather") == 0 and hlo.count("all-reduce") == 0, "the update gathers the params"
+        out = upd(sh(g), st_s, sh(w))
+        out = upd(sh(g), out[1], sh(w))
+    same(out, ref, "kahan_adamw pallas with param_specs, 2 steps")
     """
 )
 
@@ -153,7 +163,9 @@ def test_fp8_sharded_equals_unsharded_bitwise():
 
 
 def test_kahan_adamw_pallas_sharded_equals_unsharded_bitwise():
-    assert "kahan_adamw pallas, 2 steps bitwise OK" in _run(_KAHAN)
+    out = _run(_KAHAN)
+    assert "kahan_adamw pallas, 2 steps bitwise OK" in out
+    assert "kahan_adamw pallas with param_specs, 2 steps bitwise OK" in out
 
 
 def _sds(shape, dtype, mesh, spec):
@@ -272,3 +284,25 @@ def test_kahan_adamw_does_not_all_gather_on_gpus():
     args = _kahan_args(mesh, P("data", None))
     assert _all_gathers(_compile(_kahan_step(False), args, None)) > 0  # control: XLA gathers the leaf
     assert _all_gathers(_compile(_kahan_step(True), args, None)) == 0
+
+
+def test_kahan_adamw_with_param_specs_compiles_on_tpu_mesh_without_gathers():
+    """The trainer's path (``param_specs``: a shard_map) partitions on the compile-only TPU too: one kernel per
+    leaf, no all-gather, whatever the leaf's layout (split, split on a middle dim, replicated)."""
+    import lpt.optim as O
+
+    mesh = targets.mesh("v5e:2x2", (2, 2), ("data", "tensor"))
+    specs = {"a": ((256, 512), P("data", "tensor")), "b": ((512,), P()), "c": ((8, 128, 256), P(None, None, "data"))}
+    sh = {k: jax.sharding.NamedSharding(mesh, s) for k, (_, s) in specs.items()}
+    w = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh[k]) for k, (s, _) in specs.items()}
+    tx = O.kahan_adamw(1e-2, weight_decay=0.1, impl="pallas", sequential_leaves=False, param_specs=sh)
+    st = jax.eval_shape(tx.init, w)
+    like = lambda tree: {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in tree.items()}
+    st = st._replace(moments=like(st.moments), compensation=like(st.compensation))
+    rep = jax.sharding.NamedSharding(mesh, P())
+    st = jax.tree.map(
+        lambda x: x if x.sharding is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), st
+    )
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        compiled = jax.jit(tx.update).lower(w, st, w).compile()
+    assert compiled.as_text().count("tpu_custom_call") >= 3 and _all_gathers(compiled) == 0
