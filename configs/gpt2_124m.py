@@ -10,6 +10,11 @@ model sees ~4x more tokens per word than GPT-2's BPE: 1024-byte contexts. About 
 6N+attention ~ 0.6 GFLOP per token, ~1.3e18 FLOPs for the 2B tokens of 4000 steps x 512 x 1024: hours on one 8-GPU
 node. Compare a bf16+nearest run (--config.precision.update_rule=nearest) to see the nearest-rounding floor of Zamirai
 et al. (Revisiting BFloat16 Training).
+
+Compiled with `python -m lpt.train.compile --config gpt2_124m --topology TOPO` (2026-11-23):
+- v5e:2x2 (v5e-4, data parallel): 12.27 GiB per chip of 15.75 (state 0.64 GiB, temps 11.59 GiB); 3.272e14 model
+  FLOPs per step; 4 Mosaic kernels (flash attention); collectives: the gradients' all-reduce only (26 per step,
+  172 MB), no all-gather; 81 s to compile on 2 CPU cores. Rerun: `python benchmarks/configs_compile.py`.
 """
 
 import ml_collections
@@ -31,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5  # LayerNorm epsilon
     c.model.tie_embeddings = True  # GPT-2 ties input and output embeddings
     c.model.init_std = 0.02  # GPT-2 init
-    c.model.remat = False  # recompute block activations in the backward pass (turn on if activations do not fit)
+    c.model.remat = True  # recompute block activations in the backward pass (128 sequences per v5e chip need it)
     c.model.scan_layers = True  # stack the blocks and nnx.scan over them (compile once per block, not 12 times)
 
     c.precision = ml_collections.ConfigDict()
@@ -47,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.matmul.down = "bf16"  # MLP down projection
     c.precision.matmul.lm_head = "bf16"  # vocabulary projection
     c.precision.attention = ml_collections.ConfigDict()
-    c.precision.attention.impl = "xla"  # "pallas" for the flash kernel on GPU/TPU
+    c.precision.attention.impl = "pallas"  # the flash kernel (GPU/TPU; interpreted, and slow, on a CPU)
     c.precision.attention.stable = True  # Qiu & Yao's fix for repeated row maxima
     c.precision.attention.beta = 7.0  # the fix's beta
     c.precision.pqt = ml_collections.ConfigDict()

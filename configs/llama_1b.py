@@ -7,8 +7,17 @@ Command (per host; launch/slurm_gpu.sbatch and launch/tpu_pod.sh run it on every
 
 Expected result: not measured here (developed on CPUs). 0.97B parameters with byte-level vocab; 8 bytes per
 parameter of param+optimizer state under bf16+Kahan (~7.8 GB) sharded over the fsdp axis, activations over data.
-FLOPs per token = 6N + attention = 6.6 GFLOP (lpt.models.flops_per_token); estimate at 40% MFU on a v5p-64
-(32 chips): ~0.9M tokens/s, i.e. ~1.7 steps/s of 512K tokens. MFU is logged when the device peak is known.
+FLOPs per token = 6N + attention = 6.6 GFLOP (lpt.models.flops_per_token). MFU is logged when the device peak is known.
+
+Compiled with `python -m lpt.train.compile --config llama_1b --topology TOPO` (2026-11-23; pallas flash attention,
+FP8 matmuls in qkv/out/up/down, the fused Kahan AdamW kernel, 4 microbatches of 8 sequences per v5e chip):
+- v5e:2x4 (v5e-8): 11.32 GiB per chip of 15.75 (state 0.91 GiB, temps 10.34 GiB); 3.485e15 model FLOPs per step;
+  16 Mosaic kernels; collectives: all-gather 58 ops / 4.1 GB (the fsdp weight gathers), all-to-all 16 / 0.38 GB;
+  65 s to compile on 2 CPU cores. With 2 microbatches it needs 17.68 GiB (does not fit), with 8 it needs 6.93.
+- v5p:2x2x1 (v5p-8): 20.60 GiB per chip of 95.74 (state 1.81 GiB, temps 18.71 GiB); 3.485e15 model FLOPs per step;
+  16 Mosaic kernels; collectives: all-gather 61 ops / 4.1 GB, all-to-all 16 / 0.49 GB; 80 s to compile.
+Rerun all of these with `python benchmarks/configs_compile.py`; tests/train/test_config_fit.py holds the state bytes,
+FLOPs and HBM.
 """
 
 import ml_collections
@@ -38,12 +47,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.precision.compute_dtype = "bfloat16"  # matmul inputs / activations in bf16
     c.precision.update_rule = "kahan"  # Kahan-compensated bf16 updates
     c.precision.moment_rounding = "stochastic"  # 16-bit Adam moments: "stochastic" (unbiased) | "nearest"
-    c.precision.update_impl = "xla"  # kahan only: fused step in "xla" or the "pallas" kernel (GPU/TPU)
+    c.precision.update_impl = "pallas"  # kahan only: the fused AdamW + Kahan Pallas kernel, per shard (GPU/TPU)
     c.precision.matmul = ml_collections.ConfigDict()
-    c.precision.matmul.qkv = "bf16"  # set to "fp8" for blockwise FP8 (H100 / TPU v5p+)
-    c.precision.matmul.out = "bf16"  # attention output projection
-    c.precision.matmul.up = "bf16"  # MLP up/gate
-    c.precision.matmul.down = "bf16"  # MLP down
+    c.precision.matmul.qkv = "fp8"  # blockwise FP8 (1x128 / 128x128 scales, f32 promotion every 128 of K)
+    c.precision.matmul.out = "fp8"  # attention output projection
+    c.precision.matmul.up = "fp8"  # MLP up/gate
+    c.precision.matmul.down = "fp8"  # MLP down
     c.precision.matmul.lm_head = "bf16"  # vocabulary projection
     c.precision.attention = ml_collections.ConfigDict()
     c.precision.attention.impl = "pallas"  # flash attention kernel
@@ -74,7 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8  # Adam epsilon
     c.optim.weight_decay = 0.1  # decoupled weight decay on matrices
     c.optim.grad_clip = 1.0  # global-norm clipping
-    c.optim.microbatches = 1  # gradient accumulation passes per step
+    c.optim.microbatches = 4  # gradient accumulation passes per step (v5e-8: 11.3 GiB per chip; 2 passes need 17.7)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 50000  # optimizer steps (~26B tokens)
