@@ -21,14 +21,16 @@ Triton on CUDA, Mosaic on TPU), ``impl="mosaic_gpu"`` the Hopper wgmma kernel (C
 recomputed from the current tensors on every call, so there is no state to carry through scan, remat or gradient
 accumulation. The output and ``dx`` take ``x``'s dtype, ``dw`` takes ``w``'s dtype.
 
-Under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) the kernel impls (``"pallas"``, ``"mosaic_gpu"``) run
-the forward and the backward each inside one ``shard_map`` (:func:`lpt.kernels.dispatch.shard_map`): ``x``'s rows
+Under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) every impl runs the forward and the backward each inside
+one ``shard_map`` (:func:`lpt.kernels.dispatch.shard_map`): ``x``'s rows
 (tokens) follow the "batch" axes; ``w``'s K and N follow the layer's logical axes ``w_axes`` (resolved with
 ``("batch", k_name, n_name)``, first unused rule wins, by :func:`lpt.sharding.kernel_spec`; ``w_axes=None``
 replicates the weight). Each shard quantizes and multiplies its own blocks, then the partial sums are added with
 ``lax.psum`` where the contracted dim is split: the output over K's axes, ``dx`` over N's, ``dw`` over the batch
 axes. A psum adds the shards' f32 partials in a different order than one device adds the K-chunks, so the result
 can differ from the unsharded one in the last f32 bits, except with two shards of one chunk each (``a + b``).
+The XLA impl needs the shard_map as much as the kernels: left to the partitioner, its scan over the token chunks of
+``dw`` (a dimension split over the batch axes) all-gathers the whole operand in every iteration.
 """
 
 from __future__ import annotations
@@ -173,9 +175,9 @@ def blockwise_dot(
       scale_format: ``"f32"`` (scale = amax / max) or ``"pow2"`` (scale rounded up to a power of two).
       interpret: for the kernels: ``True`` forces the interpreter; ``None``: ``"pallas"`` picks per platform
         (``lax.platform_dependent``), ``"mosaic_gpu"`` compiles for CUDA.
-      w_axes: logical names of ``w``'s (K, N) dims, e.g. ``("embed", "mlp")``; the kernel impls split ``w`` by
-        them under a mesh (see the module doc). None: ``w`` is replicated on every shard.
-      mesh: the kernels' mesh; None: the mesh of ``jax.set_mesh`` if one is set, else whole arrays.
+      w_axes: logical names of ``w``'s (K, N) dims, e.g. ``("embed", "mlp")``; under a mesh ``w`` is split by them
+        (see the module doc). None: ``w`` is replicated on every shard.
+      mesh: the mesh to run per shard on; None: the mesh of ``jax.set_mesh`` if one is set, else whole arrays.
 
     Raises:
       ValueError: for non-float inputs, mismatched K, K or N not a multiple of ``block``, unknown options, or
@@ -215,8 +217,7 @@ def blockwise_dot(
             f"{cfg.block}x{cfg.block} weight blocks); choose a smaller block or pad the layer"
         )
     lead = x.shape[:-1]
-    if impl != "xla":
-        cfg = _with_mesh(cfg, dispatch.kernel_mesh(mesh), x.size // k, k, n, w_axes)
+    cfg = _with_mesh(cfg, dispatch.kernel_mesh(mesh), x.size // k, k, n, w_axes)
     y2 = _bdot(x.reshape(-1, k), w, cfg)
     return y2.reshape(*lead, n)
 
