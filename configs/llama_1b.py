@@ -11,11 +11,11 @@ FLOPs per token = 6N + attention = 6.6 GFLOP (lpt.models.flops_per_token). MFU i
 
 Compiled with `python -m lpt.train.compile --config llama_1b --topology TOPO` (2026-11-23; pallas flash attention,
 FP8 matmuls in qkv/out/up/down, the fused Kahan AdamW kernel, 4 microbatches of 8 sequences per v5e chip):
-- v5e:2x4 (v5e-8): 11.32 GiB per chip of 15.75 (state 0.91 GiB, temps 10.34 GiB); 3.485e15 model FLOPs per step;
-  16 Mosaic kernels; collectives: all-gather 58 ops / 4.1 GB (the fsdp weight gathers), all-to-all 16 / 0.38 GB;
-  65 s to compile on 2 CPU cores. With 2 microbatches it needs 17.68 GiB (does not fit), with 8 it needs 6.93.
-- v5p:2x2x1 (v5p-8): 20.60 GiB per chip of 95.74 (state 1.81 GiB, temps 18.71 GiB); 3.485e15 model FLOPs per step;
-  16 Mosaic kernels; collectives: all-gather 61 ops / 4.1 GB, all-to-all 16 / 0.49 GB; 80 s to compile.
+- v5e:2x4 (v5e-8): 10.29 GiB per chip of 15.75 (state 0.91 GiB, temps 9.31 GiB); 3.485e15 model FLOPs per step;
+  16 Mosaic kernels; collectives per step: all-gather 1184 / 15.6 GB (the fsdp weight gathers, per layer and
+  microbatch), all-reduce 139 / 0.54 GB; 105 s to compile on 2 CPU cores.
+- v5p:2x2x1 (v5p-8): 20.80 GiB per chip of 95.74 (state 1.81 GiB, temps 18.90 GiB); 3.485e15 model FLOPs per step;
+  16 Mosaic kernels; collectives per step: all-gather 1164 / 15.6 GB, all-reduce 143 / 0.28 GB; 66 s to compile.
 Rerun all of these with `python benchmarks/configs_compile.py`; tests/train/test_config_fit.py holds the state bytes,
 FLOPs and HBM.
 """
