@@ -110,7 +110,7 @@ def test_does_not_fit_gives_advice(capsys):
 
 
 def test_advice_numbers():
-    cfg = config_lib.apply_overrides(config_lib.load_config_file("configs/llama_1b.py"), {})
+    cfg = config_lib.apply_overrides(config_lib.load_config_file("configs/llama_1b.py"), {"optim.microbatches": "1"})
     gib = 2**30
     r = {
         "hbm_bytes": int(15.75 * gib),
