@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -261,21 +262,54 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     return cfg
 
 
-def schema_help() -> str:
-    """The config keys, their types and allowed values, for ``--help``."""
-    lines = ["config keys (override any with --config.KEY=VALUE; tuples as a,b):"]
+def config_comments(path: str | Path) -> dict[str, str]:
+    """``{key: comment}`` from the ``c.a.b = value  # comment`` lines of a config file and of the shipped configs it
+    imports (``from tiny_cpu import get_config as base``)."""
+    path = resolve_config(path)
+    text = path.read_text()
+    comments: dict[str, str] = {}
+    for base in re.findall(r"^from (\w+) import", text, re.M):
+        if (path.parent / f"{base}.py").is_file():
+            comments.update(config_comments(path.parent / f"{base}.py"))
+    for key, comment in re.findall(r"^\s*c\.([\w.]+)\s*=.*?#\s*(.+)$", text, re.M):
+        comments[key] = comment.strip()
+    return comments
+
+
+def schema_help(cfg: ml_collections.ConfigDict | None = None, comments: dict[str, str] | None = None) -> str:
+    """The config keys with their types and allowed values for ``--help``; with ``cfg``, each key's current value,
+    and with ``comments``, the config file's comment on it."""
+    flat = _flatten(cfg) if cfg is not None else {}
+    head = "config keys (override any with --config.KEY=VALUE or --config.KEY VALUE; tuples as a,b)"
+    lines = [head + (": current values from the given --config" if cfg is not None else ":")]
     for key, (typ, allowed) in SCHEMA.items():
+        value = f" = {flat[key]!r}" if key in flat else ""
         choices = f"  one of: {', '.join(allowed)}" if allowed else ""
-        lines.append(f"  {key:<32} {typ.__name__}{choices}")
+        lines.append(f"  {key}{value}  ({typ.__name__}){choices}")
+        if comments and key in comments:
+            lines.append(f"      {comments[key]}")
     return "\n".join(lines)
+
+
+def _help_for(config: str) -> str:
+    try:
+        return schema_help(load_config_file(config), config_comments(config))
+    except ValueError as e:
+        return f"{schema_help()}\n\n(--config {config}: {e})"
 
 
 def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Namespace]:
     """Parse ``--config FILE --workdir DIR [--config.key=value ...]`` (+ optional multi-process flags)."""
+    epilog = schema_help()
+    if any(a in ("-h", "--help") for a in argv):  # with --config: the file's values and comments
+        peek = argparse.ArgumentParser(add_help=False)
+        peek.add_argument("--config")
+        config = peek.parse_known_args(argv)[0].config
+        epilog = _help_for(config) if config else epilog
     parser = argparse.ArgumentParser(
         prog="python -m lpt.train",
         description="Train an lpt transformer.",
-        epilog=schema_help(),
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="config file (configs/tiny_cpu.py) or shipped name (tiny_cpu)")

@@ -230,3 +230,11 @@ def test_overrides_take_the_space_form_too():
     assert cfg.train.steps == 20 and cfg.optim.lr == 0.01
     with pytest.raises(ValueError, match=r"override '--config.train.steps' has no value"):
         config_lib.parse_args(["--config", "tiny_cpu", "--workdir", "w", "--config.train.steps"])
+
+
+def test_help_with_a_config_shows_each_keys_value_and_comment(capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", "tiny_cpu_bf16_kahan", "--help"])
+    out = capsys.readouterr().out
+    assert "  precision.update_rule = 'kahan'  (str)" in out  # the derived config's value
+    assert "  model.d_model = 128  (int)\n      residual stream width" in out  # the base file's comment
