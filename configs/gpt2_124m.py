@@ -90,6 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 20  # validation batches per evaluation
     c.train.log_every = 10  # logging interval
     c.train.diagnostics_every = 100  # forward pass logging FP8 underflow / attention repeated max; 0 = off
+    c.train.profile_steps = ""  # "FIRST,LAST" writes a jax.profiler trace of those steps to workdir/profile
     c.train.checkpoint_every = 500  # checkpoint interval
     c.train.keep_checkpoints = 3  # checkpoints kept
     c.train.mesh = ml_collections.ConfigDict()

@@ -18,7 +18,6 @@ files, which change only config.precision) are compared with.
 import ml_collections
 
 
-
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
@@ -89,6 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 4  # validation batches per evaluation
     c.train.log_every = 10  # JSONL/TensorBoard logging interval
     c.train.diagnostics_every = 50  # forward pass logging FP8 underflow / attention repeated max; 0 = off
+    c.train.profile_steps = ""  # "FIRST,LAST" writes a jax.profiler trace of those steps to workdir/profile
     c.train.checkpoint_every = 200  # checkpoint interval (and at the end, and on SIGTERM)
     c.train.keep_checkpoints = 3  # newest checkpoints to keep
     c.train.mesh = ml_collections.ConfigDict()

@@ -92,6 +92,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "train.eval_batches": (int, None),
     "train.log_every": (int, None),
     "train.diagnostics_every": (int, None),  # activation diagnostics pass every N steps (0 = off)
+    "train.profile_steps": (str, None),  # "FIRST,LAST": a jax.profiler trace of those steps; "" = off
     "train.checkpoint_every": (int, None),
     "train.keep_checkpoints": (int, None),
     "train.mesh.data": (int, None),
@@ -162,6 +163,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for key in POSITIVE:
         if flat[key] < 1:
             raise ValueError(f"config key {key}={flat[key]} must be >= 1")
+    profile_steps(cfg)  # raises on a malformed range
     if not cfg.optim.lr > 0:
         raise ValueError(f"config key optim.lr={cfg.optim.lr} must be > 0")
     if p.update_rule != "f32_master" and p.param_dtype == "float32":
@@ -179,6 +181,20 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+
+
+def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
+    """``train.profile_steps`` as (first, last) step, or None when it is ""; ValueError if malformed."""
+    text = cfg.train.profile_steps.strip()
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+        raise ValueError(
+            f"config key train.profile_steps={text!r} must be 'FIRST,LAST' with 1 <= FIRST <= LAST (e.g. '100,110'), "
+            f"or '' for no trace"
+        )
+    return int(parts[0]), int(parts[1])
 
 
 def check_heads(cfg: ml_collections.ConfigDict, tensor: int) -> None:

@@ -156,13 +156,20 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
         logger.show(eval=f"{loss:.3f}")
         return loss
 
+    profile = config_lib.profile_steps(cfg)
     try:
         for s in range(start + 1, steps + 1):
+            if profile and s == profile[0]:
+                jax.profiler.start_trace(str(workdir / "profile"))  # TensorBoard's profile plugin opens it
             batch = to_global(next(data_iter))
             diag = None
             if diag_every and s % diag_every == 0:  # before the step: same params, batch and key as its forward
                 diag = prog.diag_step(state.params, state.rest, batch, state.step)
             state, step_metrics = train_step(state, batch)
+            if profile and s == profile[1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                log.info("profiled steps %d-%d: trace in %s", *profile, workdir / "profile")
             logger.drain()
             logger.add(s, {**step_metrics, **diag} if diag else step_metrics, diag is not None)
             for hook in hooks:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lpt.train import config as config_lib
 from lpt.train import metrics
 from lpt.train import workdir as workdir_lib
 from lpt.train.__main__ import main
@@ -227,3 +228,12 @@ def test_run_records_config_wall_time_and_compile_time(reference):
     assert summary["compile_seconds"] > 0 and summary["tokens_per_sec"] > 0
     events = list((reference / "tensorboard").glob("events.out.tfevents.*"))
     assert events and any(b"config" in e.read_bytes() and b"d_model" in e.read_bytes() for e in events)
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=3", "--config.train.profile_steps=2,3"])
+    assert rc == 0
+    assert list((tmp_path / "profile").rglob("*.xplane.pb")), "no jax.profiler trace"
+    for bad in ("3,2", "0,1", "5", "a,b"):
+        with pytest.raises(ValueError, match="train.profile_steps"):
+            config_lib.parse_args([*ARGS, "--workdir", str(tmp_path), f"--config.train.profile_steps={bad}"])
