@@ -8,8 +8,10 @@
   Triton), tiles per platform in ``flash_attention_tiles``; twin in ``flash_attention_reference`` (shared block
   rules in ``flash_attention_math``).
 
-Each is tested in interpret mode against its twin and lowered for ``cuda`` and ``tpu`` in the tests.
-"""
+* ``adamw_kahan``: the fused AdamW + Kahan update, one pass per leaf; its math and XLA twin in
+  ``adamw_kahan_math`` (pure jnp, what ``lpt.optim`` imports), per-shard wrappers in ``adamw_kahan_sharded``.
+* ``dispatch``: the one platform switch (interpret / Triton / Mosaic) and the shard_map helper for all of them.
 
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference  # noqa: F401
-from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu  # noqa: F401
+Each is tested in interpret mode against its twin and compiled for TPU v5e and H100 in the tests. Import the
+modules you need; the package itself imports nothing, so the pure-math modules do not pull in Pallas.
+"""

@@ -1,27 +1,16 @@
-"""Fused AdamW + Kahan update of bf16 params with 16-bit moments: the per-element math, its XLA twin, a Pallas kernel.
+"""Fused AdamW + Kahan update of bf16 params with 16-bit moments as one Pallas kernel per leaf.
 
-One step for a parameter ``p`` with gradient ``g``, compensation ``c`` and moments ``m, v`` (all f32 arithmetic)::
+The math (the update equations, :func:`~lpt.kernels.adamw_kahan_math.moment_update`, ``round_moments``,
+``kahan_target``, ``kahan_round``) and the kernel's XLA twin (``adamw_kahan_reference``) are in
+:mod:`lpt.kernels.adamw_kahan_math`, pure jnp, which the XLA path (``lpt.optim.kahan_adamw(impl="xla")``) calls as
+well, so the two agree bit for bit (tested in interpret mode).
 
-    m' = Q_m(b1·m + (1−b1)·g)            v' = Q_m(b2·v + (1−b2)·g²)        (Q_m: nearest or stochastic rounding)
-    u  = −lr · ( (m'·(1/c1)) / (sqrt(v'·(1/c2)) + eps) + wd·p )            (c1 = 1−b1^t, c2 = 1−b2^t)
-    t  = p + (u − c)                                                         (Kahan: y = u − c, t = p + y)
-    p' = Q_p(t)                          c' = Q_c(p' − t)                    (round to nearest, Zamirai et al. Alg. 1)
-
-This is ``lpt.optim.scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> kahan_summation`` (the
-moments feed the update after rounding, as in the chain), with every product kept out of FMAs (:func:`no_fma`) so
-that every fusion and backend computes the same bits. Both moments of an element travel packed in one
-``uint32`` (m's bf16 bits high, v's low), so the state is 8 bytes/param: p, c (2 each) and the packed moments (4).
-
-* :func:`moment_update`, :func:`round_moments`, :func:`kahan_target`, :func:`kahan_round`: the math above in
-  stages, pure jnp; the XLA path (``lpt.optim.kahan_adamw(impl="xla")``) and the kernel both call them, so they
-  agree bit for bit (tested in interpret mode).
-* :func:`adamw_kahan_reference`: the XLA twin of the kernel on one leaf (any shape).
-* :func:`adamw_kahan`: the Pallas kernel, one pass over ``(g, p, c, mv)`` -> ``(p', c', mv')`` with the outputs
-  aliased to the inputs. Memory traffic: reads 2+2+2+4, writes 2+2+4 = 18 bytes/param (an f32-master AdamW moves
-  14 + 12 + a bf16 compute copy = 28). Leaves are flattened and zero-padded to whole ``(rows, 128)`` blocks; the
-  padding is sliced off. Stochastic moment rounding (:func:`round_moments`) draws one ``hash_bits`` word per
-  element from its global flat index (block base + in-block index), so the kernel draws the same bits as the XLA
-  path.
+:func:`adamw_kahan` makes one pass over ``(g, p, c, mv)`` -> ``(p', c', mv')`` with the outputs aliased to the
+inputs. Memory traffic: reads 2+2+2+4, writes 2+2+4 = 18 bytes/param (an f32-master AdamW moves 14 + 12 + a bf16
+compute copy = 28). Leaves are flattened and zero-padded to whole ``(rows, 128)`` blocks; the padding is sliced
+off. Stochastic moment rounding draws one ``hash_bits`` word per element from its global flat index (block base +
+in-block index, or a shard's global index map), so the kernel draws the same bits as the XLA path. The platform
+switch is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in :mod:`lpt.kernels.adamw_kahan_sharded`.
 """
 
 from __future__ import annotations
@@ -31,215 +20,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
-from lpt.numerics import hash_bits, round_nearest
-from lpt.numerics.random import hash_index  # hash_bits' keyed hash (Triton cannot lower hash_bits' key handling)
+from lpt.kernels.adamw_kahan_math import LANES, check_leaf, leaf_math, shard_index_map
 
-__all__ = [
-    "adamw_direction",
-    "adamw_kahan",
-    "adamw_kahan_reference",
-    "kahan_round",
-    "kahan_target",
-    "moment_update",
-    "pack_bf16_pair",
-    "unpack_bf16_pair",
-]
-
-LANES = 128
-_HI = 0xFFFF0000
-
-
-def bf16_bits_to_f32(x_u32: jax.Array) -> jax.Array:
-    """bf16 bit patterns in the HIGH half of a u32 (low half ignored) -> their f32 values (exact)."""
-    return lax.bitcast_convert_type(x_u32 & jnp.uint32(_HI), jnp.float32)  # u32 -> f32
-
-
-def pack_bf16_pair(hi_f32: jax.Array, lo_f32: jax.Array) -> jax.Array:
-    """Two f32 arrays already on the bf16 grid -> one u32 (``hi``'s bf16 bits high, ``lo``'s low). Exact."""
-    hi = lax.bitcast_convert_type(hi_f32, jnp.uint32) & jnp.uint32(_HI)  # f32 -> u32 bits
-    lo = lax.bitcast_convert_type(lo_f32, jnp.uint32) >> jnp.uint32(16)  # f32 -> u32 bits
-    return hi | lo
-
-
-def unpack_bf16_pair(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of :func:`pack_bf16_pair`: u32 -> (hi, lo) as f32 (exact)."""
-    return bf16_bits_to_f32(packed), bf16_bits_to_f32(packed << jnp.uint32(16))
-
-
-def no_fma(x32, zero_u32):
-    """``x`` unchanged, but opaque to FMA contraction: its bits are OR-ed with a runtime zero (a u32 scalar the
-    compiler cannot see is 0). XLA:CPU (and Triton) contract ``a·b + c`` into one FMA wherever the product has a
-    single use, so the same expression rounds differently in different fusions; every product that feeds an add
-    goes through here, which makes the XLA path, the kernel and the chain agree bit for bit."""
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(x32, jnp.uint32) | zero_u32, jnp.float32)
-
-
-def runtime_zero(count):
-    """A u32 zero from the int32 step count (never negative: optax's increment saturates), opaque to compilers."""
-    return (count >> 31).astype(jnp.uint32)  # int32 -> u32
-
-
-def f32(h) -> jax.Array:
-    """A hyperparameter as an f32 scalar: Python numbers exactly as ``jnp.float32(h)``, traced ones (from
-    ``optax.inject_hyperparams``, maybe in bf16) converted."""
-    return jnp.asarray(h).astype(jnp.float32)  # hyperparameter -> f32
-
-
-def one_minus(h) -> jax.Array:
-    """``1 − h`` as f32: in f64 then rounded for Python numbers (as the chain always did), in f32 for traced ones."""
-    if isinstance(h, (int, float)):
-        return jnp.float32(1 - h)
-    return jnp.float32(1) - f32(h)
-
-
-def is_static_zero(h) -> bool:
-    return isinstance(h, (int, float)) and h == 0
-
-
-def moment_update(g32, m32, v32, zero_u32, *, b1: float, b2: float):
-    """Unrounded f32 moments: ``b1·m + (1−b1)·g`` and ``b2·v + (1−b2)·g²`` (the order of lpt.optim.scale_by_adam),
-    products not contracted into FMAs (:func:`no_fma`)."""
-    m_new = no_fma(f32(b1) * m32, zero_u32) + no_fma(one_minus(b1) * g32, zero_u32)
-    v_new = no_fma(f32(b2) * v32, zero_u32) + no_fma(one_minus(b2) * (g32 * g32), zero_u32)
-    return m_new, v_new
-
-
-def adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, *, eps: float, weight_decay: float):
-    """``(m·(1/c1)) / (sqrt(v·(1/c2)) + eps) + wd·p`` in f32: the AdamW update before ``−lr``.
-
-    The bias corrections are multiplications by precomputed reciprocals (what XLA's simplifier makes of a division
-    by a broadcast scalar anyway), so every backend computes the same bits."""
-    a = (mq32 * inv_c1) / (jnp.sqrt(vq32 * inv_c2) + f32(eps))
-    if not is_static_zero(weight_decay):
-        a = a + no_fma(f32(weight_decay) * p32, zero_u32)
-    return a
-
-
-def kahan_target(mq32, vq32, p32, c32, inv_c1, inv_c2, neg_lr, zero_u32, *, eps: float, weight_decay: float):
-    """``t = p + (u − c)`` with the AdamW step ``u = −lr · adamw_direction(...)`` (all f32, no FMA)."""
-    direction = adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, eps=eps, weight_decay=weight_decay)
-    u = no_fma(neg_lr * direction, zero_u32)
-    return p32 + (u - c32)
-
-
-def kahan_round(t, param_dtype, compensation_dtype):
-    """``p' = Q_p(t)`` and ``c' = Q_c(p' − t)`` (round to nearest even), both returned as f32 on their grids."""
-    s32 = round_nearest(t, param_dtype, out_dtype=jnp.float32)
-    c32 = round_nearest(s32 - t, compensation_dtype, out_dtype=jnp.float32)
-    return s32, c32
-
-
-def _stochastic_bf16(x32, r16):
-    """bf16 stochastic rounding of f32 ``x`` with 16 uniform random bits ``r16`` (u32 < 2^16), as f32.
-
-    ``(bits(x) + r16) & 0xFFFF0000``: exactly :func:`lpt.numerics.round_stochastic` into bf16 when ``r16`` are the
-    top 16 bits of its random word. bf16 shares f32's exponent range, so there is no subnormal case, a carry out of
-    the largest bf16 lands exactly on ±inf (IEEE overflow) and ±inf stay ±inf (their low 16 bits are 0); only NaN
-    must be passed through (a payload could carry into the sign bit)."""
-    b = lax.bitcast_convert_type(x32, jnp.uint32)  # f32 -> u32 bits
-    r = lax.bitcast_convert_type((b + r16) & jnp.uint32(_HI), jnp.float32)  # u32 -> f32
-    return jnp.where(x32 != x32, x32, r)
-
-
-def moment_bits(shape, key_words, base=None, index_map=None):
-    """One uniform u32 per element: :func:`lpt.numerics.hash_bits` of ``(k0, k1)`` and the element's flat index.
-
-    ``base=None``: the whole leaf, via ``hash_bits``. Inside the kernel ``base`` is the flat index of the block's
-    first element and the same mixer runs on ``base + i`` here, because Triton cannot lower ``hash_bits``' key
-    handling (it stacks and indexes the two key words). On a shard of a leaf, ``index_map`` (from
-    :func:`shard_index_map`) maps that local flat index to the leaf's global one."""
-    k0, k1 = key_words
-    if base is None:
-        return hash_bits(jnp.stack([k0, k1]), shape)
-    idx = base + (
-        lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1]) + lax.broadcasted_iota(jnp.uint32, shape, 1)
-    )  # flat (row-major) index of each element, as hash_bits numbers them
-    if index_map is not None:
-        idx = index_map(idx)
-    return hash_index(idx, k0, k1)  # = hash_bits((k0, k1), leaf shape)[idx]
-
-
-def shard_index_map(local_shape, global_shape, offset):
-    """``f -> global flat index`` of the element at local flat index ``f`` (u32) of a shard of ``local_shape`` whose
-    first element sits at global flat index ``offset`` (u32 scalar) of a leaf of ``global_shape``.
-
-    Only the dims up to the last split one need a div/mod: the trailing whole dims keep their strides, so a leaf
-    split along its first dim only costs one add."""
-    split = [i for i, (lo, gl) in enumerate(zip(local_shape, global_shape, strict=True)) if lo != gl]
-    last = split[-1] if split else 0
-    tail = math.prod(local_shape[last + 1 :])  # = prod(global_shape[last + 1:])
-    strides = [math.prod(global_shape[i + 1 :]) for i in range(len(global_shape))]
-
-    def index_map(f):
-        if last == 0:
-            return offset + f
-        q = f // jnp.uint32(tail)
-        out = f % jnp.uint32(tail)
-        for i in range(last, 0, -1):
-            out = out + (q % jnp.uint32(local_shape[i])) * jnp.uint32(strides[i])
-            q = q // jnp.uint32(local_shape[i])
-        return offset + out + q * jnp.uint32(strides[0])
-
-    return index_map
-
-
-def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, index_map=None):
-    """Q_m of both moments into bf16, returned as f32: nearest, or stochastic from ONE hash word per element.
-
-    Stochastic: the top 16 bits of :func:`moment_bits` round ``m`` (bit-identical to
-    ``lpt.numerics.round_stochastic(m, bf16, key)``), the low 16 bits round ``v``. bf16 stochastic rounding uses 16
-    random bits, so one 32-bit hash serves both moments: half the hashing of two ``round_stochastic`` calls (the
-    hash, 4 u32 multiplies per word, dominated the stochastic step on XLA:CPU)."""
-    if not stochastic:
-        return round_nearest(m32, jnp.bfloat16, out_dtype=jnp.float32), round_nearest(
-            v32, jnp.bfloat16, out_dtype=jnp.float32
-        )
-    rnd = moment_bits(m32.shape, key_words, base, index_map)
-    return _stochastic_bf16(m32, rnd >> jnp.uint32(16)), _stochastic_bf16(v32, rnd & jnp.uint32(0xFFFF))
-
-
-def _leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, base=None, index_map=None):
-    """One step on arrays of any (equal) shape; returns ``(p', c', mv')`` in bf16, bf16, u32."""
-    inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
-    zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
-    g32 = g.astype(jnp.float32)  # grad dtype -> f32
-    p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
-    c32 = c.astype(jnp.float32)  # bf16 -> f32 (exact)
-    m_new, v_new = moment_update(g32, *unpack_bf16_pair(mv), zero, b1=b1, b2=b2)
-    mq, vq = round_moments(
-        m_new, v_new, stochastic=stochastic, key_words=(words[0], words[1]), base=base, index_map=index_map
-    )
-    t = kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, eps=eps, weight_decay=weight_decay)
-    s32, c_new32 = kahan_round(t, jnp.bfloat16, jnp.bfloat16)
-    # f32 -> bf16 casts below are exact: the values are on the bf16 grid
-    return s32.astype(jnp.bfloat16), c_new32.astype(jnp.bfloat16), pack_bf16_pair(mq, vq)
-
-
-def _check(g, p, c, mv, scalars, words):
-    if p.dtype != jnp.bfloat16 or c.dtype != jnp.bfloat16:
-        raise ValueError(f"adamw_kahan needs bf16 params and compensation, got {p.dtype} and {c.dtype}")
-    if mv.dtype != jnp.uint32:
-        raise ValueError(f"adamw_kahan needs the packed bf16 moments as uint32, got {mv.dtype}")
-    if not jnp.issubdtype(g.dtype, jnp.floating):
-        raise ValueError(f"adamw_kahan: gradient dtype {g.dtype} is not floating point")
-    if not (g.shape == p.shape == c.shape == mv.shape):
-        raise ValueError(f"adamw_kahan: shapes differ: g {g.shape}, p {p.shape}, c {c.shape}, mv {mv.shape}")
-    if scalars.shape != (4,) or scalars.dtype != jnp.float32:
-        raise ValueError(f"scalars must be f32[4] (1/c1, 1/c2, -lr, 0), got {scalars.dtype}{list(scalars.shape)}")
-    if words.shape != (2,) or words.dtype != jnp.uint32:
-        raise ValueError(f"words must be uint32[2] (the moments' raw key), got {words.dtype}{list(words.shape)}")
-
-
-def adamw_kahan_reference(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic):
-    """XLA twin of :func:`adamw_kahan`: the same math on the whole leaf, in the same order."""
-    _check(g, p, c, mv, scalars, words)
-    hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
-    return _leaf_math(g, p, c, mv, scalars, words, **hp)
+__all__ = ["TPU_BLOCK_ROWS", "TRITON_BLOCK_ROWS", "adamw_kahan"]
 
 
 def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, p_out, c_out, mv_out, *, block, hp, shapes):
@@ -247,7 +34,7 @@ def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, p_out, c_out, mv_out, *,
     words = (w_ref[0], w_ref[1])
     base = (pl.program_id(0) * block).astype(jnp.uint32) if hp["stochastic"] else None  # int32 -> u32
     index_map = None if shapes is None else shard_index_map(*shapes, w_ref[2])
-    p_new, c_new, mv_new = _leaf_math(
+    p_new, c_new, mv_new = leaf_math(
         g_ref[...], p_ref[...], c_ref[...], mv_ref[...], scalars, words, base=base, index_map=index_map, **hp
     )
     p_out[...] = p_new
@@ -314,7 +101,7 @@ def adamw_kahan(
         flat index ``offset`` (u32 scalar); the stochastic rounding hashes each element's global flat index, so
         the bits do not depend on the sharding. None: the arrays are the whole leaf.
     """
-    _check(g, p, c, mv, scalars, words)
+    check_leaf(g, p, c, mv, scalars, words)
     if (global_shape is None) != (offset is None):
         raise ValueError(f"pass global_shape and offset together, got {global_shape=} and offset={offset!r}")
     shapes = None if global_shape is None or tuple(global_shape) == p.shape else (p.shape, tuple(global_shape))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lpt.kernels.adamw_kahan import f32, moment_update, round_moments, runtime_zero
+from lpt.kernels.adamw_kahan_math import f32, moment_update, round_moments, runtime_zero
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.leaves import leaf_id, leaf_name
 
@@ -43,7 +43,7 @@ def scale_by_adam(
     ``u = m·(1/(1−b1^t)) / (sqrt(v·(1/(1−b2^t))) + eps)`` (from the stored moments); ``Q`` rounds into ``moment_dtype``
     (default: the param dtype, so bf16 params get bf16 moments: 4 bytes/param of state). ``Q`` is stochastic
     rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding; bf16 moments share one hash word
-    per element (m from its top 16 bits, v from its low 16: :func:`lpt.kernels.adamw_kahan.round_moments`).
+    per element (m from its top 16 bits, v from its low 16: :func:`lpt.kernels.adamw_kahan_math.round_moments`).
     The update ``u`` is f32.
     """
     if rounding not in MOMENT_ROUNDINGS:

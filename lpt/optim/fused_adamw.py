@@ -31,8 +31,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from lpt.kernels import adamw_kahan as K
-from lpt.kernels.adamw_kahan_sharded import adamw_kahan_on_shards, adamw_kahan_partitioned
+from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.adam import MOMENT_ROUNDINGS
 from lpt.optim.leaves import UpdateDiagnostics, _check, leaf_id, leaf_name, needs_rounding, zeros_like_rounded
@@ -237,11 +236,13 @@ def fused_kahan_adamw(
                     )
                 words = _key_words(km)
                 scalars = jnp.stack([inv_c1, inv_c2, neg_lr, lax.bitcast_convert_type(zero, jnp.float32)])
+                from lpt.kernels import adamw_kahan_sharded as sharded  # Pallas: imported only when used
+
                 kw = dict(b1=b1, b2=b2, stochastic=stochastic, interpret=interpret, **hp)
                 if spec is None:
-                    new_p, new_c, new_mv = adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw)
+                    new_p, new_c, new_mv = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw)
                 else:
-                    new_p, new_c, new_mv = adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw)
+                    new_p, new_c, new_mv = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw)
                 p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
                 delta = new_p.astype(jnp.float32) - p32  # exact: both on the bf16 grid
                 out_d.append(delta)
