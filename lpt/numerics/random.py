@@ -83,3 +83,11 @@ def random_bits(key, shape, rng: str = "hash") -> jax.Array:
     if rng == "threefry":
         return jax.random.bits(key, shape, jnp.uint32)
     raise ValueError(f"unknown rng {rng!r}; choose one of {RNGS}")
+
+
+def path_id(text: str) -> int:
+    """A stable 32-bit id of a path string (crc32 of its UTF-8 bytes): the same in every process and Python run
+    (unlike ``hash``); what lpt folds into a PRNG key per parameter leaf or layer."""
+    import zlib
+
+    return zlib.crc32(text.encode("utf-8"))

@@ -8,7 +8,6 @@ diagnostics; the rules themselves only say how one leaf is rounded.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lpt.numerics import FORMATS
+from lpt.numerics.random import path_id
 
 # Leaf dtypes an update rule rounds into; wider floats (f32, f64) pass through unchanged.
 ROUNDED_DTYPES = tuple(sorted(n for n, f in FORMATS.items() if n != "float32" and f.xla_storable))
@@ -52,8 +52,9 @@ def leaf_name(path) -> str:
 
 
 def leaf_id(path: str) -> int:
-    """A stable 31-bit id of a leaf path (same in every process; used with ``jax.random.fold_in``)."""
-    return zlib.crc32(path.encode()) & 0x7FFFFFFF
+    """A stable 31-bit id of a leaf path (:func:`lpt.numerics.random.path_id`, top bit cleared; used with
+    ``jax.random.fold_in``)."""
+    return path_id(path) & 0x7FFFFFFF
 
 
 def needs_rounding(dtype) -> bool:

@@ -9,10 +9,10 @@ forward and backward alike; different paths or steps give independent R. crc32 i
 Python runs (unlike ``hash``). Nothing depends on the process count or the sharding.
 """
 
-import zlib
-
 import jax
 import numpy as np
+
+from lpt.numerics.random import path_id as numerics_path_id
 
 
 def path_id(path) -> np.uint32:
@@ -26,7 +26,7 @@ def path_id(path) -> np.uint32:
             raise ValueError(f"layer path must be a str or a sequence of str/int, got {path!r}") from e
     if not text:
         raise ValueError("layer path must be non-empty (two layers with the same path would share their noise)")
-    return np.uint32(zlib.crc32(text.encode("utf-8")))
+    return np.uint32(numerics_path_id(text))
 
 
 def step_key(key: jax.Array, step) -> jax.Array:
