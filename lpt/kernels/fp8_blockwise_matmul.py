@@ -16,10 +16,19 @@ and dW (activation and gradient tiles along the token dimension). ``lpt.fp8.bloc
 
 * :func:`fp8_blockwise_matmul_reference` (XLA): a ``lax.scan`` over K-chunks carrying the (M, N) f32
   accumulator; it never materializes a (K/Nc, M, N) tensor.
-* :func:`fp8_blockwise_matmul` (Pallas): grid over (M/bm, N/bn) output tiles; each program holds its rows of ``a``
-  and columns of ``b`` and loops over the K-chunks with ``fori_loop``. On CPU it runs interpreted; on CUDA it lowers
-  through the Triton backend (``__gpu$xla.gpu.triton``); on TPU through Mosaic (``tpu_custom_call``). The platform is
-  chosen by :func:`lpt.kernels.dispatch.platform_call` (or ``interpret=True`` forces the interpreter everywhere).
+* :func:`fp8_blockwise_matmul` (Pallas), in two structures:
+
+  - "grid" (Mosaic on TPU, and the interpreter): grid (M/bm, N/bn, K/Nc) with the K-chunks on the last,
+    "arbitrary" axis; every BlockSpec holds one chunk (``a`` [bm, Nc], ``b`` [Nc, bn], one scale column / row), the
+    f32 accumulator lives in VMEM scratch (zeroed on the first chunk, written out on the last). VMEM per program is
+    O(bm·Nc + Nc·bn + bm·bn) whatever K is.
+  - "loop" (Triton on CUDA): grid (M/bm, N/bn); each program loops over the K-chunks with ``fori_loop``, loading one
+    chunk of its rows of ``a`` and columns of ``b`` from HBM per iteration (a Triton program cannot carry scratch
+    across grid steps).
+
+  The platform is chosen by :func:`lpt.kernels.dispatch.platform_call` (or ``interpret=True`` forces the
+  interpreter everywhere; ``structure="loop"`` interprets the Triton structure). Both add the chunks in increasing
+  ``c`` with the same expression, so both equal the XLA twin bit for bit in the interpreter.
   Triton cannot multiply mixed FP8 formats (e4m3 x e5m2, which the backward GEMMs use), so when the operand dtypes
   differ both chunks are upcast to bf16 inside the kernel: exact for e4m3 and e5m2, so the result is unchanged.
 """
@@ -32,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
 
@@ -95,6 +105,47 @@ def _kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, chunk: int, nk: int, upcast:
     o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
 
 
+def _grid_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, acc_ref, *, upcast: bool):
+    c = pl.program_id(2)
+
+    @pl.when(c == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    a, b = a_ref[...], b_ref[...]
+    if upcast:
+        a = a.astype(jnp.bfloat16)  # fp8 -> bf16, exact (mixed fp8 formats cannot feed one MMA)
+        b = b.astype(jnp.bfloat16)  # fp8 -> bf16, exact
+    partial = jnp.dot(a, b, preferred_element_type=jnp.float32)
+    acc_ref[...] = acc_ref[...] + partial * sa_ref[...] * sb_ref[...]  # [bm, 1] and [1, bn] scales of chunk c
+
+    @pl.when(c == pl.num_programs(2) - 1)
+    def _store():
+        o_ref[...] = acc_ref[...]
+
+
+def _grid_pallas(a, sa, b, sb, *, chunk, block_m, block_n, mode):
+    """The "grid" structure on sa [nk, M, 1], sb [nk, 1, N] (one chunk's scales per block, TPU-legal shapes)."""
+    m, k = a.shape
+    n = b.shape[1]
+    kernel = functools.partial(_grid_kernel, upcast=a.dtype != b.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(m // block_m, n // block_n, k // chunk),
+        in_specs=[
+            pl.BlockSpec((block_m, chunk), lambda i, j, c: (i, c)),
+            pl.BlockSpec((None, block_m, 1), lambda i, j, c: (c, i, 0)),
+            pl.BlockSpec((chunk, block_n), lambda i, j, c: (c, j)),
+            pl.BlockSpec((None, 1, block_n), lambda i, j, c: (c, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, c: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
+        name="lpt_fp8_blockwise_matmul",
+        **dispatch.mode_kwargs(mode, semantics=("parallel", "parallel", "arbitrary")),
+    )(a, sa, b, sb)
+
+
 def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -119,8 +170,20 @@ def _pallas(a, sa, b, sb, *, chunk, block_m, block_n, mode):
     )(a, sa, b, sb)
 
 
+STRUCTURES = ("grid", "loop")
+
+
 def fp8_blockwise_matmul(
-    a, sa, b, sb, *, chunk: int = 128, block_m: int = 128, block_n: int = 128, interpret: bool | None = None
+    a,
+    sa,
+    b,
+    sb,
+    *,
+    chunk: int = 128,
+    block_m: int = 128,
+    block_n: int = 128,
+    interpret: bool | None = None,
+    structure: str | None = None,
 ) -> jax.Array:
     """Pallas kernel for the sum in the module docstring; returns f32 ``[M, N]``.
 
@@ -131,7 +194,11 @@ def fp8_blockwise_matmul(
         zero-padded to a multiple of ``block_m`` (the tile shrinks to the next power of two >= max(M, 16)).
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` (default) picks per platform
         (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Triton on CUDA, Mosaic on TPU.
+      structure: the interpreter's structure, "grid" (default, Mosaic's) or "loop" (Triton's); the compiled modes
+        always use their own.
     """
+    if structure not in (None, *STRUCTURES):
+        raise ValueError(f"structure must be one of {STRUCTURES} or None, got {structure!r}")
     m, k, n = _check(a, sa, b, sb, chunk)
     for name, v in (("block_m", block_m), ("block_n", block_n)):
         if v < 16 or v & (v - 1):
@@ -146,6 +213,14 @@ def fp8_blockwise_matmul(
     a_p = jnp.pad(a, ((0, m_pad - m), (0, 0)))  # zero rows contribute zero output rows, sliced off below
     sa_p = jnp.pad(sa, ((0, m_pad - m), (0, nk_pad - nk)))
     sb_p = jnp.pad(sb, ((0, nk_pad - nk), (0, 0)))
-    build = lambda mode: functools.partial(_pallas, chunk=chunk, block_m=block_m, block_n=block_n, mode=mode)
+    tiles = dict(chunk=chunk, block_m=block_m, block_n=block_n)
+    sa_g = jnp.transpose(jnp.pad(sa, ((0, m_pad - m), (0, 0))))[:, :, None]  # [nk, M_pad, 1] f32
+    sb_g = sb[:, None, :]  # [nk, 1, N] f32
+
+    def build(mode):
+        if mode == "mosaic" or (mode == "interpret" and structure != "loop"):
+            return lambda a_p, sa_p, b, sb_p: _grid_pallas(a_p, sa_g, b, sb_g, mode=mode, **tiles)
+        return functools.partial(_pallas, mode=mode, **tiles)
+
     out = dispatch.platform_call(build, a_p, sa_p, b, sb_p, interpret=interpret)
     return out[:m]

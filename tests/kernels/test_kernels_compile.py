@@ -66,3 +66,13 @@ def test_adamw_kahan_kernel_compiles_for_a_large_leaf(platform):
     shapes = [(shape, jnp.bfloat16)] * 3 + [(shape, jnp.uint32), ((4,), jnp.float32), ((2,), jnp.uint32)]
     text = _compile(step, shapes, platform)
     assert KERNEL[platform] in text or "triton" in text
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_fp8_gemm_vmem_does_not_grow_with_k(platform):
+    """K = 131072 (a 1024-row tile of a would be 128 MiB): the TPU structure holds one K-chunk per block, so this
+    compiles; a kernel that held the whole K in VMEM fails with CompileTimeScopedVmemOom from K = 32768."""
+    m, k, n = 1024, 131072, 1024
+    shapes = [((m, k), jnp.float8_e4m3fn), ((m, k // 128), jnp.float32), ((k, n), jnp.float8_e4m3fn)]
+    shapes.append(((k // 128, n), jnp.float32))
+    assert _fp8_marker(_compile(fp8_blockwise_matmul, shapes, platform), platform)
