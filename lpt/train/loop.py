@@ -93,10 +93,14 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
     The workdir is locked for the run (a second trainer on it fails at once, naming the holder); a run that already
     finished returns its summary without writing anything."""
     with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
-        return _train(cfg, Path(workdir), hooks)
+        preempt = distributed.PreemptionFlag()  # from the start: a SIGTERM or Ctrl-C during start-up exits cleanly
+        try:
+            return _train(cfg, Path(workdir), hooks, preempt)
+        finally:
+            preempt.restore()
 
 
-def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
+def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.PreemptionFlag) -> dict:
     t_start = time.time()
     is_main = jax.process_index() == 0
     steps, seq_len, global_batch = cfg.train.steps, cfg.data.seq_len, cfg.train.global_batch
@@ -140,7 +144,6 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
         resolved = json.dumps(cfg.to_dict(), indent=2)
         (workdir / "config.json").write_text(resolved + "\n")
         writer.text("config", resolved, start)
-    preempt = distributed.PreemptionFlag()
     t_compile = time.time()  # ahead of time, so that the first tokens/s excludes compilation
     train_step = prog.train_step.lower(state, batch_structs(cfg, mesh)).compile()
     compile_seconds = time.time() - t_compile
@@ -158,6 +161,9 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
 
     profile = config_lib.profile_steps(cfg)
     try:
+        if preempt.requested(start):  # a signal during start-up: no new step, nothing to save
+            log.warning("stopped during start-up, before step %d; nothing new to save; exiting cleanly", start + 1)
+            return {"preempted_at": start}
         for s in range(start + 1, steps + 1):
             if profile and s == profile[0]:
                 jax.profiler.start_trace(str(workdir / "profile"))  # TensorBoard's profile plugin opens it
@@ -195,7 +201,6 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook]) -> dict:
         logger.close()
         ckpt.close()
         writer.close()
-        preempt.restore()
 
     # 6. Summary and loss-curve PNG.
     elapsed = time.time() - t_start

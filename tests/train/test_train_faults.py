@@ -237,3 +237,21 @@ def test_profile_steps_write_a_trace(tmp_path):
     for bad in ("3,2", "0,1", "5", "a,b"):
         with pytest.raises(ValueError, match="train.profile_steps"):
             config_lib.parse_args([*ARGS, "--workdir", str(tmp_path), f"--config.train.profile_steps={bad}"])
+
+
+def test_sigterm_during_start_up_exits_cleanly(tmp_path, monkeypatch, caplog):
+    import signal
+
+    from lpt.train import loop
+
+    real = loop.program
+
+    def program_then_sigterm(cfg, mesh):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the program is being built
+        return real(cfg, mesh)
+
+    monkeypatch.setattr(loop, "program", program_then_sigterm)
+    assert run(tmp_path) == 0
+    assert any("stopped during start-up, before step 1" in r.message for r in caplog.records)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is given back
