@@ -32,16 +32,22 @@ def scale_by_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype=None,
     *,
+    nesterov: bool = False,
     moment_dtype=None,
     rounding: str = "stochastic",
     seed: int = 0,
 ) -> optax.GradientTransformation:
-    """Adam's preconditioning ``m̂ / (sqrt(v̂) + eps)`` with low-precision moments (drop-in for optax's).
+    """Adam's preconditioning ``m̂ / (sqrt(v̂ + eps_root) + eps)`` with low-precision moments; the signature of
+    ``optax.scale_by_adam`` plus keyword-only ``moment_dtype``, ``rounding`` and ``seed``.
 
-    Per leaf, in f32: ``m = Q(b1·m + (1−b1)·g)``, ``v = Q(b2·v + (1−b2)·g²)``,
-    ``u = m·(1/(1−b1^t)) / (sqrt(v·(1/(1−b2^t))) + eps)`` (from the stored moments); ``Q`` rounds into ``moment_dtype``
-    (default: the param dtype, so bf16 params get bf16 moments: 4 bytes/param of state). ``Q`` is stochastic
+    Per leaf, in f32: ``m = Q(b1·m + (1−b1)·g)``, ``v = Q(b2·v + (1−b2)·g²)``, ``m̂ = m·(1/(1−b1^t))``,
+    ``v̂ = v·(1/(1−b2^t))`` (from the stored moments), ``u = m̂ / (sqrt(v̂ + eps_root) + eps)``; with ``nesterov``,
+    ``m̂ = b1·m·(1/(1−b1^(t+1))) + (1−b1)·g·(1/(1−b1^t))`` (Dozat's NAdam, as optax). ``Q`` rounds into the
+    moment's dtype: ``mu_dtype`` for m (as optax) else ``moment_dtype`` else the param dtype, and ``moment_dtype``
+    else the param dtype for v (so bf16 params get bf16 moments: 4 bytes/param of state). ``Q`` is stochastic
     rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding; bf16 moments share one hash word
     per element (m from its top 16 bits, v from its low 16: :func:`lpt.kernels.adamw_kahan_math.round_moments`).
     The update ``u`` is f32.
@@ -50,11 +56,12 @@ def scale_by_adam(
         raise ValueError(f"rounding must be one of {MOMENT_ROUNDINGS}, got {rounding!r}")
 
     def init_fn(params):
-        def zeros(p):
-            dt = jnp.asarray(p).dtype if moment_dtype is None else jnp.dtype(moment_dtype)
-            return jnp.zeros(jnp.shape(p), dt)
+        def zeros(p, first):
+            dt = mu_dtype if first and mu_dtype is not None else moment_dtype
+            return jnp.zeros(jnp.shape(p), jnp.asarray(p).dtype if dt is None else jnp.dtype(dt))
 
-        return ScaleByAdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params))
+        mu = jax.tree.map(lambda p: zeros(p, True), params)
+        return ScaleByAdamState(jnp.zeros((), jnp.int32), mu, jax.tree.map(lambda p: zeros(p, False), params))
 
     def store(x32, like, key):
         if like.dtype in (jnp.float32, jnp.float64):
@@ -69,6 +76,7 @@ def scale_by_adam(
         t = count.astype(jnp.float32)  # int32 -> f32
         inv_c1 = 1.0 / (1.0 - f32(b1) ** t)  # bias corrections as reciprocals: the same bits on every
         inv_c2 = 1.0 / (1.0 - f32(b2) ** t)  # backend (XLA rewrites x / scalar into x * (1 / scalar))
+        inv_c1_next = 1.0 / (1.0 - f32(b1) ** (t + 1.0))  # Nesterov's look-ahead correction
         step_key = jax.random.fold_in(jax.random.key(seed), count)
         zero = runtime_zero(count)  # keeps products out of FMAs: the same bits in every fusion (see no_fma)
         flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
@@ -88,7 +96,13 @@ def scale_by_adam(
             # the update uses the stored (rounded) moments: what the next step will see, and on XLA:CPU it lets
             # the update fusion read the new moments instead of keeping copies of the old ones
             m32, v32 = m_q.astype(jnp.float32), v_q.astype(jnp.float32)  # moment dtype -> f32 (exact)
-            out_u.append((m32 * inv_c1) / (jnp.sqrt(v32 * inv_c2) + f32(eps)))
+            m_hat = m32 * inv_c1
+            if nesterov:
+                m_hat = f32(b1) * (m32 * inv_c1_next) + f32(1.0 - b1) * (g32 * inv_c1)
+            v_hat = v32 * inv_c2
+            if not (isinstance(eps_root, (int, float)) and eps_root == 0):
+                v_hat = v_hat + jnp.asarray(eps_root, jnp.float32)  # hyperparameter -> f32
+            out_u.append(m_hat / (jnp.sqrt(v_hat) + f32(eps)))
             out_m.append(m_q)
             out_v.append(v_q)
         unf = treedef.unflatten

@@ -1,0 +1,52 @@
+"""lpt.optim.scale_by_adam has optax.scale_by_adam's signature and, on f32 params, its numbers."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lpt.optim as O
+
+
+def test_signature_starts_like_optax():
+    ours = list(inspect.signature(O.scale_by_adam).parameters.values())
+    theirs = list(inspect.signature(optax.scale_by_adam).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"eps_root": 1e-8},
+        {"nesterov": True},
+        {"b1": 0.8, "b2": 0.99, "eps": 1e-6, "eps_root": 1e-4, "nesterov": True},
+    ],
+)
+def test_f32_params_follow_optax(kw):
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32), "b": jnp.zeros((32,), jnp.float32)}
+    ours, theirs = O.scale_by_adam(**kw), optax.scale_by_adam(**kw)
+    s1, s2 = ours.init(p), theirs.init(p)
+    for _ in range(20):
+        g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), p)
+        u1, s1 = jax.jit(ours.update)(g, s1, p)
+        u2, s2 = jax.jit(theirs.update)(g, s2, p)
+        for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    # the options change the result (the test could fail)
+    if kw:
+        u0, _ = O.scale_by_adam().update(g, O.scale_by_adam().init(p), p)
+        u_kw, _ = O.scale_by_adam(**kw).update(g, O.scale_by_adam(**kw).init(p), p)
+        assert not np.allclose(np.asarray(u0["w"]), np.asarray(u_kw["w"]))
+
+
+def test_mu_dtype_sets_the_first_moment_only():
+    p = {"w": jnp.ones((8, 8), jnp.bfloat16)}
+    state = O.scale_by_adam(mu_dtype=jnp.float32).init(p)
+    assert state.mu["w"].dtype == jnp.float32 and state.nu["w"].dtype == jnp.bfloat16
+    state = O.scale_by_adam(moment_dtype=jnp.float32).init(p)
+    assert state.mu["w"].dtype == state.nu["w"].dtype == jnp.float32
