@@ -37,12 +37,16 @@ class AddDecayedWeightsState(NamedTuple):
     count: jax.Array  # int32 step count: its sign bit is the runtime zero of no_fma
 
 
-def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
-    """Decoupled weight decay ``u + wd·p`` computed in f32 (``optax.add_decayed_weights`` multiplies ``wd·p`` in the
-    param dtype, bf16 here, so whether it is rounded depends on XLA's fusion). The product ``wd·p`` is kept out of
-    an FMA with the add (:func:`lpt.kernels.adamw_kahan_math.no_fma`, whose runtime zero comes from the step count in
-    the state), so the result is the same in every fusion and equal to :func:`kahan_adamw`'s fused step. Updates
-    come out f32; ``weight_decay == 0`` passes them through."""
+def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0, mask=None) -> optax.GradientTransformation:
+    """Decoupled weight decay ``u + wd·p`` computed in f32, with ``optax.add_decayed_weights``' signature.
+
+    ``weight_decay`` is a number or a schedule of the step count (read before its increment, as optax does);
+    ``mask`` (a tree of bools like the params, or a callable returning one) limits the decay to the True leaves
+    (``optax.masked``); ``None`` update leaves pass through. optax multiplies ``wd·p`` in the param dtype (bf16
+    here), so whether it is rounded depends on XLA's fusion; here the product is f32 and kept out of an FMA with the
+    add (:func:`lpt.kernels.adamw_kahan_math.no_fma`, whose runtime zero comes from the step count in the state), so
+    the result is the same in every fusion and equal to :func:`kahan_adamw`'s fused step. Updates come out f32; a
+    constant ``weight_decay == 0`` passes them through."""
 
     def init_fn(params):
         del params
@@ -54,15 +58,19 @@ def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
         count = optax.safe_int32_increment(state.count)
         if isinstance(weight_decay, (int, float)) and weight_decay == 0:
             return updates, AddDecayedWeightsState(count)
-        wd = jnp.asarray(weight_decay).astype(jnp.float32)  # hyperparameter (maybe traced) -> f32
+        wd_value = weight_decay(state.count) if callable(weight_decay) else weight_decay
+        wd = jnp.asarray(wd_value).astype(jnp.float32)  # hyperparameter (maybe traced or scheduled) -> f32
         zero = runtime_zero(count)
 
         def one(u, p):
+            if u is None:
+                return None
             return u.astype(jnp.float32) + no_fma(wd * p.astype(jnp.float32), zero)  # update, param -> f32 (exact)
 
-        return jax.tree.map(one, updates, params), AddDecayedWeightsState(count)
+        return jax.tree.map(one, updates, params, is_leaf=lambda x: x is None), AddDecayedWeightsState(count)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    decay = optax.GradientTransformation(init_fn, update_fn)
+    return decay if mask is None else optax.masked(decay, mask)
 
 
 def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
@@ -117,10 +125,9 @@ def adamw(
     ``mask``) turns the decay off per leaf.
     """
     parts = [] if grad_clip is None else [optax.clip_by_global_norm(grad_clip)]
-    decay = add_decayed_weights(weight_decay)
     parts += [
         scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype, rounding=moment_rounding, seed=seed),
-        decay if weight_decay_mask is None else optax.masked(decay, weight_decay_mask),
+        add_decayed_weights(weight_decay, mask=weight_decay_mask),
         scale_by_learning_rate(learning_rate),
         update_rule(update, seed=seed + 1, diagnostics=diagnostics, compensation_dtype=compensation_dtype),
     ]

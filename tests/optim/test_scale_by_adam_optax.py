@@ -50,3 +50,28 @@ def test_mu_dtype_sets_the_first_moment_only():
     assert state.mu["w"].dtype == jnp.float32 and state.nu["w"].dtype == jnp.bfloat16
     state = O.scale_by_adam(moment_dtype=jnp.float32).init(p)
     assert state.mu["w"].dtype == state.nu["w"].dtype == jnp.float32
+
+
+def test_add_decayed_weights_follows_optax_with_mask_schedule_and_none_leaves():
+    ours = list(inspect.signature(O.add_decayed_weights).parameters)
+    assert ours == list(inspect.signature(optax.add_decayed_weights).parameters)  # (weight_decay, mask)
+    p = {"w": jnp.full((4, 4), 2.0, jnp.float32), "b": jnp.full((4,), 2.0, jnp.float32)}
+    u = {"w": jnp.ones((4, 4), jnp.float32), "b": jnp.ones((4,), jnp.float32)}
+    mask = {"w": True, "b": False}
+    schedule = lambda count: 0.1 * (count + 1)
+    for kw in (
+        {"weight_decay": 0.1, "mask": mask},
+        {"weight_decay": schedule},
+        {"weight_decay": schedule, "mask": mask},
+    ):
+        tx_o, tx_r = O.add_decayed_weights(**kw), optax.add_decayed_weights(**kw)
+        s_o, s_r = tx_o.init(p), tx_r.init(p)
+        for _ in range(3):
+            a, s_o = tx_o.update(u, s_o, p)
+            b, s_r = tx_r.update(u, s_r, p)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+    assert float(a["b"][0]) == 1.0 and float(a["w"][0, 0]) > 1.5  # the mask kept "b" from decaying
+    with_none = {"w": None, "b": jnp.ones((4,), jnp.float32)}
+    out, _ = O.add_decayed_weights(0.1).update(with_none, O.add_decayed_weights(0.1).init(p), p)
+    assert out["w"] is None and float(out["b"][0]) == pytest.approx(1.2)
