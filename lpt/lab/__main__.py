@@ -27,6 +27,9 @@ RECIPE_SECTIONS = ("recipes", "cost")
 
 def main(argv=None) -> dict:
     """Run the sections; return ``{"report": path, <section>: headline numbers}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # the command writes files only; importing lpt.lab leaves the backend alone
     ap = argparse.ArgumentParser(prog="python -m lpt.lab", description=__doc__)
     ap.add_argument("sections", nargs="*", default=["all"], help=f"all or any of {sorted(SECTIONS)}")
     ap.add_argument("--out", required=True, help="output directory for REPORT.md and the plots")

@@ -5,10 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 class Report:
