@@ -262,12 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x4, v5p:2x2x1, h100:1x1x8")
     try:
         args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-        overrides = {}
-        for item in rest:
-            if not item.startswith("--config.") or "=" not in item:
-                raise ValueError(f"unrecognised argument {item!r}; overrides look like --config.train.global_batch=64")
-            key, text = item[len("--config.") :].split("=", 1)
-            overrides[key] = text
+        overrides = config_lib.parse_overrides(rest)
         cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
         report = compile_step(cfg, args.topology)
     except ValueError as e:

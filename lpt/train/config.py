@@ -314,6 +314,25 @@ def _help_for(config: str) -> str:
         return f"{schema_help()}\n\n(--config {config}: {e})"
 
 
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``{"a.b": "text"}`` from ``--config.a.b=value`` or ``--config.a.b value`` arguments; ValueError for others."""
+    overrides, i = {}, 0
+    while i < len(items):  # --config.a.b=value or --config.a.b value
+        item = items[i]
+        if not item.startswith("--config."):
+            raise ValueError(f"unrecognised argument {item!r}; overrides look like --config.train.steps=100")
+        if "=" in item:
+            key, text = item[len("--config.") :].split("=", 1)
+        elif i + 1 < len(items) and not items[i + 1].startswith("--"):
+            key, text = item[len("--config.") :], items[i + 1]
+            i += 1
+        else:
+            raise ValueError(f"override {item!r} has no value; write {item}=VALUE")
+        overrides[key] = text
+        i += 1
+    return overrides
+
+
 def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Namespace]:
     """Parse ``--config FILE --workdir DIR [--config.key=value ...]`` (+ optional multi-process flags)."""
     epilog = schema_help()
@@ -334,19 +353,6 @@ def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Nam
     parser.add_argument("--num_processes", type=int, default=None, help="number of processes (explicit)")
     parser.add_argument("--process_id", type=int, default=None, help="this process's index (explicit)")
     args, rest = parser.parse_known_args(argv)
-    overrides, i = {}, 0
-    while i < len(rest):  # --config.a.b=value or --config.a.b value
-        item = rest[i]
-        if not item.startswith("--config."):
-            raise ValueError(f"unrecognised argument {item!r}; overrides look like --config.train.steps=100")
-        if "=" in item:
-            key, text = item[len("--config.") :].split("=", 1)
-        elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-            key, text = item[len("--config.") :], rest[i + 1]
-            i += 1
-        else:
-            raise ValueError(f"override {item!r} has no value; write {item}=VALUE")
-        overrides[key] = text
-        i += 1
+    overrides = parse_overrides(rest)
     cfg = apply_overrides(load_config_file(args.config), overrides)
     return cfg, args
