@@ -1,0 +1,39 @@
+"""Per-shard wrappers of the AdamW kernel (lpt.kernels.adamw_kahan_sharded). Without a mesh they are the kernel itself
+(interpret mode here); the multi-device numbers and compiles are in test_kernels_sharded.py."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_adamw_kahan import HP, _leaf
+
+from lpt.kernels.adamw_kahan import adamw_kahan
+from lpt.kernels.adamw_kahan_math import adamw_kahan_reference
+from lpt.kernels.adamw_kahan_sharded import adamw_kahan_on_shards, adamw_kahan_partitioned
+
+
+@pytest.mark.parametrize("wrapper", ["on_shards", "partitioned"])
+def test_without_a_mesh_the_wrappers_are_the_kernel(wrapper):
+    g, p, c, mv = _leaf((96, 160), 3)
+    scalars = jnp.asarray([1.5, 2.0, -1e-3, 0.0], jnp.float32)
+    words = jnp.asarray([11, 13], jnp.uint32)
+    kw = dict(HP, stochastic=True)
+    ref = adamw_kahan_reference(g, p, c, mv, scalars, words, **kw)
+    direct = adamw_kahan(g, p, c, mv, scalars, words, interpret=True, **kw)
+    if wrapper == "on_shards":
+        out = adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=P("data", None), interpret=True, **kw)
+    else:
+        out = adamw_kahan_partitioned(g, p, c, mv, scalars, words, interpret=True, **kw)
+    for a, b, r in zip(out, direct, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+def test_on_shards_rejects_a_leaf_that_does_not_split():
+    import jax
+
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"))
+    g, p, c, mv = _leaf((3, 8), 0)
+    scalars, words = jnp.zeros((4,), jnp.float32), jnp.zeros((2,), jnp.uint32)
+    with pytest.raises(ValueError, match=r"dimension 0 of a \(3, 8\) leaf=3 is not divisible by mesh axes \('data',\)"):
+        adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=P("data", None), mesh=mesh, **HP, stochastic=True)

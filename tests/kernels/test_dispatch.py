@@ -1,0 +1,50 @@
+"""lpt.kernels.dispatch: the one platform switch (interpret / Triton / Mosaic) and the shard_map helper."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from lpt.kernels import dispatch
+
+
+def _double(mode):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    return lambda x: pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), **dispatch.mode_kwargs(mode, grid_rank=0)
+    )(x)
+
+
+def test_interpret_true_runs_the_interpreter_and_none_picks_per_platform():
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    np.testing.assert_array_equal(dispatch.platform_call(_double, x, interpret=True), 2 * x)
+    np.testing.assert_array_equal(jax.jit(lambda x: dispatch.platform_call(_double, x, interpret=None))(x), 2 * x)
+    # None lowers all three branches and picks at lowering time: the cuda and tpu lowerings hold their kernels
+    cuda = jax.jit(lambda x: dispatch.platform_call(_double, x, interpret=None)).trace(x)
+    assert "__gpu$xla.gpu.triton" in cuda.lower(lowering_platforms=("cuda",)).as_text()
+    assert "tpu_custom_call" in cuda.lower(lowering_platforms=("tpu",)).as_text()
+
+
+def test_mode_kwargs_and_bad_input():
+    assert dispatch.mode_kwargs("interpret") == {"interpret": True}
+    sem = dispatch.mode_kwargs("mosaic", semantics=("parallel", "arbitrary"))["compiler_params"]
+    assert tuple(sem.dimension_semantics) == ("parallel", "arbitrary")
+    assert dispatch.mode_kwargs("triton", num_warps=8)["compiler_params"].num_warps == 8
+    with pytest.raises(ValueError, match="mode='cuda' is not one of"):
+        dispatch.mode_kwargs("cuda")
+    with pytest.raises(ValueError, match="interpret must be None .* or True, got False"):
+        dispatch.check_interpret(False)
+
+
+def test_shard_map_is_the_function_itself_without_a_multi_device_mesh():
+    f = lambda x: x + 1
+    assert dispatch.shard_map(f, None, [None], None) is f
+    assert dispatch.kernel_mesh() is None  # no jax.set_mesh in effect
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"))
+    assert dispatch.kernel_mesh(mesh) is mesh
+    assert dispatch.check_divisible("batch", 8, mesh, ("data", "tensor")) == 2
+    with pytest.raises(ValueError, match=r"batch=6 is not divisible by mesh axes \('data', 'tensor'\) of size 4"):
+        dispatch.check_divisible("batch", 6, mesh, ("data", "tensor"))
