@@ -169,7 +169,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
                 jax.profiler.start_trace(str(workdir / "profile"))  # TensorBoard's profile plugin opens it
             batch = to_global(next(data_iter))
             diag = None
-            if diag_every and s % diag_every == 0:  # before the step: same params, batch and key as its forward
+            if diag_every and s % diag_every == 0:  # ahead of the step: same params, batch and key as its forward
                 diag = prog.diag_step(state.params, state.rest, batch, state.step)
             state, step_metrics = train_step(state, batch)
             if profile and s == profile[1]:
