@@ -98,6 +98,13 @@ def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.Gradi
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _decay_mask(mask, weight_decay_mask):
+    """The weight-decay mask given as ``mask`` (optax's name) or ``weight_decay_mask`` (its alias), not both."""
+    if mask is not None and weight_decay_mask is not None:
+        raise ValueError("give the weight-decay mask once: mask=... (weight_decay_mask is an alias of it)")
+    return mask if mask is not None else weight_decay_mask
+
+
 def adamw(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -105,6 +112,7 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
+    mask=None,
     weight_decay_mask=None,
     update: str = "kahan",
     moment_dtype=None,
@@ -121,13 +129,13 @@ def adamw(
     :func:`lpt.optim.scale_by_adam`) and, with ``update="kahan"``, the compensation in bf16: 8 bytes per parameter
     (param, mu, nu, compensation) instead of the 14 of f32 master weights + f32 moments + a bf16 compute copy. The
     decoupled weight decay is part of the compensated update, so it takes effect even when ``lr·wd`` is far below
-    an ulp. ``update`` is one of :data:`UPDATE_RULES`; ``weight_decay_mask`` (tree of bools or callable, as optax's
-    ``mask``) turns the decay off per leaf.
+    an ulp. ``update`` is one of :data:`UPDATE_RULES`; ``mask`` (tree of bools or callable, as optax's) turns the decay
+    off per leaf (``weight_decay_mask`` is an alias).
     """
     parts = [] if grad_clip is None else [optax.clip_by_global_norm(grad_clip)]
     parts += [
         scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype, rounding=moment_rounding, seed=seed),
-        add_decayed_weights(weight_decay, mask=weight_decay_mask),
+        add_decayed_weights(weight_decay, mask=_decay_mask(mask, weight_decay_mask)),
         scale_by_learning_rate(learning_rate),
         update_rule(update, seed=seed + 1, diagnostics=diagnostics, compensation_dtype=compensation_dtype),
     ]
@@ -141,6 +149,7 @@ def kahan_adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
+    mask=None,
     weight_decay_mask=None,
     moment_dtype=None,
     moment_rounding: str = "stochastic",
@@ -160,7 +169,8 @@ def kahan_adamw(
     an add out of FMAs; tested over 120 steps), computed in fewer passes over memory (see
     :mod:`lpt.optim.fused_adamw`); its state is a :class:`KahanAdamWState` with the two moments packed per element.
     ``impl="pallas"`` uses the fused Pallas kernel (GPU/TPU; ``interpret=True`` runs it interpreted anywhere).
-    ``weight_decay_mask`` (a tree of bools or a callable, as optax's ``mask``) turns the decay off per leaf.
+    ``mask`` (a tree of bools or a callable, as optax's) turns the decay off per leaf (``weight_decay_mask`` is an
+    alias).
     With ``grad_clip`` the result is ``optax.chain(clip_by_global_norm(grad_clip), <fused>)``. On a multi-device
     mesh pass ``sequential_leaves=False``, and with ``impl="pallas"`` the params' ``param_specs`` (a tree of
     PartitionSpecs or NamedShardings) so that the kernel runs per shard in a ``shard_map`` (see
@@ -172,7 +182,7 @@ def kahan_adamw(
         b2=b2,
         eps=eps,
         weight_decay=weight_decay,
-        weight_decay_mask=weight_decay_mask,
+        weight_decay_mask=_decay_mask(mask, weight_decay_mask),
         moment_dtype=moment_dtype,
         moment_rounding=moment_rounding,
         compensation_dtype=compensation_dtype,

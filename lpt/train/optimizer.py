@@ -85,7 +85,7 @@ def make_optimizer(cfg, mesh_size: int = 1, param_shardings=None) -> optax.Gradi
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
     clip = o.grad_clip if o.grad_clip > 0 else None
     last = update_rule_transform(p.update_rule, cfg.train.seed)  # validates the rule's name; None for f32_master
-    hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, weight_decay_mask=decay_mask)
+    hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if last is not None and not p.param_dtype.startswith("float8"):  # 16-bit params: lpt's AdamW
         moments = cfg.precision.moment_rounding
         lpt_kw = dict(hyper, moment_rounding=moments, grad_clip=clip, seed=cfg.train.seed, diagnostics=True)

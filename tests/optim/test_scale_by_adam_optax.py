@@ -75,3 +75,19 @@ def test_add_decayed_weights_follows_optax_with_mask_schedule_and_none_leaves():
     with_none = {"w": None, "b": jnp.ones((4,), jnp.float32)}
     out, _ = O.add_decayed_weights(0.1).update(with_none, O.add_decayed_weights(0.1).init(p), p)
     assert out["w"] is None and float(out["b"][0]) == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("make", [O.adamw, O.kahan_adamw])
+def test_mask_is_optax_name_and_weight_decay_mask_its_alias(make):
+    p = {"w": jnp.full((4, 4), 2.0, jnp.bfloat16), "b": jnp.full((4,), 2.0, jnp.bfloat16)}
+    g = jax.tree.map(jnp.zeros_like, p)
+    mask = {"w": True, "b": False}
+    a = make(1e-1, weight_decay=0.5, mask=mask)
+    b = make(1e-1, weight_decay=0.5, weight_decay_mask=mask)
+    ua, _ = a.update(g, a.init(p), p)
+    ub, _ = b.update(g, b.init(p), p)
+    for x, y in zip(jax.tree.leaves(ua), jax.tree.leaves(ub), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert float(ua["b"][0]) == 0.0 and float(ua["w"][0, 0]) < 0.0  # only the masked-in leaf decays
+    with pytest.raises(ValueError, match="give the weight-decay mask once"):
+        make(1e-1, mask=mask, weight_decay_mask=mask)
