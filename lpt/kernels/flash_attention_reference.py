@@ -34,27 +34,38 @@ def _valid(q_seg, kv_seg, q_pos, k_pos, causal: bool):
     return ok[:, None, None]
 
 
-def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, causal: bool, scale: float, block_k: int):
-    """Blockwise forward. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq])."""
-    b, h, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    g = h // hkv
+def _key_blocks(k, v, kv_seg, block_k: int):
+    """Scan inputs over key blocks: (block index j, k and v blocks [nk, B, Hkv, bk, D], segments [nk, B, bk])."""
+    b, hkv, tk, d = k.shape
     if tk % block_k:
         raise ValueError(f"Tk={tk} must be a multiple of block_k={block_k}")
     nk = tk // block_k
-    pv_dtype = policy.pv(v.dtype)
-    qg = q.reshape(b, hkv, g, tq, d)
     k_blocks = k.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
     v_blocks = v.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
     seg_blocks = kv_seg.reshape(b, nk, block_k).transpose(1, 0, 2)
-    q_pos = jnp.arange(tq, dtype=jnp.int32)
+    return jnp.arange(nk, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks
+
+
+def _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k: int, *, causal: bool, scale: float):
+    """(s, valid) of key block j: f32 logits scale·q kᵀ [B, Hkv, G, Tq, bk] and the attend mask."""
+    q_pos = jnp.arange(qg.shape[3], dtype=jnp.int32)
+    valid = _valid(q_seg, seg_blk, q_pos, j * block_k + jnp.arange(block_k, dtype=jnp.int32), causal)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    return s, valid
+
+
+def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, causal: bool, scale: float, block_k: int):
+    """Blockwise forward. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq])."""
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    xs = _key_blocks(k, v, kv_seg, block_k)
+    pv_dtype = policy.pv(v.dtype)
+    qg = q.reshape(b, hkv, g, tq, d)
 
     def step(carry, xs):
         j, k_blk, v_blk, seg_blk = xs
-        k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        valid = _valid(q_seg, seg_blk, q_pos, k_pos, causal)
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32)
-        s = s * jnp.float32(scale)
+        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, scale=scale)
         v_pv = fm.round_to(v_blk.astype(jnp.float32), pv_dtype)  # v dtype -> f32 (exact) -> pv dtype
 
         def matmul(p_part):
@@ -64,7 +75,6 @@ def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, cau
 
     col = jnp.zeros((b, hkv, g, tq, 1), jnp.float32)
     init = (col - jnp.inf, col, col, col, jnp.zeros((b, hkv, g, tq, d), jnp.float32))
-    xs = (jnp.arange(nk, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks)
     (_, _, c, l, acc), _ = lax.scan(step, init, xs)
     o, lse = fm.finalize(acc, l, c)
     return o.reshape(b, h, tq, d), lse.reshape(b, h, tq)
@@ -81,23 +91,16 @@ def reference_backward(
     g = h // hkv
     if block_k is None:
         block_k = next(c for c in (128, 64, 32, 16, 8, 4, 2, 1) if tk % c == 0)
-    if tk % block_k:
-        raise ValueError(f"Tk={tk} must be a multiple of block_k={block_k}")
-    nk = tk // block_k
+    xs = _key_blocks(k, v, kv_seg, block_k)
     in_dtype = q.dtype
     qg = q.reshape(b, hkv, g, tq, d)
     dog = do.reshape(b, hkv, g, tq, d)
     lse_g = lse.reshape(b, hkv, g, tq, 1)
     delta_g = delta.reshape(b, hkv, g, tq, 1)
-    k_blocks = k.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
-    v_blocks = v.reshape(b, hkv, nk, block_k, d).transpose(2, 0, 1, 3, 4)
-    seg_blocks = kv_seg.reshape(b, nk, block_k).transpose(1, 0, 2)
-    q_pos = jnp.arange(tq, dtype=jnp.int32)
 
     def step(dq, xs):
         j, k_blk, v_blk, seg_blk = xs
-        valid = _valid(q_seg, seg_blk, q_pos, j * block_k + jnp.arange(block_k, dtype=jnp.int32), causal)
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32) * jnp.float32(scale)
+        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, scale=scale)
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", dog, v_blk, preferred_element_type=jnp.float32)
         p_in, ds_in = fm.backward_weights(s, valid, lse_g, dp, delta_g, in_dtype)
         dv_blk = jnp.einsum("bhgqk,bhgqd->bhkd", p_in, dog, preferred_element_type=jnp.float32)
@@ -105,7 +108,6 @@ def reference_backward(
         dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds_in, k_blk, preferred_element_type=jnp.float32)
         return dq, (dk_blk, dv_blk)
 
-    xs = (jnp.arange(nk, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks)
     dq, (dk_blocks, dv_blocks) = lax.scan(step, jnp.zeros((b, hkv, g, tq, d), jnp.float32), xs)
     dq = dq * jnp.float32(scale)
 
