@@ -25,7 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.kind = "gpt2"  # LayerNorm, learned positions, GELU, biases
-    c.model.vocab_size = 256  # byte-level tokens
+    c.model.vocab_size = 0  # 0: the tokenizer's vocabulary size (256 for data.tokenizer="bytes")
     c.model.d_model = 768  # residual width
     c.model.n_layers = 12  # transformer blocks
     c.model.n_heads = 12  # attention heads (head_dim 64)
@@ -33,6 +33,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 3072  # MLP hidden width (4 d_model)
     c.model.max_seq_len = 1024  # learned position table size
     c.model.rope_theta = 10000.0  # unused by gpt2 (no RoPE)
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)
+    c.model.rope_scaling.factor = 1.0  # linear / llama3: context extension factor
+    c.model.rope_scaling.low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are scaled
+    c.model.rope_scaling.high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    c.model.rope_scaling.original_max_len = 8192  # llama3: the pretraining context length
     c.model.norm_eps = 1e-5  # LayerNorm epsilon
     c.model.tie_embeddings = True  # GPT-2 ties input and output embeddings
     c.model.init_std = 0.02  # GPT-2 init
@@ -70,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.worker_count = 4  # grain worker processes per host
     c.data.shuffle_seed = 0  # data order seed
     c.data.cache_dir = ""  # tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
+    c.data.tokenizer = "bytes"  # "bytes" (vocab 256) | path to a tokenizer.json (tokenizers) | a SentencePiece .model
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 6e-4  # GPT-2 small peak lr
@@ -97,4 +104,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.mesh.data = -1  # pure data parallelism over all devices (124M fits on any accelerator)
     c.train.mesh.fsdp = 1  # no parameter sharding needed at this size
     c.train.mesh.tensor = 1  # no tensor parallelism
+
+    c.init_from = ml_collections.ConfigDict()
+    c.init_from.hf = ""  # a Hugging Face model directory (config.json + *.safetensors) to fine-tune; "" = none
+    c.init_from.workdir = ""  # an lpt run directory to fine-tune from; "" = none (fresh init)
+    c.init_from.step = -1  # with init_from.workdir: the checkpoint step to take (-1 = the newest)
     return c

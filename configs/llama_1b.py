@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.kind = "llama"  # RMSNorm, RoPE, SwiGLU, GQA
-    c.model.vocab_size = 256  # byte-level tokens
+    c.model.vocab_size = 0  # 0: the tokenizer's vocabulary size (256 for data.tokenizer="bytes")
     c.model.d_model = 2048  # residual width
     c.model.n_layers = 16  # transformer blocks
     c.model.n_heads = 32  # query heads (head_dim 64)
@@ -36,6 +36,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 8192  # SwiGLU hidden width
     c.model.max_seq_len = 2048  # longest sequence
     c.model.rope_theta = 500000.0  # RoPE base (Llama 3)
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)
+    c.model.rope_scaling.factor = 1.0  # linear / llama3: context extension factor
+    c.model.rope_scaling.low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are scaled
+    c.model.rope_scaling.high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    c.model.rope_scaling.original_max_len = 8192  # llama3: the pretraining context length
     c.model.norm_eps = 1e-5  # RMSNorm epsilon
     c.model.tie_embeddings = False  # separate LM head
     c.model.init_std = 0.02  # normal init std
@@ -73,6 +79,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.worker_count = 8  # grain worker processes per host
     c.data.shuffle_seed = 0  # data order seed
     c.data.cache_dir = ""  # tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
+    c.data.tokenizer = "bytes"  # "bytes" (vocab 256) | path to a tokenizer.json (tokenizers) | a SentencePiece .model
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4  # peak lr
@@ -100,4 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.mesh.data = 1  # replicas (raise for multi-pod / DCN data parallelism)
     c.train.mesh.fsdp = -1  # shard params and optimizer state over all devices
     c.train.mesh.tensor = 1  # tensor parallelism (2-4 within a node if activations dominate memory)
+
+    c.init_from = ml_collections.ConfigDict()
+    c.init_from.hf = ""  # a Hugging Face model directory (config.json + *.safetensors) to fine-tune; "" = none
+    c.init_from.workdir = ""  # an lpt run directory to fine-tune from; "" = none (fresh init)
+    c.init_from.step = -1  # with init_from.workdir: the checkpoint step to take (-1 = the newest)
     return c

@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.kind = "llama"  # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
-    c.model.vocab_size = 256  # byte-level tokens
+    c.model.vocab_size = 0  # 0: the tokenizer's vocabulary size (256 for data.tokenizer="bytes")
     c.model.d_model = 128  # residual stream width
     c.model.n_layers = 2  # transformer blocks
     c.model.n_heads = 4  # query heads (head_dim = d_model / n_heads = 32)
@@ -31,6 +31,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 384  # SwiGLU hidden width
     c.model.max_seq_len = 64  # longest sequence the model accepts (RoPE table / position embedding size)
     c.model.rope_theta = 10000.0  # RoPE base frequency (llama only)
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)
+    c.model.rope_scaling.factor = 1.0  # linear / llama3: context extension factor
+    c.model.rope_scaling.low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are scaled
+    c.model.rope_scaling.high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    c.model.rope_scaling.original_max_len = 8192  # llama3: the pretraining context length
     c.model.norm_eps = 1e-5  # epsilon of RMSNorm / LayerNorm
     c.model.tie_embeddings = False  # share the input embedding with the output projection
     c.model.init_std = 0.02  # std of the normal init of weight matrices
@@ -68,6 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.worker_count = 0  # grain worker processes (0 = in-process; recorded in checkpoints)
     c.data.shuffle_seed = 0  # seed of the training data order
     c.data.cache_dir = ""  # tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
+    c.data.tokenizer = "bytes"  # "bytes" (vocab 256) | path to a tokenizer.json (tokenizers) | a SentencePiece .model
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-3  # peak learning rate
@@ -95,4 +102,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.mesh.data = -1  # data-parallel axis (-1: all devices not used by the other axes)
     c.train.mesh.fsdp = 1  # fully-sharded data parallel axis (params sharded on "embed")
     c.train.mesh.tensor = 1  # tensor-parallel axis (heads / mlp / vocab)
+
+    c.init_from = ml_collections.ConfigDict()
+    c.init_from.hf = ""  # a Hugging Face model directory (config.json + *.safetensors) to fine-tune; "" = none
+    c.init_from.workdir = ""  # an lpt run directory to fine-tune from; "" = none (fresh init)
+    c.init_from.step = -1  # with init_from.workdir: the checkpoint step to take (-1 = the newest)
     return c

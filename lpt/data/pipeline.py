@@ -28,6 +28,7 @@ _DATA_KEYS = {
     "worker_count": 0,
     "shuffle_seed": 0,
     "cache_dir": None,
+    "tokenizer": "bytes",
 }
 
 

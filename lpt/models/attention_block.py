@@ -14,7 +14,7 @@ from flax import nnx
 
 from lpt.models import probes
 from lpt.models.config import ModelSpec, PrecisionSpec
-from lpt.models.layers import Linear, rope
+from lpt.models.layers import Linear, rope, rope_inv_freq
 from lpt.models.partitioning import constrain
 
 
@@ -67,7 +67,8 @@ class Attention(nnx.Module):
         k = self.k(x_BTD, key=key).reshape(B, T, K, Dh)
         v = self.v(x_BTD, key=key).reshape(B, T, K, Dh)
         if self.spec.kind == "llama":
-            q, k = rope(q, self.spec.rope_theta), rope(k, self.spec.rope_theta)
+            inv_freq = rope_inv_freq(Dh, self.spec.rope_theta, self.spec.rope_scaling)
+            q, k = rope(q, inv_freq), rope(k, inv_freq)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))

@@ -65,6 +65,20 @@ def _choice(value, allowed, what: str):
 _REQUIRED = object()
 
 
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (see :func:`lpt.models.layers.rope_inv_freq`); Hugging Face's ``rope_scaling``."""
+
+    type: str = "none"  # "none" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_len: int = 8192  # llama3 only: the context length the model was pretrained at
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     kind: str
@@ -81,6 +95,7 @@ class ModelSpec:
     init_std: float
     remat: bool = False
     scan_layers: bool = False
+    rope_scaling: RopeScaling = RopeScaling()
 
     @property
     def head_dim(self) -> int:
@@ -141,8 +156,29 @@ def model_spec(model_cfg) -> ModelSpec:
             "init_std": 0.02,
             "remat": False,
             "scan_layers": False,
+            "rope_scaling": {},
         },
         "config.model",
+    )
+    rs = _take(
+        _as_dict(d["rope_scaling"], "config.model.rope_scaling"),
+        {f.name: f.default for f in dataclasses.fields(RopeScaling)},
+        "config.model.rope_scaling",
+    )
+    _choice(rs["type"], ROPE_SCALINGS, "config.model.rope_scaling.type")
+    if rs["type"] != "none" and not float(rs["factor"]) > 0:
+        raise ValueError(f"config.model.rope_scaling.factor={rs['factor']!r} must be > 0")
+    if rs["type"] == "llama3" and not float(rs["high_freq_factor"]) > float(rs["low_freq_factor"]):
+        raise ValueError(
+            f"config.model.rope_scaling: high_freq_factor={rs['high_freq_factor']!r} must exceed "
+            f"low_freq_factor={rs['low_freq_factor']!r}"
+        )
+    d["rope_scaling"] = RopeScaling(
+        type=rs["type"],
+        factor=float(rs["factor"]),
+        low_freq_factor=float(rs["low_freq_factor"]),
+        high_freq_factor=float(rs["high_freq_factor"]),
+        original_max_len=int(rs["original_max_len"]),
     )
     _choice(d["kind"], KINDS, "config.model.kind")
     if d["n_kv_heads"] is None:

@@ -228,16 +228,45 @@ class LayerNorm(nnx.Module):
         return y_f32.astype(self.prec.compute)  # f32 -> compute
 
 
-def rope(x_BTHD: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling) -> jax.Array:
+    """RoPE inverse frequencies ``f_i = theta^(-2i/D)``, i < D/2, float32, rescaled by ``scaling``
+    (a :class:`lpt.models.config.RopeScaling`):
+
+    * "none": ``f_i``;
+    * "linear" (position interpolation): ``f_i / factor``;
+    * "llama3" (Llama 3.1): with wavelength ``λ_i = 2π / f_i``, ``L = original_max_len``,
+      ``f_i`` if ``λ_i < L / high_freq_factor``; ``f_i / factor`` if ``λ_i > L / low_freq_factor``; in between
+      ``(1 − s) f_i / factor + s f_i`` with ``s = (L / λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor)``.
+    """
+    inv_freq = theta ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+    if scaling.type == "none":
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.type == "llama3":
+        wavelen = 2.0 * math.pi / inv_freq
+        low_wavelen = scaling.original_max_len / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+        smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        mid = (1.0 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        return jnp.where(wavelen < high_wavelen, inv_freq, jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, mid))
+    raise ValueError(f"rope scaling type {scaling.type!r} is not supported; allowed: ['none', 'linear', 'llama3']")
+
+
+def rope(x_BTHD: jax.Array, inv_freq: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
     """Rotary embedding (Llama's rotate-half form), angles and rotation in float32.
 
     For position t and pair i < D/2: ``(x_i, x_{i+D/2}) -> (x_i cos a - x_{i+D/2} sin a, x_{i+D/2} cos a + x_i sin a)``
-    with ``a = t · theta^(-2i/D)``.
+    with ``a = t · inv_freq_i`` (:func:`rope_inv_freq`). ``positions_BT`` (int) defaults to ``0 … T−1`` in every row;
+    decoding with a KV cache passes each row's absolute positions.
     """
-    _, T, _, D = x_BTHD.shape
-    inv_freq = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
-    ang_TD = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(ang_TD)[None, :, None, :], jnp.sin(ang_TD)[None, :, None, :]
+    B, T, _, D = x_BTHD.shape
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    ang_BTD = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # int -> f32 (exact below 2^24)
+    cos, sin = jnp.cos(ang_BTD)[:, :, None, :], jnp.sin(ang_BTD)[:, :, None, :]
     x_f32 = x_BTHD.astype(jnp.float32)  # compute -> f32
     x1, x2 = x_f32[..., : D // 2], x_f32[..., D // 2 :]
     y_f32 = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

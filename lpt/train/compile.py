@@ -56,9 +56,11 @@ def _build(cfg, topology: str):
     """(mesh, jitted train step, sharded abstract state, batch structs): the trainer's own program
     (:func:`lpt.train.loop.program`) on a mesh of the topology's devices; ValueError on bad input."""
     from lpt import targets
+    from lpt.train import config as config_lib
     from lpt.train import loop
     from lpt.train import state as state_lib
 
+    cfg = config_lib.resolve(cfg)
     mesh = loop.make_mesh(cfg, targets.devices(topology))
     prog = loop.program(cfg, mesh)
     return mesh, prog.train_step, state_lib.with_shardings(prog.abstract, prog.shardings), loop.batch_structs(cfg, mesh)
@@ -83,6 +85,9 @@ def compile_step(cfg, topology: str) -> dict:
     from lpt import models, targets
     from lpt.targets import hlo
 
+    from lpt.train import config as config_lib
+
+    cfg = config_lib.resolve(cfg)
     facts = targets.device_facts(topology)
     mesh, step, state, batch = _build(cfg, topology)
     n = mesh.size

@@ -42,7 +42,7 @@ MATMUL_KINDS = ("qkv", "out", "up", "down", "lm_head")
 # key path -> (type, allowed values or None). tuple[str] values are written "a,b" on the command line.
 SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "model.kind": (str, ("llama", "gpt2")),
-    "model.vocab_size": (int, None),
+    "model.vocab_size": (int, None),  # 0 = the tokenizer's vocabulary size (data.tokenizer)
     "model.d_model": (int, None),
     "model.n_layers": (int, None),
     "model.n_heads": (int, None),
@@ -50,6 +50,11 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "model.d_ff": (int, None),
     "model.max_seq_len": (int, None),
     "model.rope_theta": (float, None),
+    "model.rope_scaling.type": (str, ("none", "linear", "llama3")),
+    "model.rope_scaling.factor": (float, None),
+    "model.rope_scaling.low_freq_factor": (float, None),
+    "model.rope_scaling.high_freq_factor": (float, None),
+    "model.rope_scaling.original_max_len": (int, None),
     "model.norm_eps": (float, None),
     "model.tie_embeddings": (bool, None),
     "model.init_std": (float, None),
@@ -76,6 +81,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "data.worker_count": (int, None),
     "data.shuffle_seed": (int, None),
     "data.cache_dir": (str, None),  # "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
+    "data.tokenizer": (str, None),  # "bytes", a Hugging Face tokenizer.json or a SentencePiece .model
     "optim.lr": (float, None),
     "optim.warmup_steps": (int, None),
     "optim.schedule": (str, ("cosine", "constant")),
@@ -98,6 +104,9 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "train.mesh.data": (int, None),
     "train.mesh.fsdp": (int, None),
     "train.mesh.tensor": (int, None),
+    "init_from.hf": (str, None),  # "" or a Hugging Face model directory to start from
+    "init_from.workdir": (str, None),  # "" or an lpt run directory to start from
+    "init_from.step": (int, None),  # with init_from.workdir: its checkpoint step (-1 = the newest)
 }
 
 
@@ -179,8 +188,39 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"train.global_batch={cfg.train.global_batch} is not divisible by optim.microbatches="
             f"{cfg.optim.microbatches}"
         )
+    if cfg.model.vocab_size < 0:
+        raise ValueError(f"config key model.vocab_size={cfg.model.vocab_size} must be >= 0 (0 = the tokenizer's size)")
+    if cfg.init_from.hf and cfg.init_from.workdir:
+        raise ValueError(
+            f"init_from.hf={cfg.init_from.hf!r} and init_from.workdir={cfg.init_from.workdir!r} are both set; "
+            "start from one of them"
+        )
+    if cfg.init_from.step < -1:
+        raise ValueError(f"config key init_from.step={cfg.init_from.step} must be >= 0, or -1 for the newest")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+
+
+def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``cfg`` with ``model.vocab_size`` = the tokenizer's vocabulary size when it is 0 (a copy; ``cfg`` unchanged).
+
+    A nonzero ``model.vocab_size`` may exceed the tokenizer's (padding, e.g. to a multiple of 128 for FP8 heads)
+    but not fall below it."""
+    from lpt.data.tokenizer import load_tokenizer
+
+    n = load_tokenizer(cfg.data.tokenizer).vocab_size
+    if cfg.model.vocab_size == n:
+        return cfg
+    if cfg.model.vocab_size and cfg.model.vocab_size < n:
+        raise ValueError(
+            f"config key model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
+            f"data.tokenizer={cfg.data.tokenizer!r} ({n} tokens); set it to 0 to take the tokenizer's size"
+        )
+    if cfg.model.vocab_size:
+        return cfg
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.model.vocab_size = n
+    return out
 
 
 def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
@@ -226,7 +266,8 @@ def parse_value(key: str, text: str) -> Any:
 
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
-    """Return a copy of ``cfg`` with ``{"a.b": "text"}`` overrides applied (parsed by schema type) and validated."""
+    """Return a copy of ``cfg`` with ``{"a.b": "text"}`` overrides applied (parsed by schema type), validated and
+    :func:`resolve`\ d."""
     tree = cfg.to_dict()
     for key, text in overrides.items():
         value = parse_value(key, text)
@@ -237,7 +278,7 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
         node[leaf] = value
     cfg = ml_collections.ConfigDict(tree)
     validate(cfg)
-    return cfg
+    return resolve(cfg)
 
 
 def shipped_configs() -> list[str]:

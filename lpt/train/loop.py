@@ -61,6 +61,7 @@ class Program:
 
 def program(cfg, mesh: Mesh) -> Program:
     """Model, optimizer, train-state layout and jitted steps of ``cfg`` on ``mesh``."""
+    cfg = config_lib.resolve(cfg)  # model.vocab_size 0 -> the tokenizer's
     model_def = state_lib.make_model_def(cfg)
     tx = optimizer.make_optimizer(cfg, mesh.size, state_lib.param_shardings(model_def, mesh))
     schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
@@ -92,6 +93,7 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
 
     The workdir is locked for the run (a second trainer on it fails at once, naming the holder); a run that already
     finished returns its summary without writing anything."""
+    cfg = config_lib.resolve(cfg)  # model.vocab_size 0 -> the tokenizer's, so config.json records the size
     with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
         preempt = distributed.PreemptionFlag()  # from the start: a SIGTERM or Ctrl-C during start-up exits cleanly
         try:

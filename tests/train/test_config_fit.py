@@ -37,7 +37,7 @@ def test_every_pod_config_states_a_compile():
 @pytest.mark.parametrize("name, stated", CASES, ids=[f"{n}-{g[0]}" for n, g in CASES])
 def test_stated_compile_matches_the_config(name, stated):
     topology, total, hbm, state, temps, flops = stated
-    cfg = config_lib.load_config_file(name)
+    cfg = config_lib.resolve(config_lib.load_config_file(name))
     mesh = loop.make_mesh(cfg, targets.devices(topology))
     prog = loop.program(cfg, mesh)
     per_chip = shard_bytes(state_lib.with_shardings(prog.abstract, prog.shardings))

@@ -1,0 +1,91 @@
+"""Tokenizers: text <-> token ids, by ``config.data.tokenizer``.
+
+* ``"bytes"``: UTF-8 bytes are the tokens (vocab 256; id 0, NUL, separates documents). No file, no download.
+* a path to a Hugging Face ``tokenizer.json``: the ``tokenizers`` package (BPE, WordPiece, Unigram, ...).
+* a path to a SentencePiece ``.model``: the ``sentencepiece`` package.
+
+Every tokenizer has ``vocab_size``, ``encode(text) -> list[int]``, ``decode(ids) -> str`` and ``separator``: the id
+written after each document when documents are packed into one stream (bytes: 0; otherwise the tokenizer's
+end-of-text token, found by name, else id 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# special tokens that end a document, by the names common tokenizers give them
+_END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ``encode`` is ``list(text.encode())``; ``decode`` replaces invalid UTF-8."""
+
+    name = "bytes"
+    vocab_size = 256
+    separator = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package); no special tokens are added on ``encode``."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.name = str(path)
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = [self._tok.token_to_id(t) for t in _END_TOKENS]
+        self.separator = next((i for i in ids if i is not None), 0)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece ``.model``; the separator is its ``eos_id`` (else 0)."""
+
+    def __init__(self, path: Path):
+        import sentencepiece
+
+        self.name = str(path)
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self._sp.get_piece_size()
+        self.separator = self._sp.eos_id() if self._sp.eos_id() >= 0 else 0
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """The tokenizer named by ``config.data.tokenizer``: "bytes", a ``*.json`` file, or a ``*.model`` file."""
+    if str(spec) == "bytes":
+        return ByteTokenizer()
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"data.tokenizer={str(spec)!r} is not 'bytes' and not an existing file; give 'bytes', a Hugging Face "
+            "tokenizer.json, or a SentencePiece .model (python -m lpt.data.train_tokenizer makes one)"
+        )
+    if path.suffix == ".json":
+        return HFTokenizer(path)
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    raise ValueError(
+        f"data.tokenizer={str(spec)!r}: unknown tokenizer file type {path.suffix!r}; allowed: a Hugging Face "
+        "tokenizer.json ('.json') or a SentencePiece model ('.model')"
+    )
