@@ -251,7 +251,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling) -> jax.Array:
             scaling.high_freq_factor - scaling.low_freq_factor
         )
         mid = (1.0 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        return jnp.where(wavelen < high_wavelen, inv_freq, jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, mid))
+        return jnp.where(
+            wavelen < high_wavelen, inv_freq, jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, mid)
+        )
     raise ValueError(f"rope scaling type {scaling.type!r} is not supported; allowed: ['none', 'linear', 'llama3']")
 
 

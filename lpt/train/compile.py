@@ -84,7 +84,6 @@ def compile_step(cfg, topology: str) -> dict:
 
     from lpt import models, targets
     from lpt.targets import hlo
-
     from lpt.train import config as config_lib
 
     cfg = config_lib.resolve(cfg)

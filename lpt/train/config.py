@@ -267,7 +267,7 @@ def parse_value(key: str, text: str) -> Any:
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """Return a copy of ``cfg`` with ``{"a.b": "text"}`` overrides applied (parsed by schema type), validated and
-    :func:`resolve`\ d."""
+    passed through :func:`resolve`."""
     tree = cfg.to_dict()
     for key, text in overrides.items():
         value = parse_value(key, text)
