@@ -12,25 +12,21 @@ For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit 
 
 Rules: :func:`kahan_summation` (Zamirai et al., Algorithm 1), :func:`stochastic_rounding` (Zamirai et al.),
 :func:`nearest_rounding` (the baseline), :func:`norm_preserving_update` (the norm-preserving update note); the papers
-are listed in docs/references.md. Helpers: compensated gradient accumulation, diagnostics,
-f32-checkpoint conversion, and recipes (:func:`adamw`, :func:`kahan_adamw`: one fused transform with
-``impl="xla" | "pallas"``, :func:`update_rule`).
+are listed in docs/references.md. Helpers: diagnostics, f32-checkpoint conversion, and recipes (:func:`adamw`,
+:func:`kahan_adamw`: one fused transform with ``impl="xla" | "pallas"``, :func:`update_rule`).
+
+Per-leaf steps and the rest stay importable from their modules: :mod:`lpt.optim.accumulation` (Kahan-compensated
+micro-batch gradient accumulation), :func:`lpt.optim.kahan.kahan_step`,
+:func:`lpt.optim.norm_preserving.norm_preserving_step`, :func:`lpt.optim.fused_adamw.kahan_adamw_moments`,
+:class:`lpt.optim.leaves.UpdateDiagnostics`.
 """
 
-from lpt.optim.accumulation import (
-    CompensatedSum,
-    compensated_sum_add,
-    compensated_sum_init,
-    compensated_sum_mean,
-    compensated_sum_value,
-)
 from lpt.optim.adam import ScaleByAdamState, scale_by_adam
 from lpt.optim.apply import apply_updates
 from lpt.optim.diagnostics import find_compensation, get_diagnostics, replace_compensation
-from lpt.optim.fused_adamw import KahanAdamWState, kahan_adamw_moments
-from lpt.optim.kahan import KahanSummationState, compensation_from_f32, kahan_step, kahan_summation, to_f32
-from lpt.optim.leaves import UpdateDiagnostics
-from lpt.optim.norm_preserving import NormPreservingState, norm_preserving_step, norm_preserving_update
+from lpt.optim.fused_adamw import KahanAdamWState
+from lpt.optim.kahan import KahanSummationState, compensation_from_f32, kahan_summation, to_f32
+from lpt.optim.norm_preserving import NormPreservingState, norm_preserving_update
 from lpt.optim.recipes import UPDATE_RULES, adamw, add_decayed_weights, kahan_adamw, update_rule
 from lpt.optim.rounding_rules import (
     NearestRoundingState,
@@ -41,30 +37,21 @@ from lpt.optim.rounding_rules import (
 
 __all__ = [
     "UPDATE_RULES",
-    "CompensatedSum",
     "KahanAdamWState",
     "KahanSummationState",
     "NearestRoundingState",
     "NormPreservingState",
     "StochasticRoundingState",
-    "UpdateDiagnostics",
     "ScaleByAdamState",
     "add_decayed_weights",
     "adamw",
     "apply_updates",
-    "compensated_sum_add",
-    "compensated_sum_init",
-    "compensated_sum_mean",
-    "compensated_sum_value",
     "compensation_from_f32",
     "find_compensation",
     "get_diagnostics",
     "kahan_adamw",
-    "kahan_adamw_moments",
-    "kahan_step",
     "kahan_summation",
     "nearest_rounding",
-    "norm_preserving_step",
     "norm_preserving_update",
     "replace_compensation",
     "scale_by_adam",

@@ -107,12 +107,15 @@ def _decay_mask(mask, weight_decay_mask):
 
 def adamw(
     learning_rate: optax.ScalarOrSchedule,
-    *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype=None,
     weight_decay: float = 1e-4,
     mask=None,
+    *,
+    nesterov: bool = False,
     weight_decay_mask=None,
     update: str = "kahan",
     moment_dtype=None,
@@ -131,10 +134,23 @@ def adamw(
     decoupled weight decay is part of the compensated update, so it takes effect even when ``lr·wd`` is far below
     an ulp. ``update`` is one of :data:`UPDATE_RULES`; ``mask`` (tree of bools or callable, as optax's) turns the decay
     off per leaf (``weight_decay_mask`` is an alias).
+
+    The positional arguments and ``nesterov`` are ``optax.adamw``'s (``eps_root``, ``mu_dtype`` and ``nesterov`` go
+    to :func:`lpt.optim.scale_by_adam`); the keywords after them are lpt's.
     """
     parts = [] if grad_clip is None else [optax.clip_by_global_norm(grad_clip)]
     parts += [
-        scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype, rounding=moment_rounding, seed=seed),
+        scale_by_adam(
+            b1,
+            b2,
+            eps,
+            eps_root,
+            mu_dtype,
+            nesterov=nesterov,
+            moment_dtype=moment_dtype,
+            rounding=moment_rounding,
+            seed=seed,
+        ),
         add_decayed_weights(weight_decay, mask=_decay_mask(mask, weight_decay_mask)),
         scale_by_learning_rate(learning_rate),
         update_rule(update, seed=seed + 1, diagnostics=diagnostics, compensation_dtype=compensation_dtype),

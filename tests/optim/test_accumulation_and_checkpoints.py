@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 import lpt.optim as O
+from lpt.optim import accumulation
 
 
 def test_compensated_accumulation_keeps_small_microbatch_gradients():
@@ -22,9 +23,9 @@ def test_compensated_accumulation_keeps_small_microbatch_gradients():
 
     @jax.jit
     def compensated(gs):
-        acc = O.compensated_sum_init(gs[0], jnp.bfloat16)
-        acc = jax.lax.fori_loop(0, gs.shape[0], lambda i, a: O.compensated_sum_add(a, gs[i]), acc)
-        return O.compensated_sum_value(acc), O.compensated_sum_mean(acc)
+        acc = accumulation.compensated_sum_init(gs[0], jnp.bfloat16)
+        acc = jax.lax.fori_loop(0, gs.shape[0], lambda i, a: accumulation.compensated_sum_add(a, gs[i]), acc)
+        return accumulation.compensated_sum_value(acc), accumulation.compensated_sum_mean(acc)
 
     @jax.jit
     def naive(gs):  # bf16 running sum, rounded to nearest after every add

@@ -91,3 +91,34 @@ def test_mask_is_optax_name_and_weight_decay_mask_its_alias(make):
     assert float(ua["b"][0]) == 0.0 and float(ua["w"][0, 0]) < 0.0  # only the masked-in leaf decays
     with pytest.raises(ValueError, match="give the weight-decay mask once"):
         make(1e-1, mask=mask, weight_decay_mask=mask)
+
+
+def test_adamw_signature_starts_like_optax():
+    ours = list(inspect.signature(O.adamw).parameters.values())
+    theirs = list(inspect.signature(optax.adamw).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
+
+
+def test_adamw_f32_master_follows_optax_with_its_options():
+    """On f32 params with the nearest rule (exact for f32), lpt's adamw is optax's adamw, options included."""
+    rng = np.random.default_rng(1)
+    p = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
+    args = (1e-2, 0.8, 0.99, 1e-6, 1e-4, jnp.float32, 0.1)  # lr, b1, b2, eps, eps_root, mu_dtype, weight_decay
+    ours, theirs = O.adamw(*args, nesterov=True, update="nearest"), optax.adamw(*args, nesterov=True)
+    s1, s2 = ours.init(p), theirs.init(p)
+    p1 = p2 = p
+    for _ in range(10):
+        g = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
+        u1, s1 = jax.jit(ours.update)(g, s1, p1)
+        u2, s2 = jax.jit(theirs.update)(g, s2, p2)
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    np.testing.assert_allclose(np.asarray(p1["w"]), np.asarray(p2["w"]), rtol=1e-5, atol=1e-6)
+    plain = O.adamw(1e-2, 0.8, 0.99, 1e-6, weight_decay=0.1, update="nearest")  # without eps_root / nesterov
+    s0, p0 = plain.init(p), p
+    rng = np.random.default_rng(1)
+    rng.standard_normal((32, 16))
+    for _ in range(10):
+        g = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
+        u0, s0 = jax.jit(plain.update)(g, s0, p0)
+        p0 = optax.apply_updates(p0, u0)
+    assert float(jnp.max(jnp.abs(p0["w"] - p2["w"]))) > 1e-3  # the options change the result

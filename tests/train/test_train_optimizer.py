@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import lpt.optim
+import lpt.optim.fused_adamw
 from lpt.train import config as config_lib
 from lpt.train import optimizer
 
@@ -29,7 +30,7 @@ def _second_moment(state):
     found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "nu") or hasattr(x, "moments"))]
     for s in found:
         if isinstance(s, lpt.optim.KahanAdamWState):
-            return float(jnp.mean(lpt.optim.kahan_adamw_moments(s)[1]["w"]))
+            return float(jnp.mean(lpt.optim.fused_adamw.kahan_adamw_moments(s)[1]["w"]))
         if hasattr(s, "nu"):
             return float(jnp.mean(s.nu["w"].astype(jnp.float32)))  # moment dtype -> f32
     raise AssertionError(f"no Adam state in {state}")
