@@ -65,7 +65,9 @@ def kernel_specs(b: int, h: int, hkv: int, mesh) -> tuple | None:
     return q_spec, kv_spec, seg_spec, lse_spec
 
 
-def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
+def forward(q, k, v, q_seg, kv_seg, cfg: _Config):
+    """(f32 O, lse) of the canonical operands by ``cfg.impl``: the flash kernel (per shard under a mesh) or the XLA
+    twin."""
     kw = dict(policy=cfg.policy, causal=cfg.causal, scale=cfg.scale, block_k=cfg.block_k)
     if cfg.impl == "pallas":
         run = functools.partial(fk.flash_forward, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
@@ -95,7 +97,7 @@ def _flash(q, k, v, q_seg, kv_seg, key, cfg: _Config):
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, key, cfg: _Config):
-    o32, lse = _forward(q, k, v, q_seg, kv_seg, cfg)
+    o32, lse = forward(q, k, v, q_seg, kv_seg, cfg)
     out, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
     return out, (q, k, v, q_seg, kv_seg, o_res, lse)
 

@@ -42,7 +42,7 @@ def repeated_max_fraction(
     b, h, tq, d = q_t.shape
     hkv, tk = k_t.shape[1], k_t.shape[2]
     qg = q_t.reshape(b, hkv, h // hkv, tq, d)
-    valid = fr._valid(q_seg, kv_seg, jnp.arange(tq), jnp.arange(tk), cfg.causal)
+    valid = fr.valid_mask(q_seg, kv_seg, jnp.arange(tq), jnp.arange(tk), cfg.causal)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_t, preferred_element_type=jnp.float32) * jnp.float32(cfg.scale)
     s = jnp.where(valid, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -85,7 +85,7 @@ def residual_output(
         block_k=block_k,
         interpret=None,
     )
-    o32, _ = core._forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
+    o32, _ = core.forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
     _, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
     return o_res.astype(jnp.float32).transpose(0, 2, 1, 3)[:, : q.shape[1]]  # residual dtype -> f32 (exact)
 

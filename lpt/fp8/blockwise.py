@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lpt import sharding
-from lpt.fp8.quantize import _check_scale_format, check_fp8_dtype, quantize_blocks, quantize_tiles
+from lpt.fp8.quantize import check_fp8_dtype, check_scale_format, quantize_blocks, quantize_tiles
 from lpt.kernels import dispatch
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
@@ -187,7 +187,7 @@ def blockwise_dot(
     w = jnp.asarray(w)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    _check_scale_format(scale_format)
+    check_scale_format(scale_format)
     cfg = BlockwiseConfig(
         block=int(block),
         fwd_dtype=check_fp8_dtype(fwd_dtype, "fwd_dtype"),

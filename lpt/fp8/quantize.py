@@ -65,7 +65,7 @@ def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
     return d
 
 
-def _check_scale_format(scale_format: str) -> None:
+def check_scale_format(scale_format: str) -> None:
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
 
@@ -80,7 +80,7 @@ def _check_float(x, what: str) -> jax.Array:
 def compute_scale(amax_f32: jax.Array, dtype, scale_format: str = "f32") -> jax.Array:
     """f32 scale with ``amax / scale <= max(dtype)``, never below 2^-126; 1 where amax == 0 (see module docstring)."""
     fmax = jnp.float32(get_format(dtype).max)
-    _check_scale_format(scale_format)
+    check_scale_format(scale_format)
     # f32 / f32, floored at the smallest normal f32: a subnormal quotient would be flushed to 0 (x / 0 = inf).
     # maximum() propagates NaN, so a NaN amax still gives a NaN scale.
     ratio = jnp.maximum(amax_f32 / fmax, jnp.float32(_F32_SMALLEST_NORMAL))

@@ -26,7 +26,7 @@ from jax import lax
 from lpt.kernels import flash_attention_math as fm
 
 
-def _valid(q_seg, kv_seg, q_pos, k_pos, causal: bool):
+def valid_mask(q_seg, kv_seg, q_pos, k_pos, causal: bool):
     """Attend mask [B, 1, 1, Tq, bk] from segments [B, Tq], [B, bk] and positions [Tq], [bk]."""
     ok = q_seg[:, :, None] == kv_seg[:, None, :]
     if causal:
@@ -49,7 +49,7 @@ def _key_blocks(k, v, kv_seg, block_k: int):
 def _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k: int, *, causal: bool, scale: float):
     """(s, valid) of key block j: f32 logits scale·q kᵀ [B, Hkv, G, Tq, bk] and the attend mask."""
     q_pos = jnp.arange(qg.shape[3], dtype=jnp.int32)
-    valid = _valid(q_seg, seg_blk, q_pos, j * block_k + jnp.arange(block_k, dtype=jnp.int32), causal)
+    valid = valid_mask(q_seg, seg_blk, q_pos, j * block_k + jnp.arange(block_k, dtype=jnp.int32), causal)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32) * jnp.float32(scale)
     return s, valid
 
@@ -126,7 +126,7 @@ def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float):
     hkv, tk = k.shape[1], k.shape[2]
     g = h // hkv
     qg = q.astype(jnp.float32).reshape(b, hkv, g, tq, d)  # input dtype -> f32 (exact)
-    valid = _valid(q_seg, kv_seg, jnp.arange(tq, dtype=jnp.int32), jnp.arange(tk, dtype=jnp.int32), causal)
+    valid = valid_mask(q_seg, kv_seg, jnp.arange(tq, dtype=jnp.int32), jnp.arange(tk, dtype=jnp.int32), causal)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32)) * jnp.float32(scale)  # -> f32 (exact)
     s = jnp.where(valid, s, -jnp.inf)
     any_valid = jnp.any(valid, axis=-1, keepdims=True)

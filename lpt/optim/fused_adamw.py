@@ -34,7 +34,7 @@ from jax import lax
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.adam import MOMENT_ROUNDINGS
-from lpt.optim.leaves import UpdateDiagnostics, _check, leaf_id, leaf_name, needs_rounding, zeros_like_rounded
+from lpt.optim.leaves import UpdateDiagnostics, check_trees, leaf_id, leaf_name, needs_rounding, zeros_like_rounded
 
 IMPLS = ("xla", "pallas")
 
@@ -199,7 +199,7 @@ def fused_kahan_adamw(
         return round_nearest(x32, mdt, out_dtype=jnp.float32)
 
     def update_fn(updates, state, params=None):
-        _check("kahan_adamw", updates, params)
+        check_trees("kahan_adamw", updates, params)
         count = optax.safe_int32_increment(state.count)
         t_f = count.astype(jnp.float32)  # int32 -> f32
         inv_c1 = 1.0 / (1.0 - K.f32(b1) ** t_f)  # as lpt.optim.scale_by_adam

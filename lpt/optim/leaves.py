@@ -70,7 +70,8 @@ def needs_rounding(dtype) -> bool:
     )
 
 
-def _check(rule: str, updates, params) -> None:
+def check_trees(rule: str, updates, params) -> None:
+    """ValueError unless ``params`` is given and has the tree structure of ``updates``."""
     if params is None:
         raise ValueError(f"{rule} needs the parameters: call update(updates, state, params)")
     su, sp = jax.tree.structure(updates), jax.tree.structure(params)
@@ -92,7 +93,7 @@ def map_leaves(
     state leaves. Returns ``(deltas, new_states, diagnostics_or_None)`` where deltas are f32
     ``new_p - p`` (the pass-through leaves keep their update dtype).
     """
-    _check(rule, updates, params)
+    check_trees(rule, updates, params)
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat_u = treedef.flatten_up_to(updates)
     flat_s = [treedef.flatten_up_to(s) for s in states]
