@@ -34,7 +34,15 @@ from jax import lax
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.optim.adam import MOMENT_ROUNDINGS
-from lpt.optim.leaves import UpdateDiagnostics, check_trees, leaf_id, leaf_name, needs_rounding, zeros_like_rounded
+from lpt.optim.leaves import (
+    UpdateDiagnostics,
+    check_trees,
+    leaf_id,
+    leaf_name,
+    needs_rounding,
+    summarize,
+    zeros_like_rounded,
+)
 
 IMPLS = ("xla", "pallas")
 
@@ -191,23 +199,18 @@ def fused_kahan_adamw(
             diagnostics=UpdateDiagnostics(*(jnp.zeros((), jnp.float32),) * 3) if diagnostics else None,
         )
 
-    def round_moment(x32, mdt, key):
-        if mdt.itemsize >= 4:
-            return x32.astype(mdt).astype(jnp.float32)  # f32 moments: no rounding (f64 -> f32 view)
-        if stochastic:
-            return round_stochastic(x32, mdt, key, out_dtype=jnp.float32)
-        return round_nearest(x32, mdt, out_dtype=jnp.float32)
-
     def update_fn(updates, state, params=None):
         check_trees("kahan_adamw", updates, params)
         count = optax.safe_int32_increment(state.count)
         t_f = count.astype(jnp.float32)  # int32 -> f32
-        inv_c1 = 1.0 / (1.0 - K.f32(b1) ** t_f)  # as lpt.optim.scale_by_adam
-        inv_c2 = 1.0 / (1.0 - K.f32(b2) ** t_f)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        neg_lr = jnp.asarray(-1 * lr).astype(jnp.float32)  # schedule value -> f32 (as optax's scale_by_schedule)
+        sc = _Scalars(
+            inv_c1=1.0 / (1.0 - K.f32(b1) ** t_f),  # as lpt.optim.scale_by_adam
+            inv_c2=1.0 / (1.0 - K.f32(b2) ** t_f),
+            neg_lr=jnp.asarray(-1 * lr).astype(jnp.float32),  # schedule value -> f32 (as optax's scale_by_schedule)
+            zero=K.runtime_zero(count),
+        )
         step_key = jax.random.fold_in(jax.random.key(seed), count)
-        zero = K.runtime_zero(count)
         flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_specs = [None] * len(flat_p) if param_specs is None else treedef.flatten_up_to(param_specs)
         flat_g = treedef.flatten_up_to(updates)
@@ -217,74 +220,111 @@ def fused_kahan_adamw(
         leaf_keys = _leaf_keys(step_key, [leaf_name(path) for path, _ in flat_p])
         out_d, out_mv, out_c, stats = [], [], [], []
         dep = jnp.uint32(0)
-        for (path, p), g, mv, c, decay, spec in zip(flat_p, flat_g, flat_mv, flat_c, decays, flat_specs, strict=True):
-            hp = dict(eps=eps, weight_decay=weight_decay if decay else 0.0)
+        for i, ((path, p), g, mv, c, decay, spec) in enumerate(
+            zip(flat_p, flat_g, flat_mv, flat_c, decays, flat_specs, strict=True)
+        ):
+            hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if decay else 0.0)
             name = leaf_name(path)
             p, g = jnp.asarray(p), jnp.asarray(g)
             if p.shape != g.shape:
                 raise ValueError(f"kahan_adamw: update at {name} has shape {g.shape} but the param has {p.shape}")
             if not jnp.issubdtype(g.dtype, jnp.floating):
                 raise ValueError(f"kahan_adamw: update at {name} has dtype {g.dtype}; updates must be floating point")
-            rounded = needs_rounding(p.dtype)
             mdt, cdt = mdt_of(p.dtype), cdt_of(p.dtype)
-            km, kv = leaf_keys[len(out_d)]
-            if impl == "pallas" and rounded:
+            if impl == "pallas" and needs_rounding(p.dtype):
                 if not (p.dtype == mdt == cdt == jnp.bfloat16):
                     raise ValueError(
                         f"kahan_adamw(impl='pallas') needs bf16 params, moments and compensation; {name} has param "
                         f"{p.dtype}, moments {mdt}, compensation {cdt} (use impl='xla')"
                     )
-                words = _key_words(km)
-                scalars = jnp.stack([inv_c1, inv_c2, neg_lr, lax.bitcast_convert_type(zero, jnp.float32)])
-                from lpt.kernels import adamw_kahan_sharded as sharded  # Pallas: imported only when used
-
-                kw = dict(b1=b1, b2=b2, stochastic=stochastic, interpret=interpret, **hp)
-                if spec is None:
-                    new_p, new_c, new_mv = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw)
-                else:
-                    new_p, new_c, new_mv = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw)
-                p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
-                delta = new_p.astype(jnp.float32) - p32  # exact: both on the bf16 grid
-                out_d.append(delta)
-                out_mv.append(new_mv)
-                out_c.append(new_c)
-                if diagnostics:
-                    mq, vq = K.unpack_bf16_pair(new_mv)
-                    stats.append((neg_lr * K.adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, **hp), delta))
-                continue
-            g32 = g.astype(jnp.float32)  # grad dtype -> f32
-            p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
-            m_new, v_new = K.moment_update(g32, *unpack_moments(mv, mdt), zero, b1=b1, b2=b2)
-            if mdt == jnp.bfloat16:  # one hash word per element for both moments (K.round_moments)
-                mq, vq = K.round_moments(m_new, v_new, stochastic=stochastic, key_words=_key_words(km))
+                delta, new_mv, new_c, u = _pallas_leaf(
+                    g, p, c, mv, sc, leaf_keys[i][0], hp, stochastic=stochastic, interpret=interpret, spec=spec
+                )
             else:
-                mq, vq = round_moment(m_new, mdt, km), round_moment(v_new, mdt, kv)
-            mv_new = pack_moments(mq, vq, mdt)
-            mq, vq = unpack_moments(mv_new, mdt)  # read back the stored moments: XLA reuses their pass
-            if not rounded:  # f32/f64 leaf: plain AdamW, no compensation
-                u = neg_lr * K.adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, **hp)  # f32 (as the chain's update)
-                out_d.append(u)
-                out_mv.append(mv_new)
-                out_c.append(c)
-                if diagnostics:
-                    stats.append((u, u))
-                continue
-            c32 = c.astype(jnp.float32)  # compensation dtype -> f32 (exact)
-            t = K.kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, **hp) / _runtime_one(p32, dep)
-            s32, c_new32 = K.kahan_round(t, p.dtype, cdt)
-            if sequential_leaves and c_new32.size:  # next leaf's t waits for this c': t's buffer is reused
-                dep = lax.bitcast_convert_type(c_new32.reshape(-1)[0], jnp.uint32)  # f32 -> u32 bits
-            delta = s32 - p32  # exact in f32: both on p's grid
+                delta, new_mv, new_c, u, dep = _xla_leaf(
+                    g, p, c, mv, sc, leaf_keys[i], hp, mdt, cdt, dep, stochastic, sequential_leaves
+                )
             out_d.append(delta)
-            out_mv.append(mv_new)
-            out_c.append(_narrow_exact(c_new32, cdt))  # f32 -> compensation dtype (exact: on its grid)
+            out_mv.append(new_mv)
+            out_c.append(new_c)
             if diagnostics:
-                stats.append((neg_lr * K.adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, **hp), delta))
-        diag = _summarize(stats) if diagnostics else None
+                stats.append((u(), delta))
+        diag = summarize(stats) if diagnostics else None
         unf = treedef.unflatten
         return unf(out_d), KahanAdamWState(count, unf(out_mv), unf(out_c), diag)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _Scalars(NamedTuple):
+    """The step's f32 scalars shared by every leaf."""
+
+    inv_c1: jax.Array  # 1 / (1 − b1^t)
+    inv_c2: jax.Array  # 1 / (1 − b2^t)
+    neg_lr: jax.Array  # −learning rate
+    zero: jax.Array  # a runtime 0.0 (keeps XLA from folding products into FMAs, see lpt.kernels.adamw_kahan_math)
+
+
+def _round_moment(x32, mdt, key, stochastic: bool):
+    if mdt.itemsize >= 4:
+        return x32.astype(mdt).astype(jnp.float32)  # f32 moments: no rounding (f64 -> f32 view)
+    if stochastic:
+        return round_stochastic(x32, mdt, key, out_dtype=jnp.float32)
+    return round_nearest(x32, mdt, out_dtype=jnp.float32)
+
+
+def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, interpret, spec):
+    """One bf16 leaf through the fused kernel: ``(delta_f32, moments', compensation', intended update thunk)``."""
+    from lpt.kernels import adamw_kahan_sharded as sharded  # Pallas: imported only when used
+
+    words = _key_words(key)
+    scalars = jnp.stack([sc.inv_c1, sc.inv_c2, sc.neg_lr, lax.bitcast_convert_type(sc.zero, jnp.float32)])
+    kw = dict(stochastic=stochastic, interpret=interpret, **hp)
+    if spec is None:
+        new_p, new_c, new_mv = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw)
+    else:
+        new_p, new_c, new_mv = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw)
+    p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
+    delta = new_p.astype(jnp.float32) - p32  # exact: both on the bf16 grid
+
+    def intended():
+        mq, vq = K.unpack_bf16_pair(new_mv)
+        return sc.neg_lr * K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **_direction_hp(hp))
+
+    return delta, new_mv, new_c, intended
+
+
+def _direction_hp(hp: dict) -> dict:
+    return {k: hp[k] for k in ("eps", "weight_decay")}
+
+
+def _xla_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, cdt, dep, stochastic: bool, sequential: bool):
+    """One leaf in XLA: ``(delta_f32, moments', compensation', intended update thunk, dep')``.
+
+    Rounded leaves take the Kahan step; f32/f64 leaves plain AdamW with no compensation. With ``sequential`` the
+    next leaf's target waits for this leaf's compensation through ``dep`` (see :func:`_runtime_one`)."""
+    km, kv = keys
+    g32 = g.astype(jnp.float32)  # grad dtype -> f32
+    p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
+    m_new, v_new = K.moment_update(g32, *unpack_moments(mv, mdt), sc.zero, b1=hp["b1"], b2=hp["b2"])
+    if mdt == jnp.bfloat16:  # one hash word per element for both moments (K.round_moments)
+        mq, vq = K.round_moments(m_new, v_new, stochastic=stochastic, key_words=_key_words(km))
+    else:
+        mq, vq = _round_moment(m_new, mdt, km, stochastic), _round_moment(v_new, mdt, kv, stochastic)
+    mv_new = pack_moments(mq, vq, mdt)
+    mq, vq = unpack_moments(mv_new, mdt)  # read back the stored moments: XLA reuses their pass
+    dhp = _direction_hp(hp)
+    intended = lambda: sc.neg_lr * K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **dhp)
+    if not needs_rounding(p.dtype):  # f32/f64 leaf: plain AdamW, no compensation
+        u = intended()  # f32 (as the chain's update)
+        return u, mv_new, c, lambda: u, dep
+    c32 = c.astype(jnp.float32)  # compensation dtype -> f32 (exact)
+    t = K.kahan_target(mq, vq, p32, c32, sc.inv_c1, sc.inv_c2, sc.neg_lr, sc.zero, **dhp) / _runtime_one(p32, dep)
+    s32, c_new32 = K.kahan_round(t, p.dtype, cdt)
+    if sequential and c_new32.size:  # next leaf's t waits for this c': t's buffer is reused
+        dep = lax.bitcast_convert_type(c_new32.reshape(-1)[0], jnp.uint32)  # f32 -> u32 bits
+    delta = s32 - p32  # exact in f32: both on p's grid
+    return delta, mv_new, _narrow_exact(c_new32, cdt), intended, dep  # f32 -> compensation dtype (exact)
 
 
 def _decay_flags(mask, params, treedef) -> list[bool]:
@@ -300,17 +340,6 @@ def _decay_flags(mask, params, treedef) -> list[bool]:
         if not isinstance(f, (bool, np.bool_)):
             raise ValueError(f"weight_decay_mask leaves must be Python bools (static), got {type(f).__name__}")
     return [bool(f) for f in flags]
-
-
-def _summarize(stats) -> UpdateDiagnostics:
-    if not stats:
-        z = jnp.zeros((), jnp.float32)
-        return UpdateDiagnostics(z, z, z)
-    sq_u = sum(jnp.sum(u * u) for u, _ in stats)
-    sq_d = sum(jnp.sum(d * d) for _, d in stats)
-    n_cancel = sum(jnp.sum((u != 0) & (d == 0), dtype=jnp.float32) for u, d in stats)
-    n_nonzero = sum(jnp.sum(u != 0, dtype=jnp.float32) for u, _ in stats)
-    return UpdateDiagnostics(n_cancel / jnp.maximum(n_nonzero, 1.0), jnp.sqrt(sq_u), jnp.sqrt(sq_d))
 
 
 def kahan_adamw_moments(state: KahanAdamWState, moment_dtype=jnp.bfloat16) -> tuple[Any, Any]:

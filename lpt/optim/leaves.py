@@ -42,6 +42,19 @@ def empty_diagnostics() -> UpdateDiagnostics:
     return UpdateDiagnostics(z, z, z)
 
 
+def summarize(pairs) -> UpdateDiagnostics:
+    """:class:`UpdateDiagnostics` of a step from ``[(intended_f32, applied_delta_f32), ...]``, one pair per leaf."""
+    if not pairs:
+        return empty_diagnostics()
+    n_cancel = sum(jnp.sum((u != 0) & (d == 0), dtype=jnp.float32) for u, d in pairs)
+    n_nonzero = sum(jnp.sum(u != 0, dtype=jnp.float32) for u, _ in pairs)
+    return UpdateDiagnostics(
+        cancelled_fraction=n_cancel / jnp.maximum(n_nonzero, 1.0),
+        intended_norm=jnp.sqrt(sum(jnp.sum(u * u) for u, _ in pairs)),
+        applied_norm=jnp.sqrt(sum(jnp.sum(d * d) for _, d in pairs)),
+    )
+
+
 def leaf_name(path) -> str:
     """The name of a leaf for error messages and random keys: ``jax.tree_util.keystr(path)`` without the trailing
     ``.value`` that a Flax NNX ``Variable`` adds, so ``{"kernel": nnx.Param(x)}`` (an ``nnx.State``) and
@@ -97,8 +110,7 @@ def map_leaves(
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat_u = treedef.flatten_up_to(updates)
     flat_s = [treedef.flatten_up_to(s) for s in states]
-    deltas, new_states = [], [[] for _ in states]
-    sq_u, sq_d, n_cancel, n_nonzero = [], [], [], []
+    deltas, new_states, pairs = [], [[] for _ in states], []
     for i, ((path, p), u) in enumerate(zip(flat_p, flat_u, strict=True)):
         name = leaf_name(path)
         p, u = jnp.asarray(p), jnp.asarray(u)
@@ -120,28 +132,11 @@ def map_leaves(
         deltas.append(delta)
         for j, s in enumerate(new_leaf_states):
             new_states[j].append(s)
-        if diagnostics:
-            u32 = u32.astype(jnp.float32)  # (pass-through leaves) any float -> f32 for the statistics
-            d32 = delta.astype(jnp.float32)
-            nz = u32 != 0
-            sq_u.append(jnp.sum(u32 * u32))
-            sq_d.append(jnp.sum(d32 * d32))
-            n_cancel.append(jnp.sum(nz & (d32 == 0), dtype=jnp.float32))
-            n_nonzero.append(jnp.sum(nz, dtype=jnp.float32))
+        if diagnostics:  # (pass-through leaves) any float -> f32 for the statistics
+            pairs.append((u32.astype(jnp.float32), delta.astype(jnp.float32)))
     out = treedef.unflatten(deltas)
     outs = tuple(treedef.unflatten(s) for s in new_states)
-    diag = None
-    if diagnostics:
-        if not deltas:
-            diag = empty_diagnostics()
-        else:
-            nnz = sum(n_nonzero)
-            diag = UpdateDiagnostics(
-                cancelled_fraction=sum(n_cancel) / jnp.maximum(nnz, 1.0),
-                intended_norm=jnp.sqrt(sum(sq_u)),
-                applied_norm=jnp.sqrt(sum(sq_d)),
-            )
-    return out, outs, diag
+    return out, outs, summarize(pairs) if diagnostics else None
 
 
 def zeros_like_rounded(params: Any, dtype_fn: Callable[[jnp.dtype], Any]) -> Any:
