@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from lpt.fp8.blockwise import blockwise_dot
 from lpt.fp8.quantize import quantization_stats, quantize_blocks, quantize_tiles
 
-__all__ = ["fp8_gemm_diagnostics", "relative_error", "snr_db"]
+__all__ = ["fp8_gemm_diagnostics", "quantize_operands", "relative_error", "snr_db"]
 
 
 def _f32(v) -> jax.Array:
@@ -36,6 +36,20 @@ def relative_error(ref, approx) -> jax.Array:
     return jnp.linalg.norm(a - r) / jnp.linalg.norm(r)
 
 
+def quantize_operands(x, w, *, block: int = 128, fwd_dtype=jnp.float8_e4m3fn, scale_format: str = "f32"):
+    """``(x2_f32, w_f32, x_tiles, w_blocks)``: the operands of ``x[..., K] @ w[K, N]`` as f32 (``x`` flattened to
+    ``[M, K]``) and quantized exactly as :func:`lpt.fp8.blockwise_dot`'s forward does (``x`` in 1×block tiles along
+    K, ``w`` in block×block blocks), each as ``(codes, scales, QuantStats)``. Shared by
+    :func:`fp8_gemm_diagnostics` and the trainer's diagnostics pass (:mod:`lpt.models.probes`)."""
+    w_f32 = jnp.asarray(w).astype(jnp.float32)  # w dtype -> f32 (exact for bf16 / f32)
+    x2_f32 = jnp.asarray(x).reshape(-1, w_f32.shape[0]).astype(jnp.float32)  # x dtype -> f32 (exact for bf16 / f32)
+    qx, sx = quantize_tiles(x2_f32, fwd_dtype, axis=-1, block=block, scale_format=scale_format)
+    qw, sw = quantize_blocks(w_f32, fwd_dtype, block=block, scale_format=scale_format)
+    x_tiles = (qx, sx, quantization_stats(x2_f32, qx, sx, axis=-1, block=block))
+    w_blocks = (qw, sw, quantization_stats(w_f32, qw, sw, axis=None, block=block))
+    return x2_f32, w_f32, x_tiles, w_blocks
+
+
 def fp8_gemm_diagnostics(
     x,
     w,
@@ -51,14 +65,9 @@ def fp8_gemm_diagnostics(
     counts; with amax scaling saturation only happens for non-finite or f32 round-off cases, underflow is the real
     loss in a tile with a large dynamic range), ``rel_err_vs_bf16`` and ``snr_db_vs_bf16`` of the FP8 output.
     """
-    x = jnp.asarray(x)
-    w = jnp.asarray(w)
-    k = w.shape[0]
-    x2 = x.reshape(-1, k)
-    qx, sx = quantize_tiles(x2, fwd_dtype, axis=-1, block=block, scale_format=scale_format)
-    qw, sw = quantize_blocks(w, fwd_dtype, block=block, scale_format=scale_format)
-    xs = quantization_stats(x2, qx, sx, axis=-1, block=block)
-    ws = quantization_stats(w, qw, sw, axis=None, block=block)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    x2 = x.reshape(-1, w.shape[0])
+    _, _, (_, _, xs), (_, _, ws) = quantize_operands(x2, w, block=block, fwd_dtype=fwd_dtype, scale_format=scale_format)
     y8 = blockwise_dot(x2, w, impl=impl, block=block, fwd_dtype=fwd_dtype, scale_format=scale_format)
     x_bf = x2.astype(jnp.bfloat16)  # x dtype -> bf16
     w_bf = w.astype(jnp.bfloat16)  # w dtype -> bf16

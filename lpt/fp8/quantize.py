@@ -156,15 +156,17 @@ def quantize_tensor(x, dtype=jnp.float8_e4m3fn, *, scale_format: str = "f32"):
 
 
 class QuantStats(NamedTuple):
-    """Counts of what quantization lost: values clipped at the format max, and nonzeros flushed to zero."""
+    """Counts of what quantization lost: values clipped at the format max, nonzeros flushed to zero, and nonzeros
+    stored as subnormals (fewer mantissa bits)."""
 
     saturated: jax.Array  # int32: |x / scale| > max(dtype) before rounding
     underflowed: jax.Array  # int32: x != 0 but q == 0
     total: jax.Array  # int32: number of elements
+    subnormal: jax.Array  # int32: x != 0 and |q| < smallest normal of dtype (flushed entries included)
 
 
 def quantization_stats(x, q, scale, *, axis: int | None = -1, block: int = 128) -> QuantStats:
-    """Saturation / underflow counts for ``q, scale = quantize_*(x)``.
+    """Saturation / underflow / subnormal counts for ``q, scale = quantize_*(x)``.
 
     ``axis=None`` means ``scale`` is per-block of a 2-D weight (``quantize_blocks``) or a scalar (per-tensor).
     """
@@ -177,5 +179,9 @@ def quantization_stats(x, q, scale, *, axis: int | None = -1, block: int = 128) 
         s = jnp.repeat(scale, block, axis=axis % x32.ndim)
     fmax = jnp.float32(get_format(q.dtype).max)
     saturated = jnp.sum((jnp.abs(x32 / s) > fmax).astype(jnp.int32))  # bool -> int32
-    underflowed = jnp.sum(((x32 != 0) & (q.astype(jnp.float32) == 0)).astype(jnp.int32))  # bool -> int32
-    return QuantStats(saturated, underflowed, jnp.int32(x32.size))
+    q32 = q.astype(jnp.float32)  # fp8 -> f32 (exact)
+    nonzero = x32 != 0
+    underflowed = jnp.sum((nonzero & (q32 == 0)).astype(jnp.int32))  # bool -> int32
+    tiny = jnp.float32(get_format(q.dtype).smallest_normal)
+    subnormal = jnp.sum((nonzero & (jnp.abs(q32) < tiny)).astype(jnp.int32))  # bool -> int32
+    return QuantStats(saturated, underflowed, jnp.int32(x32.size), subnormal)

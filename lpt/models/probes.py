@@ -41,8 +41,6 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from lpt import numerics
-
 RATIO, DB, MAX = "ratio", "db", "max"
 ATTENTION_LOGITS_BUDGET = 2**26  # f32 logits materialised per attention layer by the repeated-max probe (256 MiB)
 
@@ -115,31 +113,20 @@ def current() -> Collector:
     return _stack()[-1]
 
 
-def _count(mask) -> jax.Array:
-    return jnp.sum(mask.astype(jnp.float32))  # bool -> f32 count
-
-
-def _fp8_counts(x_f32, q, prefix: str, c: Collector) -> None:
-    """Underflow / subnormal counts of ``q`` (the e4m3 codes of ``x / scale``) over all entries of ``x``."""
-    tiny = jnp.float32(numerics.get_format(q.dtype).smallest_normal)
-    q_f32 = q.astype(jnp.float32)  # fp8 -> f32 (exact)
-    nonzero = x_f32 != 0
-    c.add(f"{prefix}_underflow_frac", RATIO, _count(nonzero & (q_f32 == 0)), x_f32.size)
-    c.add(f"{prefix}_subnormal_frac", RATIO, _count(nonzero & (jnp.abs(q_f32) < tiny)), x_f32.size)
-
-
 def record_fp8(name: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
-    """Record the statistics of one FP8 GEMM ``y_f32 = blockwise_dot(x, w)`` of layer kind ``name``."""
-    from lpt.fp8 import BlockwiseConfig, quantize_blocks, quantize_tiles
+    """Record the statistics of one FP8 GEMM ``y_f32 = blockwise_dot(x, w)`` of layer kind ``name``: the operands
+    quantized as the GEMM does (:func:`lpt.fp8.diagnostics.quantize_operands`), their underflow and subnormal
+    fractions, the range of the x tile scales, and the SNR against the compute-dtype GEMM."""
+    from lpt.fp8 import BlockwiseConfig
+    from lpt.fp8.diagnostics import quantize_operands
 
     c, cfg = current(), BlockwiseConfig()
-    k = w.shape[0]
-    x_f32 = x.reshape(-1, k).astype(jnp.float32)  # compute -> f32 (exact), what blockwise_dot quantizes
-    w_f32 = w.astype(jnp.float32)  # compute -> f32 (exact)
-    qx, sx = quantize_tiles(x_f32, cfg.fwd_dtype, axis=-1, block=cfg.block, scale_format=cfg.scale_format)
-    qw, _ = quantize_blocks(w_f32, cfg.fwd_dtype, block=cfg.block, scale_format=cfg.scale_format)
-    _fp8_counts(x_f32, qx, f"fp8/{name}/x", c)
-    _fp8_counts(w_f32, qw, f"fp8/{name}/w", c)
+    x_f32, _, (_, sx, xs), (_, _, ws) = quantize_operands(
+        x, w, block=cfg.block, fwd_dtype=cfg.fwd_dtype, scale_format=cfg.scale_format
+    )
+    for operand, st in (("x", xs), ("w", ws)):  # int32 counts (Collector.add takes them to f32)
+        c.add(f"fp8/{name}/{operand}_underflow_frac", RATIO, st.underflowed, st.total)
+        c.add(f"fp8/{name}/{operand}_subnormal_frac", RATIO, st.subnormal, st.total)
     amax_pos = jnp.max(jnp.abs(x_f32).reshape(sx.shape + (cfg.block,)), axis=-1) > 0
     lo = jnp.min(jnp.where(amax_pos, sx, jnp.inf))
     hi = jnp.max(jnp.where(amax_pos, sx, 0.0))
