@@ -17,6 +17,8 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
+from lpt.optim.recipes import UPDATE_RULES as ROUNDING_RULES
+
 PARAM_DTYPES = {
     "float32": jnp.float32,
     "bfloat16": jnp.bfloat16,
@@ -25,7 +27,7 @@ PARAM_DTYPES = {
     "float8_e5m2": jnp.float8_e5m2,
 }
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-UPDATE_RULES = ("f32_master", "nearest", "kahan", "stochastic", "norm_preserving")
+UPDATE_RULES = ("f32_master", *ROUNDING_RULES)  # f32 master weights, or a rule of lpt.optim that rounds into params
 KINDS = ("llama", "gpt2")
 LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
 MATMULS = ("bf16", "fp8")

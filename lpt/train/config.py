@@ -21,8 +21,9 @@ from typing import Any
 import ml_collections
 
 import lpt.configs
-from lpt.models.config import ATTENTION_IMPLS
-from lpt.optim.recipes import UPDATE_RULES
+from lpt.models import config as model_config
+from lpt.optim.adam import MOMENT_ROUNDINGS
+from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
 
 # integer keys that must be >= 1 (intervals, counts, sizes)
 POSITIVE = (
@@ -37,11 +38,11 @@ POSITIVE = (
     "train.keep_checkpoints",
 )
 _CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
-MATMUL_KINDS = ("qkv", "out", "up", "down", "lm_head")
+MATMUL_KINDS = model_config.LAYER_KINDS
 
 # key path -> (type, allowed values or None). tuple[str] values are written "a,b" on the command line.
 SCHEMA: dict[str, tuple[type, tuple | None]] = {
-    "model.kind": (str, ("llama", "gpt2")),
+    "model.kind": (str, model_config.KINDS),
     "model.vocab_size": (int, None),  # 0 = the tokenizer's vocabulary size (data.tokenizer)
     "model.d_model": (int, None),
     "model.n_layers": (int, None),
@@ -50,7 +51,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "model.d_ff": (int, None),
     "model.max_seq_len": (int, None),
     "model.rope_theta": (float, None),
-    "model.rope_scaling.type": (str, ("none", "linear", "llama3")),
+    "model.rope_scaling.type": (str, model_config.ROPE_SCALINGS),
     "model.rope_scaling.factor": (float, None),
     "model.rope_scaling.low_freq_factor": (float, None),
     "model.rope_scaling.high_freq_factor": (float, None),
@@ -60,17 +61,17 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "model.init_std": (float, None),
     "model.remat": (bool, None),
     "model.scan_layers": (bool, None),
-    "precision.param_dtype": (str, ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")),
-    "precision.compute_dtype": (str, ("bfloat16", "float32")),
-    "precision.update_rule": (str, ("f32_master", *UPDATE_RULES)),
-    "precision.moment_rounding": (str, ("stochastic", "nearest")),  # 16-bit Adam moments
-    "precision.update_impl": (str, ("xla", "pallas")),  # kahan's fused step: XLA or the Pallas kernel
-    **{f"precision.matmul.{k}": (str, ("bf16", "fp8")) for k in MATMUL_KINDS},
-    "precision.attention.impl": (str, ATTENTION_IMPLS),
+    "precision.param_dtype": (str, tuple(model_config.PARAM_DTYPES)),
+    "precision.compute_dtype": (str, tuple(model_config.COMPUTE_DTYPES)),
+    "precision.update_rule": (str, model_config.UPDATE_RULES),
+    "precision.moment_rounding": (str, MOMENT_ROUNDINGS),  # 16-bit Adam moments
+    "precision.update_impl": (str, UPDATE_IMPLS),  # kahan's fused step: XLA or the Pallas kernel
+    **{f"precision.matmul.{k}": (str, model_config.MATMULS) for k in MATMUL_KINDS},
+    "precision.attention.impl": (str, model_config.ATTENTION_IMPLS),
     "precision.attention.stable": (bool, None),
     "precision.attention.beta": (float, None),
-    "precision.pqt.method": (str, ("none", "gaussws", "diffq")),
-    "precision.pqt.layers": (tuple, MATMUL_KINDS),
+    "precision.pqt.method": (str, model_config.PQT_METHODS),
+    "precision.pqt.layers": (tuple, model_config.PQT_LAYER_KINDS),
     "precision.pqt.b_init": (float, None),
     "precision.pqt.b_target": (float, None),
     "precision.pqt.loss_weight": (float, None),
