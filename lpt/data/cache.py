@@ -1,11 +1,22 @@
-"""On-disk token streams for file sources: built once, then memory-mapped.
+"""On-disk token streams for file sources: built once, then memory-mapped; and the document -> tokens encoding.
 
 For ``source="text"`` / ``"arrayrecord"`` the train and validation streams are written (one document at a time,
-never the whole corpus in memory) to ``<cache_dir>/<fingerprint>/{train,validation}.u8`` with the byte counts of
-each split in ``meta.json``, and opened with ``np.memmap``. The fingerprint is a hash of (format version, source,
-every input file's path, size and mtime, validation_fraction): editing a file or changing the split builds a new
-cache. Builds go to a temporary directory renamed into place at the end, so processes sharing a cache directory
-never see a half-written cache (the loser of a race discards its copy). Old caches are not deleted.
+never the whole corpus in memory) to ``<cache_dir>/<fingerprint>/{train,validation}.<u8|u16|u32>`` with the token
+count and the text byte count of each split in ``meta.json`` and the per-token counts of each split (``meta.json``
+for bytes, ``counts.npy`` otherwise), and opened with ``np.memmap``. The fingerprint is a hash of (format version,
+source, every input file's path, size and mtime, validation_fraction, and the tokenizer's identity unless it is
+"bytes"): editing a file, changing the split or the tokenizer builds a new cache. Builds go to a temporary directory
+renamed into place at the end, so processes sharing a cache directory never see a half-written cache (the loser of
+a race discards its copy). Old caches are not deleted.
+
+Encoding with a tokenizer other than "bytes" (:func:`encoded_parts`, shared with ``python -m lpt.data.prepare``):
+each document is split where the bytes tokenizer splits it (``cut = len − round(f · len)``), moved forward past
+UTF-8 continuation bytes so that no character is cut; each part is decoded as UTF-8 (a document that is not UTF-8
+is an error) and encoded, and the separator id follows each non-empty part. A part longer than ``PIECE_BYTES``
+(1 MiB) is encoded in pieces of at most that size, each ending after the last line break that fits (else at a
+character boundary), so a huge file never sits in the tokenizer at once; the pieces are a function of the text
+alone. Text bytes of a split = UTF-8 bytes of its text + 1 per separator (the bytes tokenizer's NUL), so for
+"bytes" they equal the token count.
 
 ``cache_dir``: ``config.data.cache_dir`` if set, else ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data``.
 """
@@ -18,6 +29,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,14 +37,26 @@ CACHE_VERSION = 1
 SPLITS = ("train", "validation")
 
 
+class Corpus(NamedTuple):
+    """A split corpus: ``streams`` {split: token ids, read-only (ndarray, memmap or a prepared stream)}, ``counts``
+    {split: int64[vocab] occurrences of each id}, ``text_bytes`` {split: UTF-8 bytes + 1 per separator}."""
+
+    streams: dict
+    counts: dict[str, np.ndarray]
+    text_bytes: dict[str, int]
+
+
 def default_cache_dir() -> str:
     return os.environ.get("LPT_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lpt", "data")
 
 
-def fingerprint(source: str, files: list[str], validation_fraction: float) -> str:
+def fingerprint(source: str, files: list[str], validation_fraction: float, tokenizer: str = "bytes") -> str:
+    """Cache key; ``tokenizer`` is the tokenizer's identity (a "bytes" cache keeps the key it had without one)."""
     stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
-    blob = json.dumps([CACHE_VERSION, source, stats, float(validation_fraction)]).encode()
-    return hashlib.sha256(blob).hexdigest()[:24]
+    fields = [CACHE_VERSION, source, stats, float(validation_fraction)]
+    if tokenizer != "bytes":
+        fields.append(tokenizer)
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:24]
 
 
 def split_document(doc: bytes, validation_fraction: float) -> tuple[bytes, bytes]:
@@ -42,6 +66,7 @@ def split_document(doc: bytes, validation_fraction: float) -> tuple[bytes, bytes
 
 
 CHUNK_BYTES = 1 << 26  # 64 MiB: files are copied into the cache in pieces of this size
+PIECE_BYTES = 1 << 20  # 1 MiB: the longest text handed to a tokenizer at once
 
 
 def _read_range(path: str, start: int, stop: int) -> Iterator[bytes]:
@@ -67,15 +92,121 @@ def document_parts(doc: bytes | str, validation_fraction: float) -> tuple[Iterab
     return _read_range(doc, 0, cut), _read_range(doc, cut, size)
 
 
-def _open(directory: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _is_continuation(byte: int) -> bool:
+    return byte & 0xC0 == 0x80  # 10xxxxxx: inside a multi-byte UTF-8 character
+
+
+def _char_cut(size: int, validation_fraction: float, head: bytes) -> int:
+    """:func:`split_document`'s cut moved forward past UTF-8 continuation bytes; ``head`` = the (up to 3) bytes
+    that follow the unmoved cut."""
+    cut = size - round(validation_fraction * size)
+    k = 0
+    while k < len(head) and _is_continuation(head[k]):
+        k += 1
+    return cut + k
+
+
+def _line_pieces(chunks: Iterable[bytes], limit: int) -> Iterator[bytes]:
+    """Re-cut a byte sequence (given in arbitrary chunks) greedily into pieces of at most ``limit`` bytes, each
+    ending after the last ``\\n`` that fits, else at a UTF-8 character boundary. The pieces depend on the bytes
+    only, not on how they were chunked."""
+    rest = b""
+    for chunk in chunks:
+        data = rest + chunk if rest else bytes(chunk)
+        pos = 0
+        while len(data) - pos > limit:
+            end = data.rfind(b"\n", pos, pos + limit) + 1
+            if end <= pos:  # no line break in reach: cut before a character's first byte
+                end = pos + limit
+                while end > pos + 1 and _is_continuation(data[end]):
+                    end -= 1
+            yield data[pos:end]
+            pos = end
+        rest = data[pos:]
+    if rest:
+        yield rest
+
+
+def text_parts(doc: bytes | str, validation_fraction: float) -> tuple[Iterator[bytes], Iterator[bytes]]:
+    """(train pieces, validation pieces) of one document (bytes or a file path) for a tokenizer: cut at a character
+    boundary, each part in pieces of at most ``PIECE_BYTES`` ending at line breaks (see the module docstring)."""
+    if isinstance(doc, bytes | bytearray):
+        doc, size = bytes(doc), len(doc)
+        start = size - round(validation_fraction * size)
+        cut = _char_cut(size, validation_fraction, doc[start : start + 3])
+        return _line_pieces([doc[:cut]], PIECE_BYTES), _line_pieces([doc[cut:]], PIECE_BYTES)
+    size = os.path.getsize(doc)
+    with open(doc, "rb") as fh:
+        fh.seek(size - round(validation_fraction * size))
+        cut = _char_cut(size, validation_fraction, fh.read(3))
+    return _line_pieces(_read_range(doc, 0, cut), PIECE_BYTES), _line_pieces(_read_range(doc, cut, size), PIECE_BYTES)
+
+
+def encoded_parts(
+    tokenizer, doc: bytes | str, validation_fraction: float, name: str
+) -> Iterator[tuple[str, list | np.ndarray, int]]:
+    """``(split, token ids, text bytes)`` of one document in stream order: the train part's pieces, its separator
+    (``[separator]``, 1 byte) if the part is not empty, then the same for the validation part. ``name`` names the
+    document in errors. With the bytes tokenizer the pieces are :func:`document_parts` (any bytes; the uint8 ids
+    are the bytes), so the stream is the one :func:`build_or_open` writes."""
+    if tokenizer.identity == "bytes":
+        for split, pieces in zip(SPLITS, document_parts(doc, validation_fraction), strict=True):
+            n = 0
+            for piece in pieces:
+                n += len(piece)
+                yield split, np.frombuffer(piece, np.uint8), len(piece)
+            if n:
+                yield split, [tokenizer.separator], 1
+        return
+    for split, pieces in zip(SPLITS, text_parts(doc, validation_fraction), strict=True):
+        n = 0
+        for piece in pieces:
+            try:
+                text = piece.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"document {name!r} is not UTF-8 text ({e.reason} at byte {n + e.start} of its {split} part); "
+                    f"data.tokenizer={tokenizer.name!r} needs UTF-8, only data.tokenizer='bytes' takes any bytes"
+                ) from None
+            n += len(piece)
+            yield split, tokenizer.encode(text), len(piece)
+        if n:
+            yield split, [tokenizer.separator], 1
+
+
+def _open(directory: str) -> Corpus:
     with open(os.path.join(directory, "meta.json")) as fh:
         meta = json.load(fh)
-    streams, counts = {}, {}
+    dtype = np.dtype(meta.get("dtype", "uint8"))
+    suffix = {1: "u8", 2: "u16", 4: "u32"}[dtype.itemsize]
+    streams = {}
     for split in SPLITS:
-        path = os.path.join(directory, f"{split}.u8")
-        streams[split] = np.memmap(path, dtype=np.uint8, mode="r") if meta["tokens"][split] else np.zeros(0, np.uint8)
-        counts[split] = np.asarray(meta["counts"][split], np.int64)
-    return streams, counts
+        path = os.path.join(directory, f"{split}.{suffix}")
+        streams[split] = np.memmap(path, dtype=dtype, mode="r") if meta["tokens"][split] else np.zeros(0, dtype)
+    if "counts" in meta:  # bytes: 256 counts in meta.json
+        counts = {split: np.asarray(meta["counts"][split], np.int64) for split in SPLITS}
+    else:
+        table = np.load(os.path.join(directory, "counts.npy"))
+        counts = {split: table[i] for i, split in enumerate(SPLITS)}
+    text_bytes = meta.get("bytes", meta["tokens"])  # bytes: one byte per token
+    return Corpus(streams, counts, {split: int(text_bytes[split]) for split in SPLITS})
+
+
+def _build_atomically(root: str, key: str, write: Callable[[str], None]) -> str:
+    final = os.path.join(root, key)
+    if not os.path.exists(os.path.join(final, "meta.json")):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root)
+        try:
+            write(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process finished first: use its cache
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
 
 
 def build_or_open(
@@ -84,43 +215,89 @@ def build_or_open(
     validation_fraction: float,
     separator: int,
     cache_dir: str | None = None,
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Memory-mapped ``{split: uint8 stream}`` and ``{split: int64[256] byte counts}`` for the fingerprint ``key``.
+) -> Corpus:
+    """Memory-mapped uint8 byte streams (the bytes tokenizer) and their counts for the fingerprint ``key``.
 
     ``documents()`` yields the documents in order, each as bytes or as the path of a file holding it; it is only
     called when the cache does not exist yet.
     """
-    root = cache_dir or default_cache_dir()
-    final = os.path.join(root, key)
-    if not os.path.exists(os.path.join(final, "meta.json")):
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root)
-        try:
-            counts = {s: np.zeros(256, np.int64) for s in SPLITS}
-            sizes = dict.fromkeys(SPLITS, 0)
-            sep = bytes([separator])
-            with open(os.path.join(tmp, "train.u8"), "wb") as ft, open(os.path.join(tmp, "validation.u8"), "wb") as fv:
-                for doc in documents():
-                    for split, pieces, fh in zip(
-                        SPLITS, document_parts(doc, validation_fraction), (ft, fv), strict=True
-                    ):
-                        n = 0
-                        for piece in pieces:
-                            fh.write(piece)
-                            counts[split] += np.bincount(np.frombuffer(piece, np.uint8), minlength=256)
-                            n += len(piece)
-                        if n:  # an empty part gets no separator either
-                            fh.write(sep)
-                            counts[split][separator] += 1
-                            sizes[split] += n + 1
-            meta = {"version": CACHE_VERSION, "tokens": sizes, "counts": {s: counts[s].tolist() for s in SPLITS}}
-            with open(os.path.join(tmp, "meta.json"), "w") as fh:
-                json.dump(meta, fh)
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another process finished first: use its cache
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return _open(final)
+
+    def write(tmp: str) -> None:
+        counts = {s: np.zeros(256, np.int64) for s in SPLITS}
+        sizes = dict.fromkeys(SPLITS, 0)
+        sep = bytes([separator])
+        with open(os.path.join(tmp, "train.u8"), "wb") as ft, open(os.path.join(tmp, "validation.u8"), "wb") as fv:
+            for doc in documents():
+                for split, pieces, fh in zip(SPLITS, document_parts(doc, validation_fraction), (ft, fv), strict=True):
+                    n = 0
+                    for piece in pieces:
+                        fh.write(piece)
+                        counts[split] += np.bincount(np.frombuffer(piece, np.uint8), minlength=256)
+                        n += len(piece)
+                    if n:  # an empty part gets no separator either
+                        fh.write(sep)
+                        counts[split][separator] += 1
+                        sizes[split] += n + 1
+        meta = {"version": CACHE_VERSION, "tokens": sizes, "counts": {s: counts[s].tolist() for s in SPLITS}}
+        with open(os.path.join(tmp, "meta.json"), "w") as fh:
+            json.dump(meta, fh)
+
+    return _open(_build_atomically(cache_dir or default_cache_dir(), key, write))
+
+
+class TokenCounter:
+    """Checks, casts and counts the token ids of one split: ``add(ids, nbytes) -> dtype array``."""
+
+    def __init__(self, tokenizer, dtype: np.dtype):
+        self.vocab_size, self.dtype, self.name = tokenizer.vocab_size, dtype, tokenizer.name
+        self.counts = np.zeros(tokenizer.vocab_size, np.int64)
+        self.tokens = self.text_bytes = 0
+
+    def add(self, ids, nbytes: int) -> np.ndarray:
+        a = np.asarray(ids, dtype=np.int64)
+        if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+            raise ValueError(f"data.tokenizer={self.name!r} produced id {a.max()} outside its vocab_size")
+        self.counts += np.bincount(a, minlength=self.vocab_size)
+        self.tokens += a.size
+        self.text_bytes += nbytes
+        return a.astype(self.dtype)  # int64 ids -> the stream's uint16 / uint32 (range checked above)
+
+
+def build_or_open_tokens(
+    key: str,
+    documents: Callable[[], Iterable[tuple[str, bytes | str]]],
+    validation_fraction: float,
+    tokenizer,
+    cache_dir: str | None = None,
+) -> Corpus:
+    """Memory-mapped token streams of ``tokenizer`` (uint16 / uint32, :func:`lpt.data.tokenizer.token_dtype`), their
+    counts (``counts.npy``) and text bytes for the fingerprint ``key``. ``documents()`` yields ``(name, bytes or file
+    path)`` in order; it is only called when the cache does not exist yet."""
+    from lpt.data.tokenizer import token_dtype
+
+    dtype = token_dtype(tokenizer.vocab_size)
+    suffix = {1: "u8", 2: "u16", 4: "u32"}[dtype.itemsize]
+
+    def write(tmp: str) -> None:
+        counters = {s: TokenCounter(tokenizer, dtype) for s in SPLITS}
+        with (
+            open(os.path.join(tmp, f"train.{suffix}"), "wb") as ft,
+            open(os.path.join(tmp, f"validation.{suffix}"), "wb") as fv,
+        ):
+            files = {"train": ft, "validation": fv}
+            for name, doc in documents():
+                for split, ids, nbytes in encoded_parts(tokenizer, doc, validation_fraction, name):
+                    files[split].write(counters[split].add(ids, nbytes).tobytes())
+        np.save(os.path.join(tmp, "counts.npy"), np.stack([counters[s].counts for s in SPLITS]))
+        meta = {
+            "version": CACHE_VERSION,
+            "tokenizer": tokenizer.identity,
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": dtype.name,
+            "tokens": {s: counters[s].tokens for s in SPLITS},
+            "bytes": {s: counters[s].text_bytes for s in SPLITS},
+        }
+        with open(os.path.join(tmp, "meta.json"), "w") as fh:
+            json.dump(meta, fh)
+
+    return _open(_build_atomically(cache_dir or default_cache_dir(), key, write))

@@ -1,4 +1,4 @@
-"""Documents -> byte tokens -> train / validation token streams.
+"""Documents -> tokens -> train / validation token streams.
 
 Sources (``config.data.source``):
 
@@ -10,13 +10,18 @@ Sources (``config.data.source``):
   one document (its raw bytes).
 * ``"arrayrecord"``: every record of every ArrayRecord file matching ``config.data.paths`` (sorted); one record is
   one document (raw bytes, e.g. UTF-8 text).
+* ``"prepared"``: a directory written by ``python -m lpt.data.prepare`` (``config.data.paths`` = the directory):
+  token ids already split and packed, read with random access from ArrayRecord shards (:mod:`lpt.data.prepared`).
 
-Tokens are bytes (vocab 256). Documents are joined with the separator token 0 (NUL, absent from text) after each
-document: ``doc₀ 0 doc₁ 0 …``.
+Tokens (``config.data.tokenizer``, :mod:`lpt.data.tokenizer`): with ``"bytes"`` (the default) the tokens are the
+bytes (vocab 256, uint8 streams) and documents are joined with the separator token 0 (NUL, absent from text) after
+each document: ``doc₀ 0 doc₁ 0 …``. With a tokenizer file each document part is encoded by it and followed by the
+tokenizer's separator id; streams are uint16 when the vocabulary fits, else uint32
+(:func:`lpt.data.cache.encoded_parts`).
 
-Split: the last ``validation_fraction`` of each document's bytes (``cut = len − round(f · len)``) goes to the
-validation stream, the rest to the train stream. Deterministic, disjoint, exact in proportion, and it works for
-a single large file as well as for many small ones.
+Split: the last ``validation_fraction`` of each document's bytes (``cut = len − round(f · len)``; with a tokenizer
+moved forward to the next UTF-8 character boundary) goes to the validation stream, the rest to the train stream.
+Deterministic, disjoint, exact in proportion, and it works for a single large file as well as for many small ones.
 
 The embedded corpus lives in memory; file sources are streamed once into an on-disk cache and memory-mapped
 (:mod:`lpt.data.cache`), so neither the corpus nor grain's worker processes hold it in RAM.
@@ -32,8 +37,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from lpt.data import cache
+from lpt.data.cache import SPLITS, Corpus
+from lpt.data.tokenizer import load_tokenizer, token_dtype
 
-SOURCES = ("embedded", "text", "arrayrecord")
+SOURCES = ("embedded", "text", "arrayrecord", "prepared")
 SEPARATOR = 0
 VOCAB_SIZE = 256
 
@@ -99,6 +106,8 @@ def load_documents(source: str, paths: str | None = None) -> list[tuple[str, byt
         return _embedded_documents()
     if source in _FILE_SOURCES:
         return list(_FILE_SOURCES[source](_glob(paths, source)))
+    if source == "prepared":
+        raise ValueError(f"source='prepared' (paths={paths!r}) holds token ids, not documents")
     raise ValueError(f"config.data.source={source!r} is not supported; allowed: {list(SOURCES)}")
 
 
@@ -117,7 +126,7 @@ def _check(streams: dict, source: str, paths) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _embedded_streams(validation_fraction: float):
+def _embedded_streams(validation_fraction: float) -> Corpus:
     parts = {"train": [], "validation": []}
     for _, doc in _embedded_documents():
         train, val = cache.split_document(doc, validation_fraction)
@@ -128,42 +137,97 @@ def _embedded_streams(validation_fraction: float):
     for s in streams.values():
         s.flags.writeable = False
     counts = {split: np.bincount(s, minlength=VOCAB_SIZE).astype(np.int64) for split, s in streams.items()}
-    return streams, counts
+    return Corpus(streams, counts, {split: int(s.size) for split, s in streams.items()})
+
+
+@functools.lru_cache(maxsize=4)
+def _embedded_tokens(validation_fraction: float, tokenizer: str, identity: str) -> Corpus:
+    tok = load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    counters = {s: cache.TokenCounter(tok, dtype) for s in SPLITS}
+    parts = {s: [] for s in SPLITS}
+    for name, doc in _embedded_documents():
+        for split, ids, nbytes in cache.encoded_parts(tok, doc, validation_fraction, name):
+            parts[split].append(counters[split].add(ids, nbytes))
+    streams = {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, dtype) for s in SPLITS}
+    for s in streams.values():
+        s.flags.writeable = False
+    return Corpus(streams, {s: counters[s].counts for s in SPLITS}, {s: counters[s].text_bytes for s in SPLITS})
 
 
 @functools.lru_cache(maxsize=8)
-def _file_streams(source: str, files: tuple[str, ...], key: str, validation_fraction: float, cache_dir: str | None):
+def _file_streams(
+    source: str, files: tuple[str, ...], key: str, validation_fraction: float, cache_dir: str | None, tokenizer: str
+) -> Corpus:
+    if tokenizer == "bytes":
+        if source == "text":
+            docs = lambda: iter(files)  # paths: the cache copies each file in pieces
+        else:
+            docs = lambda: (doc for _, doc in _FILE_SOURCES[source](list(files)))
+        return cache.build_or_open(key, docs, validation_fraction, SEPARATOR, cache_dir)
     if source == "text":
-        docs = lambda: iter(files)  # paths: the cache copies each file in pieces
+        named = lambda: ((f, f) for f in files)  # paths: encoded in line-aligned pieces
     else:
-        docs = lambda: (doc for _, doc in _FILE_SOURCES[source](list(files)))
-    return cache.build_or_open(key, docs, validation_fraction, SEPARATOR, cache_dir)
+        named = lambda: _FILE_SOURCES[source](list(files))
+    return cache.build_or_open_tokens(key, named, validation_fraction, load_tokenizer(tokenizer), cache_dir)
 
 
-def streams_and_counts(
-    source: str, paths: str | None, validation_fraction: float, cache_dir: str | None = None
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``({split: uint8 stream}, {split: int64[256] byte counts})``, read-only.
+def load_corpus(
+    source: str,
+    paths: str | None,
+    validation_fraction: float,
+    cache_dir: str | None = None,
+    tokenizer: str = "bytes",
+) -> Corpus:
+    """The split corpus of one source and tokenizer: :class:`lpt.data.cache.Corpus` (streams, per-id counts, text
+    bytes), read-only.
 
-    The embedded corpus is built in memory (once per process); file sources go through the on-disk cache
-    (:mod:`lpt.data.cache`), looked up by the files' current fingerprint on every call.
+    The embedded corpus is built in memory (once per process and tokenizer); file sources go through the on-disk
+    cache (:mod:`lpt.data.cache`), looked up by the files' current fingerprint and the tokenizer's identity on every
+    call; ``"prepared"`` opens the directory ``paths`` and checks that ``tokenizer`` and ``validation_fraction`` are
+    the ones it was prepared with.
     """
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"config.data.validation_fraction={validation_fraction!r} must be in (0, 1)")
+    tok = load_tokenizer(tokenizer)
     if source == "embedded":
-        streams, counts = _embedded_streams(float(validation_fraction))
+        if tok.identity == "bytes":
+            corpus = _embedded_streams(float(validation_fraction))
+        else:
+            corpus = _embedded_tokens(float(validation_fraction), str(tokenizer), tok.identity)
     elif source in _FILE_SOURCES:
         files = tuple(_glob(paths, source))
-        key = cache.fingerprint(source, list(files), validation_fraction)
-        streams, counts = _file_streams(source, files, key, float(validation_fraction), cache_dir)
+        key = cache.fingerprint(source, list(files), validation_fraction, tok.identity)
+        corpus = _file_streams(source, files, key, float(validation_fraction), cache_dir, str(tokenizer))
+    elif source == "prepared":
+        from lpt.data import prepared
+
+        corpus = prepared.open_corpus(paths, tok, float(validation_fraction))
     else:
         raise ValueError(f"config.data.source={source!r} is not supported; allowed: {list(SOURCES)}")
-    _check(streams, source, paths)
-    return streams, counts
+    _check(corpus.streams, source, paths)
+    return corpus
+
+
+def streams_and_counts(
+    source: str,
+    paths: str | None,
+    validation_fraction: float,
+    cache_dir: str | None = None,
+    tokenizer: str = "bytes",
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``({split: token stream}, {split: int64[vocab] token counts})`` of :func:`load_corpus`."""
+    corpus = load_corpus(source, paths, validation_fraction, cache_dir, tokenizer)
+    return corpus.streams, corpus.counts
 
 
 def token_streams(
-    source: str, paths: str | None, validation_fraction: float, cache_dir: str | None = None
+    source: str,
+    paths: str | None,
+    validation_fraction: float,
+    cache_dir: str | None = None,
+    tokenizer: str = "bytes",
 ) -> dict[str, np.ndarray]:
-    """``{"train": uint8[N_train], "validation": uint8[N_val]}`` token streams (read-only, cached)."""
-    return streams_and_counts(source, paths, validation_fraction, cache_dir)[0]
+    """``{"train": ids[N_train], "validation": ids[N_val]}`` token streams (read-only, cached): uint8 for "bytes",
+    else uint16 / uint32; for ``"prepared"`` random-access :class:`lpt.data.prepared.PreparedStream` objects."""
+    return load_corpus(source, paths, validation_fraction, cache_dir, tokenizer).streams

@@ -1,8 +1,9 @@
 """grain pipelines: packed windows, per-process shards of a global batch, checkpointable iterators, eval batches.
 
-Packing (concatenate-then-split): the split's token stream (documents joined by separator 0, see
-:mod:`lpt.data.corpus`) is cut into windows ``w_i = stream[i·L : i·L + L + 1]`` for ``i < ⌊(N − 1)/L⌋``, and
-``inputs = w_i[:-1]``, ``targets = w_i[1:]``. Windows cross document boundaries (GPT-2 style, no attention reset).
+Packing (concatenate-then-split): the split's token stream (documents joined by the tokenizer's separator, see
+:mod:`lpt.data.corpus`; for ``source="prepared"`` read with random access from ArrayRecord shards) is cut into
+windows ``w_i = stream[i·L : i·L + L + 1]`` for ``i < ⌊(N − 1)/L⌋``, and ``inputs = w_i[:-1]``,
+``targets = w_i[1:]``. Windows cross document boundaries (GPT-2 style, no attention reset).
 
 Training order: a grain ``MapDataset`` of windows, shuffled with the seed and repeated forever (each epoch
 reshuffled). The global batch ``b`` is rows ``b·G … b·G + G − 1`` of that sequence; process ``p`` of ``P`` gets rows
@@ -18,7 +19,8 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from lpt.data.corpus import SOURCES, VOCAB_SIZE, streams_and_counts
+from lpt.data.cache import Corpus
+from lpt.data.corpus import SOURCES, load_corpus
 
 _DATA_KEYS = {
     "source": "embedded",
@@ -48,16 +50,22 @@ def data_options(data_cfg) -> dict:
         raise ValueError(f"config.data.source={out['source']!r} is not supported; allowed: {list(SOURCES)}")
     if not isinstance(out["worker_count"], int) or out["worker_count"] < 0:
         raise ValueError(f"config.data.worker_count={out['worker_count']!r} must be an int >= 0")
+    if not isinstance(out["tokenizer"], str) or not out["tokenizer"]:
+        raise ValueError(
+            f"config.data.tokenizer={out['tokenizer']!r} must be 'bytes' or the path of a tokenizer.json / .model"
+        )
     return out
 
 
-def _streams_and_counts(opts: dict):
+def _corpus(opts: dict) -> Corpus:
     paths = opts["paths"] if opts["source"] != "embedded" else None
-    return streams_and_counts(opts["source"], paths, float(opts["validation_fraction"]), opts["cache_dir"] or None)
+    return load_corpus(
+        opts["source"], paths, float(opts["validation_fraction"]), opts["cache_dir"] or None, opts["tokenizer"]
+    )
 
 
 def _streams(opts: dict) -> dict[str, np.ndarray]:
-    return _streams_and_counts(opts)[0]
+    return _corpus(opts).streams
 
 
 class Windows:
@@ -77,7 +85,7 @@ class Windows:
     def __reduce__(self):
         # grain pickles the source into its worker processes: send a memory-mapped stream as its file name
         if isinstance(self.stream, np.memmap) and self.stream.filename:
-            return (_windows_from_file, (self.stream.filename, self.seq_len))
+            return (_windows_from_file, (self.stream.filename, self.stream.dtype.name, self.seq_len))
         return (Windows, (self.stream, self.seq_len))
 
     def __getitem__(self, i: int) -> np.ndarray:
@@ -85,8 +93,8 @@ class Windows:
         return self.stream[i * self.seq_len : (i + 1) * self.seq_len + 1]
 
 
-def _windows_from_file(filename: str, seq_len: int) -> Windows:
-    return Windows(np.memmap(filename, dtype=np.uint8, mode="r"), seq_len)
+def _windows_from_file(filename: str, dtype: str, seq_len: int) -> Windows:
+    return Windows(np.memmap(filename, dtype=np.dtype(dtype), mode="r"), seq_len)
 
 
 def _check_batch(global_batch: int, process_index: int, process_count: int) -> int:
@@ -100,7 +108,7 @@ def _check_batch(global_batch: int, process_index: int, process_count: int) -> i
 
 
 def _to_example(rows: list[np.ndarray]) -> dict[str, np.ndarray]:
-    w = np.stack(rows).astype(np.int32)  # uint8 bytes -> int32 token ids
+    w = np.stack(rows).astype(np.int32)  # uint8 / uint16 / uint32 token ids -> int32
     return {"inputs": w[:, :-1], "targets": w[:, 1:]}
 
 
@@ -181,16 +189,29 @@ def make_eval_batches(
 
 
 def unigram_loss(data_cfg, split: str = "validation") -> float:
-    """Cross-entropy (nats/token) of the ``split`` stream's targets under the train split's byte frequencies
-    (add-one smoothed over the 256 bytes): ``−mean_t log p(x_t)`` over ``t ≥ 1``,
-    ``p(v) = (c_train(v) + 1) / (N_train + 256)``. The baseline a model must beat. Computed from byte counts (kept
-    in the cache's meta.json for file sources), so it costs nothing on large corpora."""
+    """Cross-entropy (nats/token) of the ``split`` stream's targets under the train split's token frequencies
+    (add-one smoothed over the tokenizer's V ids): ``−mean_t log p(x_t)`` over ``t ≥ 1``,
+    ``p(v) = (c_train(v) + 1) / (N_train + V)``. The baseline a model must beat. Computed from token counts (kept in
+    the cache's meta.json / counts.npy and the prepared directory's counts files), so it costs nothing on large
+    corpora."""
     opts = data_options(data_cfg)
-    streams, counts = _streams_and_counts(opts)
+    streams, counts, _ = _corpus(opts)
     if split not in streams:
         raise ValueError(f"split={split!r}; allowed: {sorted(streams)}")
     train = counts["train"].astype(np.float64)
-    logp = np.log(train + 1.0) - np.log(train.sum() + VOCAB_SIZE)
+    logp = np.log(train + 1.0) - np.log(train.sum() + train.size)
     target = counts[split].astype(np.float64)
     target[int(streams[split][0])] -= 1.0  # the first token is never a target
     return float(-(target * logp).sum() / target.sum())
+
+
+def bytes_per_token(data_cfg, split: str = "validation") -> float:
+    """Text bytes per token of ``split``: its UTF-8 bytes plus one per document separator (the NUL byte the bytes
+    tokenizer writes there), divided by its tokens; exactly 1.0 for ``data.tokenizer="bytes"``. Bits per byte of a
+    loss of L nats/token = ``L / ln 2 / bytes_per_token``. From the byte counts recorded beside the token counts,
+    so it costs nothing on large corpora."""
+    opts = data_options(data_cfg)
+    if split not in ("train", "validation"):
+        raise ValueError(f"split={split!r}; allowed: ['train', 'validation']")
+    corpus = _corpus(opts)
+    return corpus.text_bytes[split] / int(corpus.streams[split].size)

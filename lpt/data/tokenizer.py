@@ -2,16 +2,24 @@
 
 * ``"bytes"``: UTF-8 bytes are the tokens (vocab 256; id 0, NUL, separates documents). No file, no download.
 * a path to a Hugging Face ``tokenizer.json``: the ``tokenizers`` package (BPE, WordPiece, Unigram, ...).
+  ``python -m lpt.data.train_tokenizer`` makes a byte-level BPE one.
 * a path to a SentencePiece ``.model``: the ``sentencepiece`` package.
 
-Every tokenizer has ``vocab_size``, ``encode(text) -> list[int]``, ``decode(ids) -> str`` and ``separator``: the id
+Every tokenizer has ``vocab_size``, ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``separator``: the id
 written after each document when documents are packed into one stream (bytes: 0; otherwise the tokenizer's
-end-of-text token, found by name, else id 0).
+end-of-text token, found by name, else id 0), ``name`` (the spec it was loaded from) and ``identity``: ``"bytes"``
+or ``"sha256:<first 16 hex digits of the file's content>"``. Data caches and prepared directories are keyed by the
+identity, so editing or replacing a tokenizer file never reuses token ids made by the old one, while moving the
+file does not invalidate them.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from pathlib import Path
+
+import numpy as np
 
 # special tokens that end a document, by the names common tokenizers give them
 _END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
@@ -21,6 +29,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: ``encode`` is ``list(text.encode())``; ``decode`` replaces invalid UTF-8."""
 
     name = "bytes"
+    identity = "bytes"
     vocab_size = 256
     separator = 0
 
@@ -31,6 +40,10 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
+def _file_identity(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package); no special tokens are added on ``encode``."""
 
@@ -38,6 +51,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.name = str(path)
+        self.identity = _file_identity(path)
         self._tok = Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = [self._tok.token_to_id(t) for t in _END_TOKENS]
@@ -57,6 +71,7 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         self.name = str(path)
+        self.identity = _file_identity(path)
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
         self.vocab_size = self._sp.get_piece_size()
         self.separator = self._sp.eos_id() if self._sp.eos_id() >= 0 else 0
@@ -71,21 +86,35 @@ class SentencePieceTokenizer:
 Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The unsigned dtype token streams of this vocabulary are stored in: uint8 up to 256 ids (the bytes
+    tokenizer), uint16 up to 65,536, else uint32."""
+    if vocab_size <= 256:
+        return np.dtype(np.uint8)
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_file(path: str, size: int, mtime_ns: int) -> Tokenizer:  # keyed by size and mtime: an edit reloads
+    p = Path(path)
+    return HFTokenizer(p) if p.suffix == ".json" else SentencePieceTokenizer(p)
+
+
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """The tokenizer named by ``config.data.tokenizer``: "bytes", a ``*.json`` file, or a ``*.model`` file."""
+    """The tokenizer named by ``config.data.tokenizer``: "bytes", a ``*.json`` file, or a ``*.model`` file (loaded
+    once per process and file version)."""
     if str(spec) == "bytes":
         return ByteTokenizer()
-    path = Path(spec)
-    if not path.is_file():
+    path = Path(spec).expanduser()
+    if not str(spec) or not path.is_file():
         raise ValueError(
             f"data.tokenizer={str(spec)!r} is not 'bytes' and not an existing file; give 'bytes', a Hugging Face "
             "tokenizer.json, or a SentencePiece .model (python -m lpt.data.train_tokenizer makes one)"
         )
-    if path.suffix == ".json":
-        return HFTokenizer(path)
-    if path.suffix == ".model":
-        return SentencePieceTokenizer(path)
-    raise ValueError(
-        f"data.tokenizer={str(spec)!r}: unknown tokenizer file type {path.suffix!r}; allowed: a Hugging Face "
-        "tokenizer.json ('.json') or a SentencePiece model ('.model')"
-    )
+    if path.suffix not in (".json", ".model"):
+        raise ValueError(
+            f"data.tokenizer={str(spec)!r}: unknown tokenizer file type {path.suffix!r}; allowed: a Hugging Face "
+            "tokenizer.json ('.json') or a SentencePiece model ('.model')"
+        )
+    st = path.stat()
+    return _load_file(str(path.resolve()), st.st_size, st.st_mtime_ns)

@@ -75,7 +75,7 @@ SCHEMA: dict[str, tuple[type, tuple | None]] = {
     "precision.pqt.b_init": (float, None),
     "precision.pqt.b_target": (float, None),
     "precision.pqt.loss_weight": (float, None),
-    "data.source": (str, ("embedded", "text", "arrayrecord")),
+    "data.source": (str, ("embedded", "text", "arrayrecord", "prepared")),
     "data.paths": (str, None),
     "data.seq_len": (int, None),
     "data.validation_fraction": (float, None),

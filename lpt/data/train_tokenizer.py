@@ -1,0 +1,110 @@
+"""``python -m lpt.data.train_tokenizer --vocab-size N --out tok.json [--input GLOB]``: train a byte-level BPE.
+
+A GPT-2 style byte-level BPE (the ``tokenizers`` package: ByteLevel pre-tokenizer with the GPT-2 split regex and no
+prefix space, ByteLevel decoder, all 256 bytes in the initial alphabet, so every text encodes and decodes back
+exactly) with one special token ``<|endoftext|>`` = id 0, which :func:`lpt.data.load_tokenizer` makes the document
+separator. ``N`` = 256 bytes + 1 special token + the merges (at least 257; fewer ids result when the text has no
+more pairs to merge). Trained only on the train split of the documents (the same cut as the data pipeline, so the
+validation text is never seen): by default the embedded corpus (no download), else the text files matching
+``--input`` (one file = one document, read in pieces). Deterministic: the same text gives the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def _train_texts(input: str | None, validation_fraction: float) -> Iterator[str]:
+    from lpt.data import cache, corpus
+
+    if input is None:
+        docs = corpus.load_documents("embedded")
+    else:
+        docs = ((f, f) for f in corpus._glob(input, "text"))  # paths: read in line-aligned pieces
+    for name, doc in docs:
+        train, _ = cache.text_parts(doc, validation_fraction)
+        for piece in train:
+            try:
+                yield piece.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"document {name!r} is not UTF-8 text ({e.reason}); BPE trains on UTF-8") from None
+
+
+def train_tokenizer(
+    vocab_size: int,
+    out: str,
+    input: str | None = None,
+    *,
+    validation_fraction: float = 0.1,
+    min_frequency: int = 2,
+    progress: bool = True,
+) -> dict:
+    """Train the BPE (see the module docstring), save it to ``out``; returns ``{"vocab_size", "seconds",
+    "train_bytes"}``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not isinstance(vocab_size, int) or vocab_size < 257:
+        raise ValueError(f"--vocab-size {vocab_size!r} must be an int >= 257 (256 bytes + {END_OF_TEXT})")
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"--validation-fraction {validation_fraction!r} must be in (0, 1)")
+    if not str(out).endswith(".json"):
+        raise ValueError(f"--out {out!r} must end in .json (data.tokenizer tells tokenizer files by their suffix)")
+    t0 = time.perf_counter()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    seen = [0]
+
+    def texts():
+        for t in _train_texts(input, validation_fraction):
+            seen[0] += len(t.encode("utf-8"))
+            yield t
+
+    tok.train_from_iterator(texts(), trainer)
+    tok.save(str(out))
+    return {
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "seconds": time.perf_counter() - t0,
+        "train_bytes": seen[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m lpt.data.train_tokenizer", description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab-size", type=int, required=True, help="ids in total (>= 257)")
+    parser.add_argument("--out", required=True, help="the tokenizer.json to write")
+    parser.add_argument("--input", default=None, help="glob of UTF-8 text files (default: the embedded corpus)")
+    parser.add_argument("--validation-fraction", type=float, default=0.1, help="tail of each document not trained on")
+    parser.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged")
+    args = parser.parse_args(argv)
+    try:
+        r = train_tokenizer(
+            args.vocab_size,
+            args.out,
+            args.input,
+            validation_fraction=args.validation_fraction,
+            min_frequency=args.min_frequency,
+        )
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    print(
+        f"wrote {args.out}: vocab {r['vocab_size']} ({END_OF_TEXT} = 0, the separator), trained on "
+        f"{r['train_bytes']:,} bytes in {r['seconds']:.2f} s"
+    )
+    return r
+
+
+if __name__ == "__main__":
+    main()
