@@ -22,6 +22,12 @@ Public API
     ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``RULES`` (from
     :mod:`lpt.sharding`).
 ``model_spec(cfg)`` / ``precision_spec(cfg)``: validated frozen views of the configs (ValueError on bad keys).
+``from_pretrained(path, *, param_dtype="float32") -> (model, model_cfg)``
+    a Hugging Face GPT-2 / Llama directory (config.json + safetensors) as an lpt model (f32 params and compute, or
+    bf16 params and compute) and its ``config.model``; lower-level pieces in :mod:`lpt.models.hf`.
+``save_pretrained(model, path, *, tokenizer_file=None)``
+    the model as a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads. See
+    docs/huggingface.md.
 
 Optional ``config.model`` switches beyond the trainer contract: ``remat`` (``nnx.remat`` per block) and
 ``scan_layers`` (parameters stacked on a leading "layers" axis, ``nnx.scan`` over them); both default False.
@@ -32,6 +38,7 @@ from lpt.models import partitioning, probes
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
 from lpt.models.diagnostics import activation_diagnostics, diagnostics
 from lpt.models.flops import flops_per_token, matmul_params, param_count
+from lpt.models.hf import from_pretrained, save_pretrained
 from lpt.models.transformer import Transformer, build_model
 
 __all__ = [
@@ -42,10 +49,12 @@ __all__ = [
     "build_model",
     "diagnostics",
     "flops_per_token",
+    "from_pretrained",
     "matmul_params",
     "model_spec",
     "param_count",
     "partitioning",
     "precision_spec",
     "probes",
+    "save_pretrained",
 ]

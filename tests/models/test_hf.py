@@ -1,0 +1,346 @@
+"""Hugging Face weights both ways (lpt.models.hf) against transformers' PyTorch models, built offline from config
+objects: float32 logits agree within 1e-4 on a right-padded batch (every non-pad position), for GPT-2, Llama with GQA
+(untied, tied), and Llama with linear and llama3 RoPE scaling; lpt -> save_pretrained -> transformers gives the same
+logits and from_pretrained gives the same bits back; BF16 and sharded files load; bad files fail naming the tensor.
+
+The models are random with weights of order one (so the logits are too, and a wrong mapping shows)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import lpt.models as M
+from lpt.models import hf
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-4
+V, D, L = 160, 64, 2
+LLAMA = dict(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4)
+GPT2 = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=4, n_positions=64, bos_token_id=None, eos_token_id=None)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+CASES = {
+    "gpt2": ("gpt2", GPT2, 40),
+    "llama_gqa": ("llama", {**LLAMA, "num_key_value_heads": 2, "max_position_embeddings": 64}, 40),
+    "llama_gqa_tied": ("llama", {**LLAMA, "num_key_value_heads": 1, "tie_word_embeddings": True}, 40),
+    "llama_linear": ("llama", {**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 64),
+    # wavelengths above 64 (the low-frequency dims) are stretched 8x: they matter at positions of tens
+    "llama3": ("llama", {**LLAMA, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 64}}, 128),
+}
+
+
+def _torch_model(kind, cfg, seed=0):
+    """A transformers model with random O(1) weights: matrices N(0, 1/fan_in), embeddings N(0, 1), norm scales
+    1 + N(0, 0.2²), biases N(0, 0.1²)."""
+    config_cls, model_cls = (
+        (transformers.GPT2Config, transformers.GPT2LMHeadModel)
+        if kind == "gpt2"
+        else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    )
+    config = config_cls(**cfg, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and ("wte" in name or "wpe" in name or "embed_tokens" in name):
+                p.normal_(0.0, 1.0)
+            elif p.ndim == 2:
+                fan_in = p.shape[0] if kind == "gpt2" and "lm_head" not in name else p.shape[1]  # Conv1D is [in, out]
+                p.normal_(0.0, fan_in**-0.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def _batch(T, seed=0):
+    """tokens int32[3, T], right-padded (pad id 0) to lengths T, T - 5, T // 2, and the attention mask."""
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(1, V, (3, T)).astype(np.int32)
+    mask = np.zeros((3, T), np.int64)
+    for row, n in enumerate((T, T - 5, T // 2)):
+        mask[row, :n] = 1
+    return tokens * mask.astype(np.int32), mask
+
+
+def _torch_logits(model, tokens, mask):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask))
+    return out.logits.float().numpy()
+
+
+def _lpt_logits(model, tokens):
+    graphdef, state = nnx.split(model)
+    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
+
+
+def _max_diff(a, b, mask):
+    return float(np.abs(a - b)[mask.astype(bool)].max())
+
+
+def _save_torch(model, path, **kw):
+    model.save_pretrained(path, **kw)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return _save_torch(_torch_model("llama", {**LLAMA, "num_key_value_heads": 2}), path / "hf")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, tmp_path):
+    kind, cfg, T = CASES[case]
+    tm = _torch_model(kind, cfg)
+    model, model_cfg = M.from_pretrained(_save_torch(tm, tmp_path / "hf"))
+    assert model_cfg.kind == kind and model_cfg.n_layers == L and not model_cfg.scan_layers
+    assert jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype == np.float32
+    tokens, mask = _batch(T)
+    ref = _torch_logits(tm, tokens, mask)
+    got = _lpt_logits(model, tokens)
+    diff = _max_diff(got, ref, mask)
+    print(
+        f"\n{case}: max |lpt - transformers| = {diff:.3g} over {int(mask.sum())} positions, max |logit| = "
+        f"{np.abs(ref).max():.3g}"
+    )
+    assert np.abs(ref).max() > 1.0  # logits of order one: a wrong mapping could not hide below the tolerance
+    assert diff <= TOL
+    if case == "llama_gqa_tied":
+        assert model.lm_head is None and model_cfg.tie_embeddings
+    if case in ("llama_linear", "llama3"):  # the scaling changes the logits: without it lpt would fail above
+        unscaled = {**model_cfg.to_dict(), "rope_scaling": {"type": "none"}}
+        plain = hf.model_from_params(unscaled, {}, hf.load_params(tmp_path / "hf", unscaled))
+        effect = _max_diff(_lpt_logits(plain, tokens), ref, mask)
+        print(f"{case}: the same weights without rope scaling differ by {effect:.3g}")
+        assert effect > 100 * TOL
+
+
+def _lpt_model(cfg, seed=0):
+    return M.build_model(cfg, {}, rngs=nnx.Rngs(seed))
+
+
+LPT_LLAMA = dict(
+    kind="llama",
+    vocab_size=V,
+    d_model=D,
+    n_layers=L,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=96,
+    max_seq_len=64,
+    init_std=0.15,
+    rope_theta=500.0,
+)
+LPT_GPT2 = dict(
+    kind="gpt2", vocab_size=V, d_model=D, n_layers=L, n_heads=4, d_ff=128, max_seq_len=48, init_std=0.15, norm_eps=1e-6
+)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {**LPT_LLAMA, "scan_layers": True, "tie_embeddings": True},
+        {**LPT_LLAMA, "rope_scaling": {"type": "llama3", "factor": 4.0, "original_max_len": 32}},
+        LPT_GPT2,
+        {**LPT_GPT2, "tie_embeddings": True, "scan_layers": True},
+    ],
+    ids=["llama_scan_tied", "llama3_untied", "gpt2_untied", "gpt2_scan_tied"],
+)
+def test_save_pretrained_round_trip(cfg, tmp_path, request):
+    model = _lpt_model(cfg)
+    M.save_pretrained(model, tmp_path / "hf")
+    hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_cfg["architectures"] == [{"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[cfg["kind"]]]
+    tm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert tm.config.tie_word_embeddings == cfg.get("tie_embeddings", False)
+    tokens, mask = _batch(cfg["max_seq_len"], seed=1)
+    got, ref = _lpt_logits(model, tokens), _torch_logits(tm, tokens, mask)
+    diff = _max_diff(got, ref, mask)
+    print(
+        f"\n{request.node.callspec.id}: lpt -> transformers max |diff| = {diff:.3g}, max |logit| = "
+        f"{np.abs(ref).max():.3g}"
+    )
+    assert np.abs(ref).max() > 1.0 and diff <= TOL
+    # and back: the same bits, in the unrolled layout (from_pretrained) and in the model's own (load_params)
+    back, back_cfg = M.from_pretrained(tmp_path / "hf")
+    assert {k: back_cfg[k] for k in cfg if k not in ("scan_layers", "rope_scaling")} == {
+        k: v for k, v in cfg.items() if k not in ("scan_layers", "rope_scaling")
+    }
+    original = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    same_layout = hf.load_params(tmp_path / "hf", {**back_cfg.to_dict(), "scan_layers": cfg.get("scan_layers", False)})
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b, strict=True), original, same_layout)
+    if not cfg.get("scan_layers"):
+        jax.tree.map(np.testing.assert_array_equal, original, nnx.to_pure_dict(nnx.state(back, nnx.Param)))
+
+
+def test_read_config_has_every_key_of_tiny_cpu(llama_dir):
+    from lpt.train import config as config_lib
+
+    tiny = config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py").model.to_dict()
+    got = hf.read_config(llama_dir).to_dict()
+    assert set(got) == set(tiny) and set(got["rope_scaling"]) == set(tiny["rope_scaling"])
+    assert got["remat"] is False and got["scan_layers"] is False and got["n_kv_heads"] == 2
+
+
+def test_load_params_layouts_match_nnx_split(tmp_path):
+    """load_params' tree equals nnx.split(model, nnx.Param, ...)'s params for scan_layers False and True."""
+    path = _save_torch(_torch_model("llama", {**LLAMA, "num_key_value_heads": 2}), tmp_path / "hf")
+    cfg = hf.read_config(path).to_dict()
+    for scan in (False, True):
+        c = {**cfg, "scan_layers": scan}
+        abstract = nnx.eval_shape(lambda c=c: M.build_model(c, {}, rngs=nnx.Rngs(0)))
+        _, params, _ = nnx.split(abstract, nnx.Param, ...)
+        want = jax.tree.map(lambda x: (x.shape, np.dtype(np.float32)), nnx.to_pure_dict(params))
+        got = hf.load_params(path, c)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == want
+    stacked = hf.load_params(path, {**cfg, "scan_layers": True})
+    unrolled = hf.load_params(path, cfg)
+    np.testing.assert_array_equal(
+        stacked["blocks"]["attn"]["k"]["kernel"][1], unrolled["blocks"][1]["attn"]["k"]["kernel"]
+    )
+
+
+def test_bf16_files_load_and_save_as_bf16(tmp_path):
+    tm = _torch_model("llama", {**LLAMA, "num_key_value_heads": 2}).to(torch.bfloat16)
+    path = _save_torch(tm, tmp_path / "bf16")
+    tensors = hf.read_tensors(path)
+    assert tensors["model.norm.weight"].dtype == ml_dtypes.bfloat16
+    want = (
+        tm.model.layers[1].self_attn.k_proj.weight.detach().float().numpy().T
+    )  # bf16 -> f32 exact, [out, in] -> [in, out]
+    params = hf.load_params(path, hf.read_config(path))
+    np.testing.assert_array_equal(params["blocks"][1]["attn"]["k"]["kernel"], want)
+    model, _ = M.from_pretrained(path, param_dtype="bfloat16")
+    kernel = model.blocks[1].attn.k.kernel[...]
+    assert kernel.dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(np.asarray(kernel, np.float32), want)  # stored in bf16: no rounding
+    tokens, mask = _batch(32)
+    got, ref = _lpt_logits(model, tokens), _torch_logits(tm.float(), tokens, mask)
+    print(
+        f"\nbf16 params and compute vs transformers f32 on the same bf16 weights: max |diff| = "
+        f"{_max_diff(got, ref, mask):.3g}"
+    )
+    assert np.isfinite(got).all() and _max_diff(got, ref, mask) < 0.1 * np.abs(ref).max()
+    M.save_pretrained(model, tmp_path / "out")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "out" / "model.safetensors", "np") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    back = hf.read_tensors(tmp_path / "out")
+    np.testing.assert_array_equal(back["model.layers.1.self_attn.k_proj.weight"].astype(np.float32), want.T)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    tm = _torch_model("gpt2", GPT2)
+    single = _save_torch(tm, tmp_path / "single")
+    sharded = _save_torch(tm, tmp_path / "sharded", max_shard_size="100KB")
+    assert not (sharded / "model.safetensors").exists()
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    a, b = hf.load_params(single, hf.read_config(single)), hf.load_params(sharded, hf.read_config(sharded))
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y, strict=True), a, b)
+
+
+def test_our_safetensors_agree_with_the_library(tmp_path):
+    """read_safetensors / write_safetensors against the safetensors package (torch side) for f32, bf16, f16."""
+    import safetensors.torch
+
+    src = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "c": torch.randn(2, 2, 2).half()}
+    safetensors.torch.save_file(src, tmp_path / "t.safetensors")
+    got = hf.read_safetensors(tmp_path / "t.safetensors")
+    for k, v in src.items():
+        np.testing.assert_array_equal(got[k].astype(np.float32), v.float().numpy())
+    assert got["b"].dtype == ml_dtypes.bfloat16 and got["c"].dtype == np.float16
+    hf.write_safetensors(tmp_path / "u.safetensors", got)
+    back = safetensors.torch.load_file(tmp_path / "u.safetensors")
+    for k, v in src.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+
+
+def _copy(src, dst, *, drop=(), replace=None, config=None):
+    """A copy of the HF directory ``src`` with tensors dropped / replaced and config.json keys changed."""
+    shutil.copytree(src, dst)
+    tensors = {k: np.array(v) for k, v in hf.read_tensors(src).items() if k not in drop}
+    tensors.update(replace or {})
+    hf.write_safetensors(dst / "model.safetensors", tensors)
+    if config:
+        c = json.loads((dst / "config.json").read_text())
+        c.update(config)
+        (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            dict(drop=["model.layers.1.mlp.up_proj.weight"]),
+            r"tensor 'model.layers.1.mlp.up_proj.weight' \(shape \(96, 64\)\) is missing",
+        ),
+        (
+            dict(replace={"model.layers.0.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)}),
+            r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\); expected \(32, 64\)",
+        ),
+        (
+            dict(replace={"model.layers.2.mlp.up_proj.weight": np.zeros((96, 64), np.float32)}),
+            r"unexpected tensor 'model.layers.2.mlp.up_proj.weight'",
+        ),
+        (
+            dict(config={"architectures": ["BertForMaskedLM"]}),
+            r"architectures=\['BertForMaskedLM'\] is not supported; allowed: \['GPT2LMHeadModel', 'LlamaForCausalLM'\]",
+        ),
+        (
+            dict(config={"architectures": None, "model_type": "mistral"}),
+            r"model_type='mistral'.*allowed: \['gpt2', 'llama'\]",
+        ),
+        (
+            dict(config={"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}),
+            r"rope type 'yarn' is not supported; allowed: \['default', 'linear', 'llama3'\]",
+        ),
+        (dict(config={"hidden_act": "gelu"}), r"hidden_act='gelu' is not supported; allowed: \['silu'\]"),
+        (dict(config={"attention_bias": True}), r"attention_bias=True is not supported"),
+        (dict(config={"mlp_bias": True}), r"mlp_bias=True is not supported"),
+        (
+            dict(config={"head_dim": 32}),
+            r"head_dim=32 is not supported; lpt needs head_dim = hidden_size / num_attention_heads = 16",
+        ),
+    ],
+    ids=[
+        "missing",
+        "shape",
+        "unexpected",
+        "architecture",
+        "model_type",
+        "rope_type",
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
+        "head_dim",
+    ],
+)
+def test_bad_checkpoints_raise_one_line_errors(llama_dir, tmp_path, change, message):
+    bad = _copy(llama_dir, tmp_path / "bad", **change)
+    with pytest.raises(ValueError, match=message) as e:
+        M.from_pretrained(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_arguments_raise(llama_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"param_dtype='float16' is not supported; allowed: \['float32', 'bfloat16'\]"):
+        M.from_pretrained(llama_dir, param_dtype="float16")
+    with pytest.raises(ValueError, match="has no config.json"):
+        M.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="describes a llama model but config.model.kind='gpt2'"):
+        hf.load_params(llama_dir, {**LPT_GPT2})
+    with pytest.raises(ValueError, match="is not an existing tokenizer.json"):
+        M.save_pretrained(_lpt_model(LPT_GPT2), tmp_path / "x", tokenizer_file=tmp_path / "nope.json")
