@@ -1,0 +1,132 @@
+"""``python -m lpt.export``: a run trained here for 4 steps (tiny Llama with GQA, a BPE tokenizer.json, vocab_size 0
+resolved to the tokenizer's) exported to a Hugging Face directory that transformers loads with the same logits."""
+
+import json
+import logging
+import pydoc_data.topics
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from lpt import export
+from lpt.models import hf
+from lpt.train import config as config_lib
+from lpt.train import load_params
+from lpt.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "model.d_model": "32",
+    "model.n_layers": "2",
+    "model.n_heads": "2",
+    "model.n_kv_heads": "1",
+    "model.d_ff": "64",
+    "model.max_seq_len": "32",
+    "model.init_std": "0.2",
+    "data.seq_len": "32",
+    "data.source": "text",
+    "train.global_batch": "8",
+    "train.steps": "4",
+    "train.eval_every": "4",
+    "train.eval_batches": "1",
+    "train.log_every": "1",
+    "train.diagnostics_every": "0",
+    "train.checkpoint_every": "2",
+    "optim.warmup_steps": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(workdir, tokenizer.json path) of a 4-step run with checkpoints at steps 2 and 4."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tmp = tmp_path_factory.mktemp("run")
+    text = "\n\n".join(list(pydoc_data.topics.topics.values())[:40])
+    (tmp / "corpus.txt").write_text(text)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.save(str(tmp / "tokenizer.json"))
+    overrides = {
+        **TINY,
+        "data.paths": str(tmp / "corpus.txt"),
+        "data.tokenizer": str(tmp / "tokenizer.json"),
+        "data.cache_dir": str(tmp / "cache"),
+    }
+    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), overrides)
+    logging.getLogger("lpt.train").setLevel(logging.WARNING)
+    train(cfg, tmp / "workdir")
+    return tmp / "workdir", tmp / "tokenizer.json"
+
+
+def _lpt_logits(cfg, params, tokens):
+    model = hf.model_from_params(cfg.model, cfg.precision, params)
+    graphdef, state = nnx.split(model)
+    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
+
+
+def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path):
+    workdir, tokenizer = run
+    assert export.main(["--workdir", str(workdir), "--out", str(tmp_path / "hf")]) == 0
+    out = tmp_path / "hf"
+    params, cfg = load_params(workdir)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    assert (
+        vocab == cfg.model.vocab_size == transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).vocab_size
+    )
+    assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok("def f(x): return x")["input_ids"]  # the copied tokenizer loads
+    tm = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(tm).__name__ == "LlamaForCausalLM" and tm.config.num_key_value_heads == 1
+    tokens = np.random.RandomState(0).randint(0, vocab, (2, 32)).astype(np.int32)
+    with torch.no_grad():
+        ref = tm(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    got = _lpt_logits(cfg, params, tokens)
+    diff = float(np.abs(got - ref).max())
+    print(f"\nexport (step 4): max |lpt - transformers| = {diff:.3g}, max |logit| = {np.abs(ref).max():.3g}")
+    assert np.abs(ref).max() > 0.5 and diff <= 1e-4
+
+
+def test_export_step_picks_that_checkpoint(run, tmp_path):
+    workdir, _ = run
+    assert export.main(["--workdir", str(workdir), "--out", str(tmp_path / "s2"), "--step", "2"]) == 0
+    at2, _ = load_params(workdir, 2)
+    exported = hf.load_params(tmp_path / "s2", hf.read_config(tmp_path / "s2"))
+    jax.tree.map(np.testing.assert_array_equal, exported, hf._nest(hf._flatten(at2)))
+    exported_norm = hf.read_tensors(tmp_path / "s2")["model.norm.weight"]
+    assert not np.array_equal(exported_norm, np.asarray(load_params(workdir)[0]["final_norm"]["scale"]))  # step 4's
+
+
+def test_export_vocab_size_comes_from_the_run(run, tmp_path, monkeypatch, capsys):
+    """The trainer records the resolved vocab_size; a recorded 0 takes the embedding's rows, a size that disagrees
+    with the embedding is an error."""
+    workdir, tokenizer = run
+    from tokenizers import Tokenizer
+
+    n = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+    assert json.loads((workdir / "config.json").read_text())["model"]["vocab_size"] == n > 0  # configured as 0
+    params, cfg = load_params(workdir)
+    rows = np.shape(params["embed"]["embedding"])[0]
+    for recorded, rc in ((0, 0), (rows + 1, 2)):
+        c = cfg.copy_and_resolve_references()
+        c.model.vocab_size = recorded
+        monkeypatch.setattr("lpt.train.load_params", lambda w, s, c=c: (params, c))
+        assert export.main(["--workdir", str(workdir), "--out", str(tmp_path / str(recorded))]) == rc
+    assert json.loads((tmp_path / "0" / "config.json").read_text())["vocab_size"] == rows
+    assert f"embedding has {rows} rows" in capsys.readouterr().err
+
+
+def test_export_errors_exit_2(tmp_path, capsys):
+    assert export.main(["--workdir", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    p = subprocess.run([sys.executable, "-m", "lpt.export", "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "--workdir" in p.stdout
