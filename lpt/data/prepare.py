@@ -11,8 +11,9 @@ reads the result with ``config.data.source="prepared"``, ``config.data.paths=DIR
 
 Resumable: ``DIR/manifest.json`` is written first (the plan: tokenizer identity, settings, each shard's inputs
 with size and mtime) and rewritten after every finished shard; a shard's files are written under temporary names
-and renamed when complete. A rerun with the same arguments skips the finished shards and gives byte-identical
-files and manifest; a rerun into the same DIR with another tokenizer, other inputs or other settings is an error.
+and renamed when complete (a rerun deletes the temporary files an interrupted run left). A rerun with the same
+arguments skips the finished shards and gives byte-identical files and manifest; a rerun into the same DIR with
+another tokenizer, other inputs or other settings is an error.
 Progress: a tqdm bar over the input bytes.
 """
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 
@@ -126,6 +128,11 @@ def tokenize_shard(task: dict) -> dict:
     }
 
 
+_TEMPORARY = re.compile(
+    r"(train|validation)-\d{5}\.array_record\.tmp-\d+|counts-\d{5}\.npy\.tmp\.npy|manifest\.json\.tmp"
+)
+
+
 def _write_manifest(out: str, manifest: dict) -> None:
     path = os.path.join(out, prepared.MANIFEST)
     with open(path + ".tmp", "w") as fh:
@@ -206,6 +213,9 @@ def prepare(
             )
         }
     os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):  # files an interrupted run left half-written
+        if _TEMPORARY.fullmatch(f):
+            os.remove(os.path.join(out, f))
     _write_manifest(out, manifest)
     settings = {
         "out": out,
