@@ -251,6 +251,29 @@ def test_sharded_checkpoint_loads(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y, strict=True), a, b)
 
 
+def test_buffers_and_unprefixed_gpt2_names_load(tmp_path):
+    """The original gpt2 upload: names without "transformer.", causal-mask buffers h.<i>.attn.bias beside the
+    weights; Llama files with rotary_emb.inv_freq. Both load the same weights."""
+    src = _save_torch(_torch_model("gpt2", GPT2), tmp_path / "gpt2")
+    tensors = {k.removeprefix("transformer."): np.array(v) for k, v in hf.read_tensors(src).items()}
+    tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+    old = _copy(src, tmp_path / "old", replace=tensors, drop=list(hf.read_tensors(src)))
+    assert "transformer.wte.weight" not in hf.read_tensors(old)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        hf.load_params(old, hf.read_config(old)),
+        hf.load_params(src, hf.read_config(src)),
+    )
+    llama = _save_torch(_torch_model("llama", LLAMA), tmp_path / "llama")
+    inv_freq = {"model.layers.1.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}
+    with_buffer = _copy(llama, tmp_path / "llama_buf", replace=inv_freq)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        hf.load_params(with_buffer, hf.read_config(llama)),
+        hf.load_params(llama, hf.read_config(llama)),
+    )
+
+
 def test_our_safetensors_agree_with_the_library(tmp_path):
     """read_safetensors / write_safetensors against the safetensors package (torch side) for f32, bf16, f16."""
     import safetensors.torch
