@@ -27,6 +27,7 @@ Tensors that are not weights are skipped on load: GPT-2's causal-mask buffers ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -449,8 +450,6 @@ def _mapping(spec: ModelSpec) -> list[tuple[str, tuple[str, ...], str]]:
 
 def _lpt_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """``{"a/b/c": shape}`` of the model's parameters in the unrolled layout (abstract: nothing is computed)."""
-    import dataclasses
-
     unrolled = dataclasses.replace(spec, scan_layers=False, remat=False)
     model = nnx.eval_shape(lambda: Transformer(unrolled, precision_spec({}), rngs=nnx.Rngs(0)))
     flat = _flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -673,8 +672,6 @@ def save_pretrained(model: Transformer, path: str | Path, *, tokenizer_file: str
 
 def _spec_cfg(spec: ModelSpec) -> dict:
     """``config.model`` (a dict) of a :class:`ModelSpec`."""
-    import dataclasses
-
     d = dataclasses.asdict(spec)
     rs = d.pop("rope_scaling")
     return {**d, "rope_scaling": rs}
