@@ -5,6 +5,11 @@ Public API
 ``build_model(model_cfg, precision_cfg, *, rngs) -> Transformer``
     ``model(tokens_BT, *, key=None) -> logits_BTV`` (float32). ``key`` is the per-step key; PQT layers fold in their
     static layer id; ``key=None`` = evaluation (no weight noise).
+``model.decode(tokens_BT, cache, *, last_only=False) -> (logits_BTV, cache)``
+    the forward over T new tokens per row with a KV cache (generation; no weight noise). :mod:`lpt.models.decode`:
+    ``KVCache`` (``k, v[L, B, S, K, Dh]`` in the compute dtype, ``index``, per-row ``start``), ``init_cache(model,
+    batch, length, *, start=None)``, ``prefill(model, prompts, length) -> (logits_BV, cache)`` (left-padded token
+    lists), ``decode_step(model, tokens_B, cache) -> (logits_BV, cache)``. See docs/generation.md.
 ``model.aux_loss() -> f32 scalar``
     bitwidth loss of Ahn & Yoo (GaussWS, Eq. 12) ``λ Σ_layers mean_tiles |b_t − b_target|`` (0 without PQT); add it to
     the training loss.
@@ -36,25 +41,30 @@ See docs/models_and_data.md for the precision recipe.
 
 from lpt.models import partitioning, probes
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
+from lpt.models.decode import KVCache, decode_step, init_cache, prefill
 from lpt.models.diagnostics import activation_diagnostics, diagnostics
 from lpt.models.flops import flops_per_token, matmul_params, param_count
 from lpt.models.hf import from_pretrained, save_pretrained
 from lpt.models.transformer import Transformer, build_model
 
 __all__ = [
+    "KVCache",
     "ModelSpec",
     "PrecisionSpec",
     "Transformer",
     "activation_diagnostics",
     "build_model",
+    "decode_step",
     "diagnostics",
     "flops_per_token",
     "from_pretrained",
+    "init_cache",
     "matmul_params",
     "model_spec",
     "param_count",
     "partitioning",
     "precision_spec",
+    "prefill",
     "probes",
     "save_pretrained",
 ]

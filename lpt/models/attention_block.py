@@ -2,7 +2,8 @@
 
 ``precision.attention.impl`` ("xla": blockwise XLA twin of the flash kernel, "pallas": the flash kernel,
 "softmax": plain f32 softmax attention), ``stable`` and ``beta`` (Qiu & Yao's fix) go to
-``lpt.attention.dot_product_attention``.
+``lpt.attention.dot_product_attention``. ``Attention.decode`` is the KV-cache path (:mod:`lpt.models.decode`): plain
+masked float32 softmax over the cached keys, whatever the recipe's attention impl.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from flax import nnx
 
 from lpt.models import probes
 from lpt.models.config import ModelSpec, PrecisionSpec
+from lpt.models.decode import cached_attention
 from lpt.models.layers import Linear, rope, rope_inv_freq
 from lpt.models.partitioning import constrain
 
@@ -60,7 +62,9 @@ class Attention(nnx.Module):
         self.v = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", std, "v")
         self.o = mk(H * Dh, D, ("heads", "embed"), "out", out_std, "o")
 
-    def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
+    def _qkv(self, x_BTD: jax.Array, key: jax.Array | None, positions_BT: jax.Array | None = None):
+        """q[B, T, H, Dh], k, v[B, T, K, Dh] in the compute dtype; Llama's q and k rotated at ``positions_BT``
+        (default ``0 … T−1`` in every row)."""
         B, T, _ = x_BTD.shape
         H, K, Dh = self.spec.n_heads, self.spec.n_kv_heads, self.spec.head_dim
         q = self.q(x_BTD, key=key).reshape(B, T, H, Dh)
@@ -68,7 +72,13 @@ class Attention(nnx.Module):
         v = self.v(x_BTD, key=key).reshape(B, T, K, Dh)
         if self.spec.kind == "llama":
             inv_freq = rope_inv_freq(Dh, self.spec.rope_theta, self.spec.rope_scaling)
-            q, k = rope(q, inv_freq), rope(k, inv_freq)
+            q, k = rope(q, inv_freq, positions_BT), rope(k, inv_freq, positions_BT)
+        return q, k, v
+
+    def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
+        B, T, _ = x_BTD.shape
+        H, Dh = self.spec.n_heads, self.spec.head_dim
+        q, k, v = self._qkv(x_BTD, key)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -77,3 +87,19 @@ class Attention(nnx.Module):
         o_BTHD = attend(q, k, v, self.prec)
         o_BTHD = constrain(o_BTHD, ("batch", "length", "heads", "head_dim"))
         return self.o(o_BTHD.reshape(B, T, H * Dh), key=key)
+
+    def decode(
+        self, x_BTD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, index, positions_BT, mask_BTS
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The T new tokens' attention over this layer's cache (:mod:`lpt.models.decode`): their k, v are written
+        at slots ``index … index + T − 1`` of ``k_BSKD`` / ``v_BSKD``, then each query attends the keys of
+        ``mask_BTS`` (masked float32 softmax). Returns ``(y_BTD, k_BSKD, v_BSKD)``; no weight noise."""
+        B, T, _ = x_BTD.shape
+        H, Dh = self.spec.n_heads, self.spec.head_dim
+        q, k, v = self._qkv(x_BTD, None, positions_BT)
+        if k.dtype != k_BSKD.dtype:
+            raise ValueError(f"the cache holds {k_BSKD.dtype} keys but the layer computes in {k.dtype}")
+        k_BSKD = jax.lax.dynamic_update_slice(k_BSKD, k, (0, index, 0, 0))
+        v_BSKD = jax.lax.dynamic_update_slice(v_BSKD, v, (0, index, 0, 0))
+        o_BTHD = cached_attention(q, k_BSKD, v_BSKD, mask_BTS)
+        return self.o(o_BTHD.reshape(B, T, H * Dh), key=None), k_BSKD, v_BSKD

@@ -16,6 +16,7 @@ from flax import nnx
 from lpt.models import pqt_wiring, probes
 from lpt.models.attention_block import Attention
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
+from lpt.models.decode import KVCache
 from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, init_state, matmul, view_weight
 from lpt.models.partitioning import constrain
 
@@ -69,6 +70,13 @@ class Block(nnx.Module):
         x_BTD = constrain(x_BTD + self.attn(self.norm1(x_BTD), key=key), _BTD)
         return constrain(x_BTD + self.mlp(self.norm2(x_BTD), key=key), _BTD)
 
+    def decode(self, x_BTD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, **kw):
+        """The block over T new tokens with this layer's KV cache (:meth:`Attention.decode`); no weight noise.
+        Returns ``(x_BTD, k_BSKD, v_BSKD)``."""
+        a_BTD, k_BSKD, v_BSKD = self.attn.decode(self.norm1(x_BTD), k_BSKD, v_BSKD, **kw)
+        x_BTD = x_BTD + a_BTD
+        return x_BTD + self.mlp(self.norm2(x_BTD), key=None), k_BSKD, v_BSKD
+
 
 def _layers_metadata(spec: ModelSpec) -> dict:
     # the stacked axis is named "layers" in every parameter's logical axes; PQT bitwidths also record it in their
@@ -120,12 +128,28 @@ def _scan_blocks(blocks: Block, x_BTD: jax.Array, key: jax.Array | None, spec: M
     return scan(x_BTD, blocks, layer_ids)
 
 
+def _scan_decode(blocks: Block, x_BTD: jax.Array, cache: KVCache, spec: ModelSpec, **kw):
+    """``x ← block_i.decode(x, k_i, v_i)`` for i < n_layers with ``nnx.scan``: layer i's cache slices ``k[i]``,
+    ``v[i]`` are scan inputs and the updated slices scan outputs. Returns ``(x_BTD, k_LBSKD, v_LBSKD)``."""
+
+    def body(x, block, k_BSKD, v_BSKD):
+        return block.decode(x, k_BSKD, v_BSKD, **kw)
+
+    scan = nnx.scan(
+        body, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0), transform_metadata=_layers_metadata(spec)
+    )
+    return scan(x_BTD, blocks, cache.k, cache.v)
+
+
 class Transformer(nnx.Module):
     """``model(tokens_BT, *, key=None) -> logits_BTV`` (float32).
 
     ``key`` is the per-step key (the trainer passes ``fold_in(seed_key, step)``); only GaussWS/DiffQ layers use it,
     folding in their layer path (and, with ``scan_layers``, the layer index). ``key=None`` means evaluation: no
     weight noise.
+
+    ``model.decode(tokens_BT, cache, *, last_only=False) -> (logits_BTV, cache)``: the same network over T new
+    tokens per row with a :class:`lpt.models.decode.KVCache` (generation; no weight noise).
     """
 
     def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, rngs: nnx.Rngs):
@@ -178,13 +202,47 @@ class Transformer(nnx.Module):
                     x_BTD = nnx.remat(lambda blk, x, k: blk(x, key=k))(block, x_BTD, key)
                 else:
                     x_BTD = block(x_BTD, key=key)
-        h_BTD = self.final_norm(x_BTD)
+        return self._logits(self.final_norm(x_BTD), key)
+
+    def _logits(self, h_BTD: jax.Array, key: jax.Array | None) -> jax.Array:
+        """float32 ``h @ W_head`` (``W_head = Eᵀ`` if tied)."""
         if self.lm_head is None:
             w_DV = view_weight(self.embed.embedding[...], self.prec).T
             logits = matmul(h_BTD, w_DV, self.prec.matmul_for("lm_head"), jnp.float32, name="lm_head")
         else:
             logits = self.lm_head(h_BTD, key=key, out_dtype=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))
+
+    def decode(self, tokens_BT: jax.Array, cache: KVCache, *, last_only: bool = False) -> tuple[jax.Array, KVCache]:
+        """``(logits_BTV, cache)``: the T new tokens of every row written at slots ``cache.index …`` (positions
+        ``cache.positions(T)``, attending ``cache.mask(T)``; see :mod:`lpt.models.decode`), float32 logits, and the
+        cache advanced by T. ``last_only`` returns the logits of the last new token only (``[B, 1, V]``). The caller
+        keeps ``cache.index + T ≤ cache.length`` (:func:`lpt.models.decode.prefill` and the generator check it)."""
+        if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+            raise ValueError(f"tokens must be int[B, T], got shape {tokens_BT.shape} dtype {tokens_BT.dtype}")
+        B, T = tokens_BT.shape
+        if cache.k.shape[1] != B or T > cache.length:
+            raise ValueError(
+                f"tokens of shape {(B, T)} do not fit a cache of {cache.k.shape[1]} rows x {cache.length} slots"
+            )
+        positions_BT = cache.positions(T)
+        x_BTD = self.embed(tokens_BT)
+        if self.pos_embed is not None:
+            x_BTD = x_BTD + self.pos_embed(positions_BT)
+        kw = dict(index=cache.index, positions_BT=positions_BT, mask_BTS=cache.mask(T))
+        if self.spec.scan_layers:
+            x_BTD, k_LBSKD, v_LBSKD = _scan_decode(self.blocks, x_BTD, cache, self.spec, **kw)
+        else:
+            ks, vs = [], []
+            for i, block in enumerate(self.blocks):
+                x_BTD, k_BSKD, v_BSKD = block.decode(x_BTD, cache.k[i], cache.v[i], **kw)
+                ks.append(k_BSKD)
+                vs.append(v_BSKD)
+            k_LBSKD, v_LBSKD = jnp.stack(ks), jnp.stack(vs)
+        if last_only:
+            x_BTD = x_BTD[:, -1:]
+        logits_BTV = self._logits(self.final_norm(x_BTD), None)
+        return logits_BTV, cache.replace(k=k_LBSKD, v=v_LBSKD, index=cache.index + T)
 
     def aux_loss(self) -> jax.Array:
         """The PQT bitwidth loss ``λ Σ_layers mean_tiles |b_t − b_target|`` (Ahn & Yoo (GaussWS), Eq. 12; float32 0
