@@ -5,7 +5,8 @@ The input files (sorted, ``**`` recursive) are grouped in order into shards of a
 on-the-fly path does (:func:`lpt.data.cache.encoded_parts`: one text file = one document, or with ``--source
 arrayrecord`` one record = one document; the last ``--validation-fraction`` of every document goes to the
 validation split) and written to ``DIR/{train,validation}-iiiii.array_record`` in records of ``--record-tokens``
-ids, with the shard's per-id counts in ``DIR/counts-iiiii.npy`` (layout: :mod:`lpt.data.prepared`). The trainer
+ids, with the shard's per-id counts in ``DIR/counts-iiiii.npy`` and, at the end, their sum in ``DIR/counts.npy``
+(layout: :mod:`lpt.data.prepared`). The trainer
 reads the result with ``config.data.source="prepared"``, ``config.data.paths=DIR`` and the same
 ``config.data.tokenizer``.
 
@@ -129,7 +130,7 @@ def tokenize_shard(task: dict) -> dict:
 
 
 _TEMPORARY = re.compile(
-    r"(train|validation)-\d{5}\.array_record\.tmp-\d+|counts-\d{5}\.npy\.tmp\.npy|manifest\.json\.tmp"
+    r"(train|validation)-\d{5}\.array_record\.tmp-\d+|(counts-\d{5}|counts)\.npy\.tmp\.npy|manifest\.json\.tmp"
 )
 
 
@@ -250,6 +251,11 @@ def prepare(
     for key in ("tokens", "bytes"):
         manifest[key] = {s: sum(f[key][s] for f in manifest["finished"].values()) for s in cache.SPLITS}
     manifest["documents"] = sum(f["documents"] for f in manifest["finished"].values())
+    total = np.zeros((len(cache.SPLITS), tok.vocab_size), np.int64)
+    for s in manifest["shards"]:
+        total += np.load(os.path.join(out, prepared.counts_file(s["index"])))
+    np.save(os.path.join(out, prepared.TOTAL_COUNTS + ".tmp.npy"), total)
+    os.replace(os.path.join(out, prepared.TOTAL_COUNTS + ".tmp.npy"), os.path.join(out, prepared.TOTAL_COUNTS))
     manifest["complete"] = True
     _write_manifest(out, manifest)
     return {**manifest, "tokenized": sorted(tokenized)}

@@ -6,7 +6,8 @@ Layout of the directory (``config.data.paths``):
   source and validation_fraction, ``record_tokens``, the shard plan (each shard's input files with size and mtime),
   the finished shards with their token, byte and document counts, the totals, and ``complete``.
 * per shard ``i``: ``train-iiiii.array_record`` and ``validation-iiiii.array_record`` and ``counts-iiiii.npy``
-  (int64[2, vocab]: how often each id occurs in the shard's train / validation tokens).
+  (int64[2, vocab]: how often each id occurs in the shard's train / validation tokens); ``counts.npy``: their sum,
+  written when the last shard is done.
 
 A split's token stream is the concatenation, in shard order, of the shards' streams of that split, each of which is
 the concatenation of its documents' parts, each followed by the separator (exactly the stream the on-the-fly path
@@ -30,6 +31,7 @@ import numpy as np
 from lpt.data.cache import SPLITS, Corpus
 
 MANIFEST = "manifest.json"
+TOTAL_COUNTS = "counts.npy"
 FORMAT = 1
 
 
@@ -153,9 +155,7 @@ def open_corpus(directory: str | None, tokenizer, validation_fraction: float) ->
             f"{directory!r} is unfinished ({len(manifest['finished'])} of {len(manifest['shards'])} shards); rerun "
             "python -m lpt.data.prepare with the same arguments to finish it"
         )
-    counts = np.zeros((2, tok["vocab_size"]), np.int64)
-    for s in manifest["shards"]:
-        counts += np.load(os.path.join(os.path.expanduser(directory), counts_file(s["index"])))
+    counts = np.load(os.path.join(os.path.expanduser(directory), TOTAL_COUNTS))
     streams = {split: PreparedStream(directory, split) for split in SPLITS}
     return Corpus(
         streams, {split: counts[i] for i, split in enumerate(SPLITS)}, {s: int(manifest["bytes"][s]) for s in SPLITS}
