@@ -21,7 +21,7 @@ def _write_docs(directory, n=24):
 
 
 def _run(tok, glob, out, **kw):
-    kw = {"shard_mb": 0.01, "record_tokens": 97, "progress": False, **kw}  # ~8 shards, windows cross records
+    kw = {"shard_mb": 0.01, "record_tokens": 97, "progress": False, **kw}  # 6 shards of 24 docs; windows cross records
     return prepare.prepare(tok, glob, str(out), **kw)
 
 
