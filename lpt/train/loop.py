@@ -30,7 +30,7 @@ import lpt
 from lpt import data as data_lib
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import config as config_lib
-from lpt.train import distributed, machine, metrics, optimizer
+from lpt.train import distributed, init_from, machine, metrics, optimizer
 from lpt.train import mesh as mesh_lib
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
@@ -120,14 +120,14 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
     # 3. Model, optimizer, the sharded layout of the train state, the jitted steps.
     prog = program(cfg, mesh)
 
-    # 4. Resume from the newest readable checkpoint in workdir, else initialise.
+    # 4. Resume from the newest readable checkpoint in workdir, else initialise (from config.init_from if set).
     ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.train.keep_checkpoints)
     restored = ckpt.restore_latest(state_lib.with_shardings(prog.abstract, prog.shardings), data_iter)
-    if restored is None:
-        state = state_lib.create_state(cfg, prog.tx, prog.shardings)
-        log.info("initialised %s parameters", f"{state_lib.count_params(state.params):,}")
+    if restored is None:  # a fresh init, or config.init_from's params (a fine-tune) with a fresh optimizer
+        state, origin = init_from.initial_state(cfg, prog)
     else:
         state, meta = restored
+        origin = meta.get("init_from")
         log.info("resumed from step %d (saved on mesh %s, now %s)", meta["step"], meta["mesh"], dict(mesh.shape))
     start = int(state.step)
     summary_path = workdir / "summary.json"
@@ -188,7 +188,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
                 eval_loss = evaluate(s)
             if s % cfg.train.checkpoint_every == 0 or s == steps or stop:
                 logger.drain()
-                ckpt.save(s, state, data_iter, _metadata(cfg, mesh, s), force=True)
+                ckpt.save(s, state, data_iter, _metadata(cfg, mesh, s, origin), force=True)
             if stop:
                 ckpt.wait()
                 log.warning("preempted: saved checkpoint at step %d in %s; exiting cleanly", s, ckpt.directory)
@@ -214,6 +214,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
         "compile_seconds": compile_seconds,
         "tokens_per_sec": (steps - start) * global_batch * seq_len / (time.time() - t_loop) if steps > start else None,
         "flops_per_token": _flops_per_token(cfg),
+        "init_from": origin,  # where the step-0 params came from (lpt.train.init_from)
         "machine": machine.describe(),  # the last digits of eval_loss depend on the CPU/accelerator (docs/training.md)
     }
     if is_main:
@@ -311,7 +312,7 @@ def _flops_per_token(cfg) -> float:
     return float(models.flops_per_token(cfg.model, cfg.data.seq_len))
 
 
-def _metadata(cfg, mesh: Mesh, s: int) -> dict:
+def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None) -> dict:
     import flax
     import optax
     import orbax.checkpoint
@@ -330,6 +331,7 @@ def _metadata(cfg, mesh: Mesh, s: int) -> dict:
         "process_count": jax.process_count(),
         "device_kind": jax.devices()[0].device_kind,
         "data_worker_count": cfg.data.worker_count,
+        "init_from": origin,  # where the step-0 params came from: {"seed": s}, {"workdir", "step"} or {"hf"}
         "time": time.time(),
     }
 
