@@ -21,6 +21,7 @@ SECTIONS = {
     "pqt": "lpt.lab.pqt",
     "recipes": "lpt.lab.recipes",
     "cost": "lpt.lab.cost",
+    "finetune": "lpt.lab.finetune",
 }
 RECIPE_SECTIONS = ("recipes", "cost")
 
