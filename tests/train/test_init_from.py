@@ -6,11 +6,16 @@
   relative; ``p`` alone is off by up to 2^-9);
 * a shape mismatch (a config key, or one tensor) is a one-line error naming it;
 * resuming wins: a second start of the fine-tune resumes its own checkpoint, without reading the source;
-* a Hugging Face directory (written by ``lpt.models.hf.save_params``) loads the same params.
+* a Hugging Face directory (written by ``lpt.models.hf.save_params``) loads the same params;
+* on a 4-device mesh (fsdp=4) the params and the compensation land in the train state's shardings, same values.
 """
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -153,3 +158,38 @@ def test_hugging_face_directory(source, tmp_path):
     with pytest.raises(ValueError, match=r"has model.n_layers=1 but config.model.n_layers=2"):
         start(config(**{"init_from.hf": str(tmp_path / "hf"), "model.n_layers": "2"}))
     assert Path(tmp_path / "hf" / "config.json").is_file()
+
+
+SHARDED = """
+import sys, ml_dtypes, numpy as np
+sys.path.insert(0, "tests/train")
+import lpt.optim, test_init_from as T
+from lpt.train import checkpoint, init_from, loop
+cfg = T.config(**{**T.BF16_KAHAN, "init_from.workdir": sys.argv[1], "train.mesh.data": "1", "train.mesh.fsdp": "4"})
+prog = loop.program(cfg, loop.make_mesh(cfg))
+state, _ = init_from.initial_state(cfg, prog)
+comp = lpt.optim.find_compensation(state.opt_state)
+want = T.flat(checkpoint.load_params(sys.argv[1])[0])
+def get(tree, k):
+    for part in k.split("/"):
+        tree = tree[int(part) if part.isdigit() else part]
+    return tree
+split = 0
+for k, w in want.items():
+    p, c, sh = get(state.params, k), get(comp, k), get(prog.shardings.params, k)
+    assert p.sharding.is_equivalent_to(sh, p.ndim) and c.sharding.is_equivalent_to(sh, c.ndim), k
+    split += len({str(s.index) for s in p.addressable_shards}) == 4
+    p, c = np.asarray(p), np.asarray(c)
+    np.testing.assert_array_equal(p, w.astype(ml_dtypes.bfloat16), err_msg=k)  # numpy's cast: nearest even
+    np.testing.assert_array_equal(c, (p.astype(np.float32) - w).astype(ml_dtypes.bfloat16), err_msg=k)
+print("sharded leaves", split)
+"""
+
+
+def test_sharded_placement_on_four_devices(source):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-c", textwrap.dedent(SHARDED), str(source)]
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert int(p.stdout.split("sharded leaves")[-1]) >= 5  # the kernels split over fsdp=4
