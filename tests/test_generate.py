@@ -1,0 +1,200 @@
+"""``lpt.generate``: greedy decoding equals recomputing the full forward per token, sampling filters (top-k, top-p,
+the tokenizer's vocabulary) and seeds, stopping at the end token, streamed text, and the CLI on a trained run
+(``--workdir``) and on a Hugging Face directory (``--hf``)."""
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lpt.models as M
+from lpt import generate as G
+from lpt.data.tokenizer import ByteTokenizer
+from lpt.train import config as config_lib
+from lpt.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2 = dict(kind="gpt2", d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=24, init_std=0.3)
+PROMPTS = [[5, 9, 200, 17, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return M.build_model(GPT2, {}, rngs=nnx.Rngs(2))
+
+
+def _reference_greedy(model, prompts, new):
+    """Greedy tokens without a cache: the ordinary forward over each row's whole sequence for every new token."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
+    out = []
+    for p in prompts:
+        seq = np.zeros((1, max(map(len, prompts)) + new - 1), np.int32)  # right padding: causal, so harmless
+        seq[0, : len(p)] = p
+        for i in range(new):
+            t = int(np.asarray(forward(state, jnp.asarray(seq)))[0, len(p) + i - 1].argmax())
+            if i < new - 1:
+                seq[0, len(p) + i] = t
+        out.append(list(seq[0, len(p) : len(p) + new - 1]) + [t])
+    return out
+
+
+def test_greedy_equals_full_forward_per_token(model):
+    got = G.generate_tokens(model, PROMPTS, max_new_tokens=8, temperature=0.0)
+    assert got == _reference_greedy(model, PROMPTS, 8)
+    # the default fills the context: the longest prompt (7) + 18 - 1 = max_seq_len (24)
+    assert [len(r) for r in G.generate_tokens(model, [[1]] * 2 + [PROMPTS[2]])] == [18, 18, 18]
+
+
+def test_seeds_top_k_top_p(model):
+    kw = dict(max_new_tokens=12, temperature=1.5)
+    a = G.generate_tokens(model, PROMPTS, seed=7, **kw)
+    assert a == G.generate_tokens(model, PROMPTS, seed=7, **kw)  # same seed: same tokens
+    assert a != G.generate_tokens(model, PROMPTS, seed=8, **kw)
+    greedy = G.generate_tokens(model, PROMPTS, max_new_tokens=12, temperature=0.0)
+    assert a != greedy
+    assert G.generate_tokens(model, PROMPTS, seed=7, top_k=1, **kw) == greedy
+    assert G.generate_tokens(model, PROMPTS, seed=7, top_p=1e-6, **kw) == greedy
+
+
+def test_sample_filters():
+    logits = jnp.log(jnp.array([[0.05, 0.5, 0.3, 0.15]], jnp.float32))
+    keys = jax.random.split(jax.random.PRNGKey(0), 4000)
+
+    def draws(**kw):
+        s = G.Sampling(**{"temperature": 1.0, **kw})
+        return np.asarray(jax.vmap(lambda k: G.sample(logits, k, s)[0])(keys))
+
+    free = np.bincount(draws(), minlength=4) / len(keys)
+    np.testing.assert_allclose(free, [0.05, 0.5, 0.3, 0.15], atol=0.03)
+    assert set(draws(top_k=2)) == {1, 2}
+    nucleus = draws(top_p=0.7)  # 0.5 < 0.7 keeps the second token (0.3); 0.8 >= 0.7 drops the rest
+    assert set(nucleus) == {1, 2} and abs((nucleus == 1).mean() - 0.5 / 0.8) < 0.03
+    assert set(draws(top_p=0.5)) == {1}
+    assert set(draws(vocab=1)) == {0}  # ids the tokenizer lacks are never drawn
+    hot = np.bincount(draws(temperature=2.0), minlength=4) / len(keys)  # p^(1/2), renormalized
+    np.testing.assert_allclose(hot, np.sqrt([0.05, 0.5, 0.3, 0.15]) / np.sqrt([0.05, 0.5, 0.3, 0.15]).sum(), atol=0.03)
+    assert int(G.sample(logits, keys[0], G.Sampling(temperature=0.0))[0]) == 1
+
+
+def test_rows_stop_at_their_stop_token(model):
+    free = G.generate_tokens(model, PROMPTS, max_new_tokens=8, temperature=0.0)
+    stop = free[0][3]
+    got = G.generate_tokens(model, PROMPTS, max_new_tokens=8, temperature=0.0, stop_tokens=[stop])
+    assert got == [r[: r.index(stop)] if stop in r else r for r in free]
+    assert len(got[0]) == free[0].index(stop) < 8
+
+
+def test_generate_text_streams_what_it_returns(model):
+    pieces = {0: [], 1: []}
+    texts = G.generate(
+        model,
+        ByteTokenizer(),
+        ["Once upon", "é"],
+        max_new_tokens=10,
+        temperature=1.0,
+        seed=1,
+        on_text=lambda row, text: pieces[row].append(text),
+    )
+    assert ["".join(pieces[0]), "".join(pieces[1])] == texts
+    ids = G.generate_tokens(
+        model, [list(b"Once upon"), list("é".encode())], max_new_tokens=10, temperature=1.0, seed=1, stop_tokens=[0]
+    )
+    assert texts == [bytes(r).decode("utf-8", errors="replace") for r in ids]
+
+
+def test_text_stream_holds_back_a_cut_utf8_character():
+    s = G.TextStream(ByteTokenizer(), list(b"a"))
+    assert [s.add(t) for t in "xé".encode()] == ["x", "", "é"]
+    assert s.add(0xC3) == "" and s.flush() == "\ufffd" and s.text() == "xé\ufffd"
+
+
+def test_errors(model):
+    tok = ByteTokenizer()
+    for kw, msg in [
+        (dict(temperature=-1.0), "temperature=-1.0 must be"),
+        (dict(top_p=0.0), "top_p=0.0 must be in"),
+        (dict(top_p=1.5), "top_p=1.5 must be in"),
+        (dict(top_k=300), "top_k=300 must be"),
+        (dict(max_new_tokens=0), "max_new_tokens=0 must be"),
+        (dict(max_new_tokens=30), "max_new_tokens=30 does not fit"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            G.generate(model, tok, ["ab"], **kw)
+    with pytest.raises(ValueError, match="longer than config.model.max_seq_len=24"):
+        G.generate(model, tok, ["x" * 25])
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        G.generate(model, tok, "ab")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the CLI
+
+TINY = {
+    "model.d_model": "32",
+    "model.n_layers": "1",
+    "model.n_heads": "2",
+    "model.n_kv_heads": "1",
+    "model.d_ff": "64",
+    "model.max_seq_len": "32",
+    "data.seq_len": "32",
+    "train.global_batch": "4",
+    "train.steps": "2",
+    "train.eval_every": "2",
+    "train.eval_batches": "1",
+    "train.log_every": "1",
+    "train.diagnostics_every": "0",
+    "train.checkpoint_every": "2",
+    "optim.warmup_steps": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    logging.getLogger("lpt.train").setLevel(logging.WARNING)
+    workdir = tmp_path_factory.mktemp("run")
+    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), TINY)
+    train(cfg, workdir)
+    return workdir
+
+
+def test_cli_workdir(run, capsys):
+    assert G.main(["--workdir", str(run), "--prompt", "The ", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    model, tok, cfg = G.load_model(run)
+    assert cfg.model.d_model == 32 and isinstance(model, M.Transformer)
+    want = G.generate(model, tok, ["The "], max_new_tokens=12, temperature=0.0)[0]
+    assert out.out == "The " + want + "\n"
+    assert "tokens/s" in out.err
+    argv = ["--workdir", str(run), "--prompt", "a", "--prompt", "bc", "--max-new-tokens", "5", "--seed", "3"]
+    argv += ["--top-k", "20", "--top-p", "0.9", "--dtype", "bfloat16", "--step", "2"]
+    assert G.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[0] a") and any(line.startswith("[1] bc") for line in lines)
+
+
+def test_cli_hf(model, tmp_path, capsys):
+    M.save_pretrained(model, tmp_path / "hf")
+    argv = ["--hf", str(tmp_path / "hf"), "--prompt", "Hi", "--max-new-tokens", "6", "--temperature", "0"]
+    assert G.main(argv) == 0
+    want = G.generate(model, ByteTokenizer(), ["Hi"], max_new_tokens=6, temperature=0.0)[0]
+    assert capsys.readouterr().out == "Hi" + want + "\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [
+        (["--temperature", "-0.5"], "temperature=-0.5 must be"),
+        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (["--max-new-tokens", "40"], "max_new_tokens=40 does not fit"),
+        (["--step", "1"], "step=1 is not a checkpoint"),
+    ],
+)
+def test_cli_errors_are_one_line(run, capsys, argv, msg):
+    assert G.main(["--workdir", str(run), "--prompt", "ab", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err and err.count("\n") == 1
