@@ -1,0 +1,136 @@
+"""``python -m lpt.eval (--workdir RUN | --hf PATH) [--step N] [--config.data.KEY=VALUE ...] [--batches N]``: the
+validation loss of a model as one JSON line.
+
+Reports ``loss`` (mean next-token cross entropy, nats/token), ``perplexity`` (``exp(loss)``), ``bits_per_byte``
+(``loss / ln 2 / bytes_per_token`` with :func:`lpt.data.bytes_per_token` of the split: text bytes per token, 1.0
+for the bytes tokenizer), and what they were measured on (``bytes_per_token``, ``tokens``, ``batches``,
+``batch_size``, ``seq_len``, ``split``, ``step`` for a run).
+
+Data: for ``--workdir`` the run's own ``config.data``, its ``train.global_batch`` rows per batch and
+``train.eval_batches`` batches, so that the loss equals the run's final ``eval_loss`` (the trainer's evaluation
+reads the same batches, :func:`lpt.data.make_eval_batches`); for ``--hf`` the ``config.data`` of
+configs/tiny_cpu.py (the embedded corpus) with ``PATH/tokenizer.json`` as the tokenizer if there is one (else
+bytes), 8 rows per batch and 4 batches. ``--config.data.KEY=VALUE`` (or ``--config.data.KEY VALUE``) overrides
+data keys as the trainer does (:func:`lpt.train.config.parse_overrides`), e.g. another corpus or ``seq_len``;
+``--batches N``, ``--batch-size B``, ``--split validation|train`` and ``--dtype float32|bfloat16`` (compute dtype;
+default the run's own, float32 for ``--hf``) change the rest. Exit codes: 0 done, 2 bad input (one line on stderr).
+
+From Python: :func:`evaluate` on any :class:`lpt.models.Transformer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+SPLITS = ("validation", "train")
+
+
+def evaluate(model, data_cfg, *, batch: int, num_batches: int, split: str = "validation") -> dict:
+    """Loss (nats/token), perplexity and bits per byte of ``model`` on the first ``num_batches`` batches of
+    ``batch`` windows of ``data_cfg.seq_len`` tokens of ``split`` (:func:`lpt.data.make_eval_batches`), no weight
+    noise. The loss is the mean over batches of each batch's mean cross entropy (float32 per batch, the mean in
+    float64), as the trainer computes ``eval_loss``."""
+    from lpt import data as data_lib
+    from lpt.train.step import cross_entropy
+
+    seq_len = int(data_cfg.seq_len)
+    if seq_len > model.spec.max_seq_len:
+        raise ValueError(f"data.seq_len={seq_len} exceeds the model's max_seq_len={model.spec.max_seq_len}")
+    vocab = data_lib.load_tokenizer(data_cfg.tokenizer).vocab_size
+    if vocab > model.spec.vocab_size:
+        raise ValueError(
+            f"data.tokenizer={data_cfg.tokenizer!r} has {vocab} tokens but the model only {model.spec.vocab_size}"
+        )
+    for name, value in (("batches", num_batches), ("batch size", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    batches = data_lib.make_eval_batches(data_cfg, seq_len=seq_len, batch=batch, num_batches=num_batches, split=split)
+    graphdef, state = nnx.split(model)
+    loss_fn = jax.jit(lambda st, x_BT, y_BT: cross_entropy(nnx.merge(graphdef, st)(x_BT, key=None), y_BT))
+    loss = float(np.mean([float(loss_fn(state, b["inputs"], b["targets"])) for b in batches]))
+    bpt = data_lib.bytes_per_token(data_cfg, split)
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": loss / math.log(2) / bpt,
+        "bytes_per_token": bpt,
+        "tokens": batch * seq_len * num_batches,
+        "batches": num_batches,
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "split": split,
+    }
+
+
+def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
+    """``base`` (a ``config.data``) with ``--config.data.KEY=VALUE`` overrides parsed by the trainer's schema."""
+    from lpt.train import config as config_lib
+
+    data = ml_collections.ConfigDict(base.to_dict())
+    for key, text in config_lib.parse_overrides(overrides).items():
+        if not key.startswith("data."):
+            raise ValueError(f"--config.{key}: only config.data keys can be overridden here (--config.data.KEY=VALUE)")
+        leaf = key[len("data.") :]
+        if leaf not in data:
+            raise ValueError(f"unknown config key {key!r}; config.data keys: {sorted(data)}")
+        data[leaf] = config_lib.parse_value(key, text)
+    return data
+
+
+def _newest_step(workdir: str | Path) -> int | None:
+    steps = [int(p.name) for p in (Path(workdir) / "checkpoints").glob("*") if p.name.isdigit()]
+    return max(steps) if steps else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lpt.generate import DTYPES, load_model
+    from lpt.train import config as config_lib
+
+    parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.splitlines()[0])
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")
+    src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--step", type=int, default=None, help="--workdir: checkpoint step (default: the newest)")
+    parser.add_argument("--batches", type=int, default=None, help="batches (default: the run's train.eval_batches)")
+    parser.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: train.global_batch)")
+    parser.add_argument("--split", choices=SPLITS, default="validation", help="data split (default validation)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the run's)")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        model, _, cfg = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)
+        if cfg is not None:
+            base, batch, batches = cfg.data, int(cfg.train.global_batch), int(cfg.train.eval_batches)
+        else:
+            base = config_lib.load_config_file(config_lib.resolve_config("tiny_cpu")).data
+            tok_file = Path(args.hf) / "tokenizer.json"
+            base.tokenizer = str(tok_file) if tok_file.is_file() else "bytes"
+            base.seq_len = min(base.seq_len, model.spec.max_seq_len)
+            batch, batches = 8, 4
+        data = data_config(base, rest)
+        result = evaluate(
+            model,
+            data,
+            batch=batch if args.batch_size is None else args.batch_size,
+            num_batches=batches if args.batches is None else args.batches,
+            split=args.split,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.workdir is not None:
+        result["step"] = args.step if args.step is not None else _newest_step(args.workdir)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""``python -m lpt.eval``: a trained tiny run evaluated on its own validation batches gives exactly the run's final
+``eval_loss``; perplexity and bits per byte follow from it; data overrides, batches and errors."""
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+import lpt.models as M
+from lpt import eval as E
+from lpt.train import config as config_lib
+from lpt.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "model.d_model": "32",
+    "model.n_layers": "1",
+    "model.n_heads": "2",
+    "model.n_kv_heads": "1",
+    "model.d_ff": "64",
+    "model.max_seq_len": "32",
+    "data.seq_len": "32",
+    "train.global_batch": "4",
+    "train.steps": "3",
+    "train.eval_every": "3",
+    "train.eval_batches": "2",
+    "train.log_every": "1",
+    "train.diagnostics_every": "0",
+    "train.checkpoint_every": "2",
+    "optim.warmup_steps": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(workdir, summary) of a 3-step run (checkpoints at steps 2 and 3)."""
+    logging.getLogger("lpt.train").setLevel(logging.WARNING)
+    workdir = tmp_path_factory.mktemp("run")
+    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), TINY)
+    summary = train(cfg, workdir)
+    return workdir, summary
+
+
+def _eval(capsys, *argv):
+    assert E.main([str(a) for a in argv]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    return json.loads(out)
+
+
+def test_eval_of_a_run_is_its_final_eval_loss(run, capsys):
+    workdir, summary = run
+    r = _eval(capsys, "--workdir", workdir)
+    assert r["loss"] == summary["eval_loss"]  # exactly: the same batches, the same float32 forward
+    assert r["step"] == 3 and r["batches"] == 2 and r["batch_size"] == 4 and r["seq_len"] == 32
+    assert r["tokens"] == 2 * 4 * 32 and r["split"] == "validation"
+    assert r["perplexity"] == pytest.approx(math.exp(r["loss"]), rel=1e-12)
+    assert r["bytes_per_token"] == 1.0  # the bytes tokenizer
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] / math.log(2), rel=1e-12)
+    # an earlier checkpoint, one batch, shorter windows: other numbers
+    r2 = _eval(capsys, "--workdir", workdir, "--step", 2, "--batches", 1, "--config.data.seq_len=16")
+    assert r2["step"] == 2 and r2["seq_len"] == 16 and r2["tokens"] == 1 * 4 * 16
+    assert r2["loss"] != r["loss"]
+    one = _eval(capsys, "--workdir", workdir, "--batches", 1)
+    assert one["loss"] != r["loss"]  # the second batch counts
+
+
+def test_evaluate_hf_directory(tmp_path, capsys):
+    cfg = dict(kind="gpt2", d_model=32, n_layers=1, n_heads=2, d_ff=48, max_seq_len=16)
+    model = M.build_model(cfg, {}, rngs=nnx.Rngs(0))
+    M.save_pretrained(model, tmp_path / "hf")
+    r = _eval(capsys, "--hf", tmp_path / "hf", "--batches", 2, "--batch-size", 2)
+    assert r["seq_len"] == 16 and r["tokens"] == 2 * 2 * 16  # tiny_cpu's data, seq_len capped at max_seq_len
+    assert abs(r["loss"] - math.log(256)) < 0.05  # an untrained model (init_std 0.02) is close to uniform
+
+
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [
+        (["--config.data.seq_len=64"], "data.seq_len=64 exceeds the model's max_seq_len=32"),
+        (["--config.train.steps=3"], "only config.data keys"),
+        (["--config.data.nope=1"], "unknown config key 'data.nope'"),
+        (["--batches", "0"], "batches=0 must be a positive int"),
+        (["--batches", "100000"], "100000 eval batches of 4"),
+    ],
+)
+def test_errors_are_one_line(run, capsys, argv, msg):
+    assert E.main(["--workdir", str(run[0]), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err and err.count("\n") == 1
