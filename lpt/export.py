@@ -1,10 +1,17 @@
-"""``python -m lpt.export --workdir RUN --out DIR [--step N]``: a trained lpt run as a Hugging Face model directory.
+"""``python -m lpt.export --workdir RUN --out DIR [--step N] [--check]``: a trained lpt run as a Hugging Face model
+directory.
 
 Reads the run's checkpoint (the newest, or ``--step``) with :func:`lpt.train.load_params` and its config (the one
 recorded with the checkpoint, else ``RUN/config.json``) and writes ``DIR/{config.json, model.safetensors}`` with
 :func:`lpt.models.hf.save_params`: GPT-2 or Llama, tensors in the parameters' stored dtype (float32, or bfloat16
 for the bf16 recipes). If ``config.data.tokenizer`` is a tokenizer.json file it is copied to ``DIR/tokenizer.json``.
-Exit codes: 0 written, 2 bad input (one line on stderr).
+
+``--check`` then loads ``DIR`` with ``transformers.AutoModelForCausalLM`` (float32, eager attention) and compares
+its logits with those of the run's own parameters in lpt (float32, :func:`check`) on 2 rows of random token ids
+(seed 0) as long as the model's context, up to 64: it prints the max abs difference and fails if it exceeds
+``1e-4 · max(1, max |logit|)``. It needs ``transformers`` and ``torch`` (the ``dev`` extras), which lpt itself
+never imports.
+Exit codes: 0 written (and, with ``--check``, equal), 1 the check failed, 2 bad input (one line on stderr).
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import ml_collections
 import numpy as np
 
 
-def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:
-    """Write the run ``workdir``'s checkpoint ``step`` (None: the newest) to ``out`` as a Hugging Face directory."""
-    from lpt.models import hf
+def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict, str | None]:
+    """``(params, model_cfg, tokenizer_file)`` of the run ``workdir``'s checkpoint ``step`` (None: the newest):
+    verified params, ``config.model`` as a dict with the vocab size of the checkpoint, and the run's tokenizer.json
+    (None for other tokenizers)."""
     from lpt.train import load_params
 
     params, cfg = load_params(workdir, step)
@@ -43,8 +51,45 @@ def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Pat
     tokenizer_file = tokenizer if tokenizer.endswith(".json") else None
     if tokenizer_file is not None and not Path(tokenizer_file).is_file():
         raise ValueError(f"{workdir}: the run's data.tokenizer={tokenizer!r} does not exist any more")
+    return params, model_cfg, tokenizer_file
+
+
+def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """Write the run ``workdir``'s checkpoint ``step`` (None: the newest) to ``out`` as a Hugging Face directory."""
+    from lpt.models import hf
+
+    params, model_cfg, tokenizer_file = run_params(workdir, step)
     hf.save_params(out, params, model_cfg, tokenizer_file=tokenizer_file)
     return Path(out)
+
+
+def check(out: str | Path, params: dict, model_cfg, *, rows: int = 2, max_len: int = 64) -> tuple[float, float]:
+    """``(max |lpt − transformers|, max |logit|)``: float32 logits of the lpt model of ``model_cfg`` with ``params``
+    (a run's) against those of the Hugging Face directory ``out`` in transformers, on ``rows`` rows of random ids
+    (seed 0) of ``min(max_seq_len, max_len)`` tokens. ValueError if transformers or torch is not installed."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise ValueError(
+            f"--check loads the export in transformers, which cannot be imported ({e}); pip install transformers "
+            "torch, or lpt's dev extras"
+        ) from None
+    import jax
+    from flax import nnx
+
+    from lpt.models import hf
+
+    f32 = {"attention": {"impl": "xla", "stable": True}}  # float32 params and compute (the defaults)
+    model = hf.model_from_params(model_cfg, f32, params)
+    length = min(int(model.spec.max_seq_len), max_len)
+    tokens = np.random.RandomState(0).randint(0, model.spec.vocab_size, (rows, length)).astype(np.int32)
+    graphdef, state = nnx.split(model)
+    ours = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens), np.float64)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        theirs = hf_model.eval()(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy().astype(np.float64)
+    return float(np.abs(ours - theirs).max()), float(np.abs(theirs).max())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,14 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="the lpt run directory (holds checkpoints/)")
     parser.add_argument("--out", required=True, help="the Hugging Face model directory to write")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--check", action="store_true", help="compare logits with transformers' (needs transformers)")
     args = parser.parse_args(argv)
     try:
         out = export(args.workdir, args.out, args.step)
+        print(f"wrote {out}", flush=True)
+        if not args.check:
+            return 0
+        params, model_cfg, _ = run_params(args.workdir, args.step)
+        diff, scale = check(out, params, model_cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
-    return 0
+    ok = diff <= 1e-4 * max(1.0, scale)
+    print(
+        f"check: max |lpt - transformers| = {diff:.3g} on float32 logits (max |logit| {scale:.3g}): "
+        f"{'equal' if ok else 'NOT equal'} within 1e-4 * max(1, max |logit|)"
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -96,6 +96,23 @@ def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path):
     assert np.abs(ref).max() > 0.5 and diff <= 1e-4
 
 
+def test_export_check_compares_with_the_run_and_fails_on_a_wrong_tensor(run, tmp_path, capsys):
+    """``--check`` prints the max |diff| of the run's lpt logits and the export's transformers logits; an export whose
+    final norm is off by 1% no longer passes (exit 1), while lpt's own reading of the same file would still agree
+    with transformers."""
+    workdir, _ = run
+    assert export.main(["--workdir", str(workdir), "--out", str(tmp_path / "hf"), "--check"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    diff = float(line.split("= ")[1].split(" ")[0])
+    assert line.startswith("check: max |lpt - transformers| = ") and "equal within" in line and diff <= 1e-4, line
+    tensors = hf.read_tensors(tmp_path / "hf")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * np.float32(1.01)
+    hf.write_safetensors(tmp_path / "hf" / "model.safetensors", tensors)
+    params, model_cfg, _ = export.run_params(workdir)
+    bad, scale = export.check(tmp_path / "hf", params, model_cfg)
+    assert bad > 1e-4 * max(1.0, scale) and bad > 100 * diff
+
+
 def test_export_step_picks_that_checkpoint(run, tmp_path):
     workdir, _ = run
     assert export.main(["--workdir", str(workdir), "--out", str(tmp_path / "s2"), "--step", "2"]) == 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 import struct
@@ -162,7 +163,8 @@ def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
 def write_safetensors(file: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
     """Write ``{name: array}`` as one ``.safetensors`` file (little-endian, tensors in name order, the header padded
     with spaces to a multiple of 8 bytes). ``metadata`` defaults to ``{"format": "pt"}``, which transformers asks
-    for."""
+    for. The file is written under a temporary name and renamed into place, so a reader never sees half a file and
+    arrays memory-mapped from the file it replaces (:func:`read_safetensors`) stay valid."""
     header, offset, arrays = {}, 0, []
     for name in sorted(tensors):
         a = np.asarray(tensors[name])
@@ -179,11 +181,13 @@ def write_safetensors(file: str | Path, tensors: dict[str, np.ndarray], metadata
     header["__metadata__"] = dict(metadata or {"format": "pt"})
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(file, "wb") as f:
+    tmp = Path(f"{file}.tmp-{os.getpid()}")  # renamed into place: readers of the old file (memory maps) keep it
+    with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for a in arrays:
             f.write(a.tobytes())
+    os.replace(tmp, file)
 
 
 def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
