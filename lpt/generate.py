@@ -323,16 +323,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer, _ = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)
         single = len(args.prompt) == 1
-        if single:
-            print(args.prompt[0], end="", flush=True)
         counts = [0] * len(args.prompt)
+        shown = [False]  # the prompt is echoed with the first new text, once the inputs were accepted
 
         def on_token(row: int, token: int) -> None:
             counts[row] += 1
 
         def on_text(row: int, text: str) -> None:
             if single:
-                print(text, end="", flush=True)
+                print(("" if shown[0] else args.prompt[0]) + text, end="", flush=True)
+                shown[0] = True
 
         t0 = time.time()
         kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if single:
-        print(flush=True)
+        print("" if shown[0] else args.prompt[0], flush=True)
     else:
         for row, (p, c) in enumerate(zip(args.prompt, completions, strict=True)):
             print(f"[{row}] {p}{c}", flush=True)

@@ -196,5 +196,6 @@ def test_cli_hf(model, tmp_path, capsys):
 )
 def test_cli_errors_are_one_line(run, capsys, argv, msg):
     assert G.main(["--workdir", str(run), "--prompt", "ab", *argv]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.startswith("error: ") and msg in err and err.count("\n") == 1
+    assert out == ""  # the prompt is echoed only once generation runs

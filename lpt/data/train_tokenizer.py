@@ -12,6 +12,7 @@ validation text is never seen): by default the embedded corpus (no download), el
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -73,6 +74,7 @@ def train_tokenizer(
             yield t
 
     tok.train_from_iterator(texts(), trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tok.save(str(out))
     return {
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),

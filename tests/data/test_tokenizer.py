@@ -39,7 +39,7 @@ def test_train_tokenizer_bpe_round_trips_and_separates(bpe512, tmp_path):
     assert max(ids) >= 256 and len(ids) < len(TEXT.encode())  # merges are used
     assert tok.decode(ids) == TEXT  # byte-level: every text round-trips exactly
     assert tok.encode("a<|endoftext|>b")[1] == 0
-    again = tmp_path / "again.json"  # deterministic: the same text gives the same file
+    again = tmp_path / "new" / "again.json"  # deterministic: the same text gives the same file; dirs are made
     r = train_tokenizer.train_tokenizer(512, str(again), progress=False)
     assert again.read_bytes() == open(bpe512, "rb").read() and r["vocab_size"] == 512
     assert D.load_tokenizer(str(again)).identity == tok.identity
