@@ -1,10 +1,9 @@
 """Hugging Face checkpoints in and out: GPT-2 (``GPT2LMHeadModel``) and Llama (``LlamaForCausalLM``) directories.
 
 A Hugging Face model directory holds ``config.json`` and the weights as ``model.safetensors`` (or shards listed by
-``model.safetensors.index.json``). The weights never pass through PyTorch: this module reads and writes the
-safetensors format itself with numpy (an 8-byte little-endian header length, a JSON header of
-``{name: {dtype, shape, data_offsets}}``, then the raw little-endian bytes), because not every ``safetensors``
-release that lpt allows reads BF16 into numpy; BF16 and FP8 arrays are ``ml_dtypes`` arrays.
+``model.safetensors.index.json``). The weights never pass through PyTorch: :mod:`lpt.models.hf_files` reads and
+writes the safetensors files with numpy, and :mod:`lpt.models.hf_config` maps config.json to and from
+``config.model``; their functions are importable from here too. This module maps the tensors to lpt's parameters.
 
 Tensor names, lpt parameter paths (``blocks/<i>/...``; ``scan_layers`` stacks the blocks on a leading axis):
 
@@ -29,11 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import re
 import shutil
-import struct
 from pathlib import Path
 
 import jax
@@ -45,28 +41,24 @@ from flax import nnx
 
 from lpt import numerics
 from lpt.models.config import ModelSpec, model_spec, precision_spec
+from lpt.models.hf_config import ARCHITECTURES, hf_config, model_kind, read_config
+from lpt.models.hf_files import FLOAT_CODES, ST_CODES, read_safetensors, read_tensors, write_safetensors
 from lpt.models.transformer import Transformer
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
+__all__ = [
+    "ARCHITECTURES",
+    "from_pretrained",
+    "hf_config",
+    "load_params",
+    "model_from_params",
+    "read_config",
+    "read_safetensors",
+    "read_tensors",
+    "save_params",
+    "save_pretrained",
+    "write_safetensors",
+]
 
-# safetensors dtype codes <-> numpy dtypes (bfloat16 and float8 from ml_dtypes)
-_ST_DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
-_FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 # dtypes written as they are stored; others (float8) are widened to float32 (exactly) on save
 _SAVE_DTYPES = {
     np.dtype(np.float32): "float32",
@@ -81,336 +73,10 @@ _PRECISIONS = {
     "bfloat16": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "update_rule": "nearest"},
 }
 
-# defaults of transformers' GPT2Config / LlamaConfig, for keys a config.json leaves out
-_GPT2_DEFAULTS = {
-    "vocab_size": 50257,
-    "n_positions": 1024,
-    "n_embd": 768,
-    "n_layer": 12,
-    "n_head": 12,
-    "n_inner": None,
-    "activation_function": "gelu_new",
-    "layer_norm_epsilon": 1e-5,
-    "initializer_range": 0.02,
-    "tie_word_embeddings": True,
-    "scale_attn_weights": True,
-    "scale_attn_by_inverse_layer_idx": False,
-    "add_cross_attention": False,
-}
-_LLAMA_DEFAULTS = {
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": None,
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "initializer_range": 0.02,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "head_dim": None,
-}
-_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation (lpt's GPT-2 MLP)
-_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # Hugging Face rope_type -> lpt's
-
 # non-weight tensors some checkpoints carry: skipped on load
 _SKIPPED = re.compile(
     r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$|^model\.layers\.\d+\.self_attn\.rotary_emb\."
 )
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# safetensors with numpy
-
-
-def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
-    """``{name: array}`` of one ``.safetensors`` file, memory-mapped (read-only), in the file's dtypes (BF16 and FP8
-    as ``ml_dtypes`` arrays). ValueError on a malformed header or a dtype outside F64/F32/F16/BF16/F8/I*/U8/BOOL."""
-    file = Path(file)
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{file} is not a safetensors file (shorter than its 8-byte header length)")
-        (n,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{file} is not a safetensors file (its header is not JSON: {e})") from None
-    header.pop("__metadata__", None)
-    size = file.stat().st_size - 8 - n
-    if size < 0:
-        raise ValueError(f"{file} is truncated: its header says {n} bytes, the file holds {size + n}")
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n, shape=(size,)) if size else np.zeros(0, np.uint8)
-    out = {}
-    for name, info in header.items():
-        code, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if code not in _ST_DTYPES:
-            raise ValueError(f"{file}: tensor {name!r} has dtype {code}; supported: {sorted(_ST_DTYPES)}")
-        dtype = _ST_DTYPES[code]
-        if end - start != math.prod(shape) * dtype.itemsize or end > size:
-            raise ValueError(
-                f"{file}: tensor {name!r} ({code}, shape {shape}) has a byte range {start}..{end} "
-                f"that does not fit its shape or the file's {size} data bytes"
-            )
-        out[name] = data[start:end].view(dtype).reshape(shape)  # little-endian bytes; lpt runs on little-endian hosts
-    return out
-
-
-def write_safetensors(file: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
-    """Write ``{name: array}`` as one ``.safetensors`` file (little-endian, tensors in name order, the header padded
-    with spaces to a multiple of 8 bytes). ``metadata`` defaults to ``{"format": "pt"}``, which transformers asks
-    for. The file is written under a temporary name and renamed into place, so a reader never sees half a file and
-    arrays memory-mapped from the file it replaces (:func:`read_safetensors`) stay valid."""
-    header, offset, arrays = {}, 0, []
-    for name in sorted(tensors):
-        a = np.asarray(tensors[name])
-        if a.dtype not in _ST_CODES:
-            raise ValueError(f"tensor {name!r} has dtype {a.dtype}; supported: {sorted(map(str, _ST_CODES))}")
-        a = np.ascontiguousarray(a)
-        header[name] = {
-            "dtype": _ST_CODES[a.dtype],
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + a.nbytes],
-        }
-        offset += a.nbytes
-        arrays.append(a)
-    header["__metadata__"] = dict(metadata or {"format": "pt"})
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = Path(f"{file}.tmp-{os.getpid()}")  # renamed into place: readers of the old file (memory maps) keep it
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for a in arrays:
-            f.write(a.tobytes())
-    os.replace(tmp, file)
-
-
-def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a Hugging Face model directory: ``model.safetensors``, or the shards named by
-    ``model.safetensors.index.json`` (each tensor must be in the shard the index names). File dtypes, memory-mapped."""
-    path = Path(path)
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if single.is_file():
-        return read_safetensors(single)
-    if not index.is_file():
-        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else "not a directory"
-        raise ValueError(f"{path} holds neither model.safetensors nor model.safetensors.index.json (found: {found})")
-    weight_map = json.loads(index.read_text())["weight_map"]
-    out = {}
-    for shard in sorted(set(weight_map.values())):
-        tensors = read_safetensors(path / shard)
-        for name in tensors:
-            if weight_map.get(name) != shard:
-                raise ValueError(f"{path / shard}: tensor {name!r} is not listed for this shard in {index.name}")
-        out.update(tensors)
-    missing = sorted(set(weight_map) - set(out))
-    if missing:
-        raise ValueError(f"{index}: tensor {missing[0]!r} is listed but absent from {weight_map[missing[0]]}")
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# config.json <-> config.model
-
-
-def _kind(hf: dict, where) -> str:
-    archs = hf.get("architectures") or []
-    if archs:
-        known = [a for a in archs if a in ARCHITECTURES]
-        if not known:
-            raise ValueError(f"{where}: architectures={archs} is not supported; allowed: {list(ARCHITECTURES)}")
-        return ARCHITECTURES[known[0]]
-    model_type = hf.get("model_type")
-    if model_type not in _MODEL_TYPES:
-        raise ValueError(
-            f"{where}: model_type={model_type!r} (no architectures) is not supported; allowed: {list(_MODEL_TYPES)}"
-        )
-    return _MODEL_TYPES[model_type]
-
-
-def _model_cfg(**kw) -> ml_collections.ConfigDict:
-    """``config.model`` with every key of configs/tiny_cpu.py (remat and scan_layers False)."""
-    rs = {"type": "none", "factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_len": 8192}
-    rs.update(kw.pop("rope_scaling", {}))
-    d = {"rope_theta": 10000.0, **kw, "rope_scaling": rs, "remat": False, "scan_layers": False}
-    cfg = ml_collections.ConfigDict(d)
-    model_spec(cfg)  # lpt's own checks (divisibility, even head_dim, ...)
-    return cfg
-
-
-def _gpt2_config(hf: dict, where) -> ml_collections.ConfigDict:
-    c = {**_GPT2_DEFAULTS, **hf}
-    if c["activation_function"] not in _GELU_TANH:
-        raise ValueError(
-            f"{where}: activation_function={c['activation_function']!r} is not supported; "
-            f"allowed: {list(_GELU_TANH)} (GELU, tanh approximation)"
-        )
-    for key, want in (
-        ("scale_attn_weights", True),
-        ("scale_attn_by_inverse_layer_idx", False),
-        ("add_cross_attention", False),
-    ):
-        if bool(c[key]) != want:
-            raise ValueError(f"{where}: {key}={c[key]!r} is not supported; allowed: {want}")
-    return _model_cfg(
-        kind="gpt2",
-        vocab_size=int(c["vocab_size"]),
-        d_model=int(c["n_embd"]),
-        n_layers=int(c["n_layer"]),
-        n_heads=int(c["n_head"]),
-        n_kv_heads=int(c["n_head"]),
-        d_ff=int(c["n_inner"] or 4 * c["n_embd"]),
-        max_seq_len=int(c["n_positions"]),
-        norm_eps=float(c["layer_norm_epsilon"]),
-        tie_embeddings=bool(c["tie_word_embeddings"]),
-        init_std=float(c["initializer_range"]),
-    )
-
-
-def _rope(c: dict, where) -> tuple[float, dict]:
-    """(rope_theta, lpt rope_scaling) from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5); like
-    transformers, rope_scaling wins when both are set."""
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError(f"{where}: per-layer-type rope parameters {sorted(rope)} are not supported")
-    theta = float(rope.get("rope_theta", c["rope_theta"]))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in _ROPE_TYPES:
-        raise ValueError(f"{where}: rope type {kind!r} is not supported; allowed: {list(_ROPE_TYPES)}")
-    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(
-            f"{where}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported; allowed: 1.0"
-        )
-    out = {"type": _ROPE_TYPES[kind]}
-    if kind in ("linear", "llama3"):
-        out["factor"] = float(rope["factor"])
-    if kind == "llama3":
-        out["low_freq_factor"] = float(rope["low_freq_factor"])
-        out["high_freq_factor"] = float(rope["high_freq_factor"])
-        out["original_max_len"] = int(rope.get("original_max_position_embeddings") or c["max_position_embeddings"])
-    return theta, out
-
-
-def _llama_config(hf: dict, where) -> ml_collections.ConfigDict:
-    c = {**_LLAMA_DEFAULTS, **hf}
-    if c["hidden_act"] != "silu":
-        raise ValueError(f"{where}: hidden_act={c['hidden_act']!r} is not supported; allowed: ['silu']")
-    for key in ("attention_bias", "mlp_bias"):
-        if c[key]:
-            raise ValueError(f"{where}: {key}={c[key]!r} is not supported (lpt's Llama has no biases); allowed: false")
-    d, h = int(c["hidden_size"]), int(c["num_attention_heads"])
-    if c["head_dim"] is not None and int(c["head_dim"]) != d // h:
-        raise ValueError(
-            f"{where}: head_dim={c['head_dim']} is not supported; lpt needs head_dim = hidden_size / "
-            f"num_attention_heads = {d // h}"
-        )
-    theta, scaling = _rope(c, where)
-    return _model_cfg(
-        kind="llama",
-        vocab_size=int(c["vocab_size"]),
-        d_model=d,
-        n_layers=int(c["num_hidden_layers"]),
-        n_heads=h,
-        n_kv_heads=int(c["num_key_value_heads"] or h),
-        d_ff=int(c["intermediate_size"]),
-        max_seq_len=int(c["max_position_embeddings"]),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c["tie_word_embeddings"]),
-        init_std=float(c["initializer_range"]),
-    )
-
-
-def read_config(path: str | Path) -> ml_collections.ConfigDict:
-    """The lpt ``config.model`` of a Hugging Face model directory's ``config.json`` (every key of
-    configs/tiny_cpu.py's ``c.model``; ``scan_layers`` and ``remat`` False).
-
-    GPT-2: ``n_embd``, ``n_layer``, ``n_head``, ``n_inner`` (None: 4 n_embd), ``n_positions``,
-    ``layer_norm_epsilon``, ``tie_word_embeddings``, ``initializer_range``; ``activation_function`` must be a tanh
-    GELU. Llama: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
-    ``intermediate_size``, ``max_position_embeddings``, ``rms_norm_eps``, ``tie_word_embeddings``, ``rope_theta`` and
-    ``rope_scaling`` / ``rope_parameters`` (type default, linear or llama3); ``hidden_act`` must be silu,
-    ``attention_bias`` / ``mlp_bias`` false, ``head_dim`` (if given) hidden_size / num_attention_heads. Keys a
-    config.json leaves out take transformers' defaults. Anything else: a one-line ValueError.
-    """
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ValueError(
-            f"{path} has no config.json (a Hugging Face model directory holds config.json and model.safetensors)"
-        )
-    hf = json.loads(file.read_text())
-    return _gpt2_config(hf, file) if _kind(hf, file) == "gpt2" else _llama_config(hf, file)
-
-
-def hf_config(model_cfg, *, dtype: str = "float32") -> dict:
-    """The ``config.json`` dict of ``config.model`` (the inverse of :func:`read_config`). Llama's RoPE goes both into
-    ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5)."""
-    s = model_spec(model_cfg)
-    common = {
-        "vocab_size": s.vocab_size,
-        "initializer_range": s.init_std,
-        "tie_word_embeddings": s.tie_embeddings,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "dtype": dtype,
-    }
-    if s.kind == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "n_embd": s.d_model,
-            "n_layer": s.n_layers,
-            "n_head": s.n_heads,
-            "n_inner": s.d_ff,
-            "n_positions": s.max_seq_len,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": s.norm_eps,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "scale_attn_weights": True,
-            **common,
-        }
-    rs = s.rope_scaling
-    rope = {
-        "rope_type": {"none": "default", "linear": "linear", "llama3": "llama3"}[rs.type],
-        "rope_theta": s.rope_theta,
-    }
-    if rs.type != "none":
-        rope["factor"] = rs.factor
-    if rs.type == "llama3":
-        rope.update(
-            low_freq_factor=rs.low_freq_factor,
-            high_freq_factor=rs.high_freq_factor,
-            original_max_position_embeddings=rs.original_max_len,
-        )
-    scaling = None if rs.type == "none" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": s.d_model,
-        "num_hidden_layers": s.n_layers,
-        "num_attention_heads": s.n_heads,
-        "num_key_value_heads": s.n_kv_heads,
-        "head_dim": s.head_dim,
-        "intermediate_size": s.d_ff,
-        "hidden_act": "silu",
-        "max_position_embeddings": s.max_seq_len,
-        "rms_norm_eps": s.norm_eps,
-        "rope_theta": s.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": rope,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        **common,
-    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -537,7 +203,7 @@ def load_params(path: str | Path, model_cfg) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"{path} has no config.json")
-    kind = _kind(json.loads(file.read_text()), file)
+    kind = model_kind(json.loads(file.read_text()), file)
     if kind != spec.kind:
         raise ValueError(f"{file} describes a {kind} model but config.model.kind={spec.kind!r}")
     tensors = read_tensors(path)
@@ -552,7 +218,7 @@ def load_params(path: str | Path, model_cfg) -> dict:
             raise ValueError(
                 f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}; expected {shape} for config.model"
             )
-        if _ST_CODES[tensors[name].dtype] not in _FLOAT_CODES:
+        if ST_CODES[tensors[name].dtype] not in FLOAT_CODES:
             raise ValueError(f"{path}: tensor {name!r} has dtype {tensors[name].dtype}; expected a float")
     for name in sorted(tensors):
         tied_head = name == "lm_head.weight" and spec.tie_embeddings

@@ -1,0 +1,250 @@
+"""A Hugging Face ``config.json`` (GPT-2 or Llama) <-> lpt's ``config.model``.
+
+:func:`read_config` maps a directory's config.json to ``config.model`` (keys the file leaves out take transformers'
+defaults; what lpt's models cannot express is a one-line ValueError); :func:`hf_config` is its inverse.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_collections
+
+from lpt.models.config import model_spec
+
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
+
+# defaults of transformers' GPT2Config / LlamaConfig, for keys a config.json leaves out
+_GPT2_DEFAULTS = {
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False,
+}
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "head_dim": None,
+}
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation (lpt's GPT-2 MLP)
+_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # Hugging Face rope_type -> lpt's
+
+
+def model_kind(hf: dict, where) -> str:
+    """lpt's ``config.model.kind`` ("gpt2" or "llama") of a config.json dict, from ``architectures`` or else
+    ``model_type``; ``where`` names the file in the ValueError when neither is supported."""
+    archs = hf.get("architectures") or []
+    if archs:
+        known = [a for a in archs if a in ARCHITECTURES]
+        if not known:
+            raise ValueError(f"{where}: architectures={archs} is not supported; allowed: {list(ARCHITECTURES)}")
+        return ARCHITECTURES[known[0]]
+    model_type = hf.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"{where}: model_type={model_type!r} (no architectures) is not supported; allowed: {list(_MODEL_TYPES)}"
+        )
+    return _MODEL_TYPES[model_type]
+
+
+def _model_cfg(**kw) -> ml_collections.ConfigDict:
+    """``config.model`` with every key of configs/tiny_cpu.py (remat and scan_layers False)."""
+    rs = {"type": "none", "factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_len": 8192}
+    rs.update(kw.pop("rope_scaling", {}))
+    d = {"rope_theta": 10000.0, **kw, "rope_scaling": rs, "remat": False, "scan_layers": False}
+    cfg = ml_collections.ConfigDict(d)
+    model_spec(cfg)  # lpt's own checks (divisibility, even head_dim, ...)
+    return cfg
+
+
+def _gpt2_config(hf: dict, where) -> ml_collections.ConfigDict:
+    c = {**_GPT2_DEFAULTS, **hf}
+    if c["activation_function"] not in _GELU_TANH:
+        raise ValueError(
+            f"{where}: activation_function={c['activation_function']!r} is not supported; "
+            f"allowed: {list(_GELU_TANH)} (GELU, tanh approximation)"
+        )
+    for key, want in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+    ):
+        if bool(c[key]) != want:
+            raise ValueError(f"{where}: {key}={c[key]!r} is not supported; allowed: {want}")
+    return _model_cfg(
+        kind="gpt2",
+        vocab_size=int(c["vocab_size"]),
+        d_model=int(c["n_embd"]),
+        n_layers=int(c["n_layer"]),
+        n_heads=int(c["n_head"]),
+        n_kv_heads=int(c["n_head"]),
+        d_ff=int(c["n_inner"] or 4 * c["n_embd"]),
+        max_seq_len=int(c["n_positions"]),
+        norm_eps=float(c["layer_norm_epsilon"]),
+        tie_embeddings=bool(c["tie_word_embeddings"]),
+        init_std=float(c["initializer_range"]),
+    )
+
+
+def _rope(c: dict, where) -> tuple[float, dict]:
+    """(rope_theta, lpt rope_scaling) from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5); like
+    transformers, rope_scaling wins when both are set."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{where}: per-layer-type rope parameters {sorted(rope)} are not supported")
+    theta = float(rope.get("rope_theta", c["rope_theta"]))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"{where}: rope type {kind!r} is not supported; allowed: {list(_ROPE_TYPES)}")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(
+            f"{where}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported; allowed: 1.0"
+        )
+    out = {"type": _ROPE_TYPES[kind]}
+    if kind in ("linear", "llama3"):
+        out["factor"] = float(rope["factor"])
+    if kind == "llama3":
+        out["low_freq_factor"] = float(rope["low_freq_factor"])
+        out["high_freq_factor"] = float(rope["high_freq_factor"])
+        out["original_max_len"] = int(rope.get("original_max_position_embeddings") or c["max_position_embeddings"])
+    return theta, out
+
+
+def _llama_config(hf: dict, where) -> ml_collections.ConfigDict:
+    c = {**_LLAMA_DEFAULTS, **hf}
+    if c["hidden_act"] != "silu":
+        raise ValueError(f"{where}: hidden_act={c['hidden_act']!r} is not supported; allowed: ['silu']")
+    for key in ("attention_bias", "mlp_bias"):
+        if c[key]:
+            raise ValueError(f"{where}: {key}={c[key]!r} is not supported (lpt's Llama has no biases); allowed: false")
+    d, h = int(c["hidden_size"]), int(c["num_attention_heads"])
+    if c["head_dim"] is not None and int(c["head_dim"]) != d // h:
+        raise ValueError(
+            f"{where}: head_dim={c['head_dim']} is not supported; lpt needs head_dim = hidden_size / "
+            f"num_attention_heads = {d // h}"
+        )
+    theta, scaling = _rope(c, where)
+    return _model_cfg(
+        kind="llama",
+        vocab_size=int(c["vocab_size"]),
+        d_model=d,
+        n_layers=int(c["num_hidden_layers"]),
+        n_heads=h,
+        n_kv_heads=int(c["num_key_value_heads"] or h),
+        d_ff=int(c["intermediate_size"]),
+        max_seq_len=int(c["max_position_embeddings"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(c["rms_norm_eps"]),
+        tie_embeddings=bool(c["tie_word_embeddings"]),
+        init_std=float(c["initializer_range"]),
+    )
+
+
+def read_config(path: str | Path) -> ml_collections.ConfigDict:
+    """The lpt ``config.model`` of a Hugging Face model directory's ``config.json`` (every key of
+    configs/tiny_cpu.py's ``c.model``; ``scan_layers`` and ``remat`` False).
+
+    GPT-2: ``n_embd``, ``n_layer``, ``n_head``, ``n_inner`` (None: 4 n_embd), ``n_positions``,
+    ``layer_norm_epsilon``, ``tie_word_embeddings``, ``initializer_range``; ``activation_function`` must be a tanh
+    GELU. Llama: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``intermediate_size``, ``max_position_embeddings``, ``rms_norm_eps``, ``tie_word_embeddings``, ``rope_theta`` and
+    ``rope_scaling`` / ``rope_parameters`` (type default, linear or llama3); ``hidden_act`` must be silu,
+    ``attention_bias`` / ``mlp_bias`` false, ``head_dim`` (if given) hidden_size / num_attention_heads. Keys a
+    config.json leaves out take transformers' defaults. Anything else: a one-line ValueError.
+    """
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(
+            f"{path} has no config.json (a Hugging Face model directory holds config.json and model.safetensors)"
+        )
+    hf = json.loads(file.read_text())
+    return _gpt2_config(hf, file) if model_kind(hf, file) == "gpt2" else _llama_config(hf, file)
+
+
+def hf_config(model_cfg, *, dtype: str = "float32") -> dict:
+    """The ``config.json`` dict of ``config.model`` (the inverse of :func:`read_config`). Llama's RoPE goes both into
+    ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5)."""
+    s = model_spec(model_cfg)
+    common = {
+        "vocab_size": s.vocab_size,
+        "initializer_range": s.init_std,
+        "tie_word_embeddings": s.tie_embeddings,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "dtype": dtype,
+    }
+    if s.kind == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_embd": s.d_model,
+            "n_layer": s.n_layers,
+            "n_head": s.n_heads,
+            "n_inner": s.d_ff,
+            "n_positions": s.max_seq_len,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": s.norm_eps,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "scale_attn_weights": True,
+            **common,
+        }
+    rs = s.rope_scaling
+    rope = {
+        "rope_type": {"none": "default", "linear": "linear", "llama3": "llama3"}[rs.type],
+        "rope_theta": s.rope_theta,
+    }
+    if rs.type != "none":
+        rope["factor"] = rs.factor
+    if rs.type == "llama3":
+        rope.update(
+            low_freq_factor=rs.low_freq_factor,
+            high_freq_factor=rs.high_freq_factor,
+            original_max_position_embeddings=rs.original_max_len,
+        )
+    scaling = None if rs.type == "none" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": s.d_model,
+        "num_hidden_layers": s.n_layers,
+        "num_attention_heads": s.n_heads,
+        "num_key_value_heads": s.n_kv_heads,
+        "head_dim": s.head_dim,
+        "intermediate_size": s.d_ff,
+        "hidden_act": "silu",
+        "max_position_embeddings": s.max_seq_len,
+        "rms_norm_eps": s.norm_eps,
+        "rope_theta": s.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        **common,
+    }
