@@ -2,45 +2,24 @@
 ``eval_loss``; perplexity and bits per byte follow from it; data overrides, batches and errors."""
 
 import json
-import logging
 import math
 from pathlib import Path
 
 import pytest
 from flax import nnx
+from tiny_run import train_tiny
 
 import lpt.models as M
 from lpt import eval as E
-from lpt.train import config as config_lib
-from lpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {
-    "model.d_model": "32",
-    "model.n_layers": "1",
-    "model.n_heads": "2",
-    "model.n_kv_heads": "1",
-    "model.d_ff": "64",
-    "model.max_seq_len": "32",
-    "data.seq_len": "32",
-    "train.global_batch": "4",
-    "train.steps": "3",
-    "train.eval_every": "3",
-    "train.eval_batches": "2",
-    "train.log_every": "1",
-    "train.diagnostics_every": "0",
-    "train.checkpoint_every": "2",
-    "optim.warmup_steps": "1",
-}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(workdir, summary) of a 3-step run (checkpoints at steps 2 and 3)."""
-    logging.getLogger("lpt.train").setLevel(logging.WARNING)
     workdir = tmp_path_factory.mktemp("run")
-    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), TINY)
-    summary = train(cfg, workdir)
+    summary = train_tiny(workdir, {"train.steps": "3", "train.eval_every": "3", "train.eval_batches": "2"})
     return workdir, summary
 
 

@@ -2,7 +2,6 @@
 resolved to the tokenizer's) exported to a Hugging Face directory that transformers loads with the same logits."""
 
 import json
-import logging
 import pydoc_data.topics
 import subprocess
 import sys
@@ -14,33 +13,13 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from tiny_run import train_tiny
 
 from lpt import export
 from lpt.models import hf
-from lpt.train import config as config_lib
 from lpt.train import load_params
-from lpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {
-    "model.d_model": "32",
-    "model.n_layers": "2",
-    "model.n_heads": "2",
-    "model.n_kv_heads": "1",
-    "model.d_ff": "64",
-    "model.max_seq_len": "32",
-    "model.init_std": "0.2",
-    "data.seq_len": "32",
-    "data.source": "text",
-    "train.global_batch": "8",
-    "train.steps": "4",
-    "train.eval_every": "4",
-    "train.eval_batches": "1",
-    "train.log_every": "1",
-    "train.diagnostics_every": "0",
-    "train.checkpoint_every": "2",
-    "optim.warmup_steps": "1",
-}
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +35,17 @@ def run(tmp_path_factory):
     tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
     tok.save(str(tmp / "tokenizer.json"))
     overrides = {
-        **TINY,
+        "model.n_layers": "2",
+        "model.init_std": "0.2",
+        "data.source": "text",
         "data.paths": str(tmp / "corpus.txt"),
         "data.tokenizer": str(tmp / "tokenizer.json"),
         "data.cache_dir": str(tmp / "cache"),
+        "train.global_batch": "8",
+        "train.steps": "4",
+        "train.eval_every": "4",
     }
-    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), overrides)
-    logging.getLogger("lpt.train").setLevel(logging.WARNING)
-    train(cfg, tmp / "workdir")
+    train_tiny(tmp / "workdir", overrides)
     return tmp / "workdir", tmp / "tokenizer.json"
 
 

@@ -2,7 +2,6 @@
 the tokenizer's vocabulary) and seeds, stopping at the end token, streamed text, and the CLI on a trained run
 (``--workdir``) and on a Hugging Face directory (``--hf``)."""
 
-import logging
 from pathlib import Path
 
 import jax
@@ -10,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_run import train_tiny
 
 import lpt.models as M
 from lpt import generate as G
 from lpt.data.tokenizer import ByteTokenizer
-from lpt.train import config as config_lib
-from lpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = dict(kind="gpt2", d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=24, init_std=0.3)
@@ -134,31 +132,11 @@ def test_errors(model):
 # --------------------------------------------------------------------------------------------------------------------
 # the CLI
 
-TINY = {
-    "model.d_model": "32",
-    "model.n_layers": "1",
-    "model.n_heads": "2",
-    "model.n_kv_heads": "1",
-    "model.d_ff": "64",
-    "model.max_seq_len": "32",
-    "data.seq_len": "32",
-    "train.global_batch": "4",
-    "train.steps": "2",
-    "train.eval_every": "2",
-    "train.eval_batches": "1",
-    "train.log_every": "1",
-    "train.diagnostics_every": "0",
-    "train.checkpoint_every": "2",
-    "optim.warmup_steps": "1",
-}
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    logging.getLogger("lpt.train").setLevel(logging.WARNING)
     workdir = tmp_path_factory.mktemp("run")
-    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), TINY)
-    train(cfg, workdir)
+    train_tiny(workdir)
     return workdir
 
 

@@ -126,6 +126,18 @@ def _lpt_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in flat.items()}
 
 
+def _check_shapes(got: dict, want: dict[str, tuple[int, ...]]) -> None:
+    """ValueError naming the first lpt parameter (``"a/b/c"``) that ``got`` lacks, has extra or has in another shape
+    than ``want``."""
+    for k in sorted(set(want) | set(got)):
+        if k not in got:
+            raise ValueError(f"lpt parameter {k!r} (shape {want[k]}) is missing from params")
+        if k not in want:
+            raise ValueError(f"unexpected lpt parameter {k!r} (shape {tuple(np.shape(got[k]))}) for config.model")
+        if tuple(np.shape(got[k])) != want[k]:
+            raise ValueError(f"lpt parameter {k!r} has shape {tuple(np.shape(got[k]))}; expected {want[k]}")
+
+
 def _hf_shape(shapes: list[tuple[int, ...]], op: str) -> tuple[int, ...]:
     if op == "T":
         return shapes[0][::-1]
@@ -251,15 +263,7 @@ def model_from_params(model_cfg, precision_cfg, params: dict) -> Transformer:
     graphdef, state = nnx.split(abstract)
     want = _flatten(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
     got = _flatten(params)
-    for k in sorted(set(want) | set(got)):
-        if k not in got:
-            raise ValueError(f"lpt parameter {k!r} (shape {tuple(want[k].shape)}) is missing from params")
-        if k not in want:
-            raise ValueError(f"unexpected lpt parameter {k!r} for config.model")
-        if tuple(np.shape(got[k])) != tuple(want[k].shape):
-            raise ValueError(
-                f"lpt parameter {k!r} has shape {tuple(np.shape(got[k]))}; expected {tuple(want[k].shape)}"
-            )
+    _check_shapes(got, {k: tuple(v.shape) for k, v in want.items()})
 
     def store(x, v):
         w_f32 = jnp.asarray(x, jnp.float32)  # given dtype -> f32 (exact widening for f32/bf16/f16/fp8)
@@ -305,14 +309,7 @@ def save_params(path: str | Path, params: dict, model_cfg, *, tokenizer_file: st
     flat = {k: np.asarray(v) for k, v in _flatten(params).items() if not k.endswith("/bitwidth")}
     if spec.scan_layers:
         flat = _unstack_blocks(flat, spec.n_layers)
-    lpt_shapes = _lpt_shapes(spec)
-    for k in sorted(set(lpt_shapes) | set(flat)):
-        if k not in flat:
-            raise ValueError(f"lpt parameter {k!r} (shape {lpt_shapes[k]}) is missing from params")
-        if k not in lpt_shapes:
-            raise ValueError(f"unexpected lpt parameter {k!r} (shape {flat[k].shape}) for config.model")
-        if tuple(flat[k].shape) != lpt_shapes[k]:
-            raise ValueError(f"lpt parameter {k!r} has shape {tuple(flat[k].shape)}; expected {lpt_shapes[k]}")
+    _check_shapes(flat, _lpt_shapes(spec))
     dtypes = {v.dtype for v in flat.values()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 and next(iter(dtypes)) in _SAVE_DTYPES else np.dtype(np.float32)
     tensors = {}

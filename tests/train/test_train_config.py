@@ -152,7 +152,9 @@ def test_configs_by_name_and_shipped_in_the_wheel(tmp_path):
 
     assert config_lib.resolve_config("tiny_cpu").samefile(ROOT / "configs" / "tiny_cpu.py")
     assert config_lib.load_config_file("tiny_cpu_bf16_kahan").precision.update_rule == "kahan"
-    with pytest.raises(ValueError, match="'tiny' is neither a file nor a shipped config; shipped configs: .*gpt2_124m, .*tiny_cpu"):
+    with pytest.raises(
+        ValueError, match="'tiny' is neither a file nor a shipped config; shipped configs: .*gpt2_124m, .*tiny_cpu"
+    ):
         config_lib.resolve_config("tiny")
     src = tmp_path / "src"  # a clean copy: a stale build/ of the checkout must not leak into the wheel
     skip = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "runs", "__pycache__", "tests", "docs")

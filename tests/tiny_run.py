@@ -1,0 +1,37 @@
+"""A few-step tiny_cpu run for tests of what reads a finished run (generate, eval, export)."""
+
+import logging
+from pathlib import Path
+
+from lpt.train import config as config_lib
+from lpt.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a one-layer d_model-32 Llama with GQA 2:1 and 32-token sequences: seconds to train on a CPU
+OVERRIDES = {
+    "model.d_model": "32",
+    "model.n_layers": "1",
+    "model.n_heads": "2",
+    "model.n_kv_heads": "1",
+    "model.d_ff": "64",
+    "model.max_seq_len": "32",
+    "data.seq_len": "32",
+    "train.global_batch": "4",
+    "train.steps": "2",
+    "train.eval_every": "2",
+    "train.eval_batches": "1",
+    "train.log_every": "1",
+    "train.diagnostics_every": "0",
+    "train.checkpoint_every": "2",
+    "optim.warmup_steps": "1",
+}
+
+
+def train_tiny(workdir: Path, overrides: dict[str, str] | None = None) -> dict:
+    """Train configs/tiny_cpu.py with :data:`OVERRIDES`, then ``overrides`` (``{"train.steps": "3"}``), into
+    ``workdir``; returns the run's summary."""
+    keys = {**OVERRIDES, **(overrides or {})}
+    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), keys)
+    logging.getLogger("lpt.train").setLevel(logging.WARNING)
+    return train(cfg, workdir)
