@@ -21,6 +21,8 @@ From Python: :func:`evaluate` on any :class:`lpt.models.Transformer`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import sys
@@ -30,17 +32,27 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 SPLITS = ("validation", "train")
 
 
-def evaluate(model, data_cfg, *, batch: int, num_batches: int, split: str = "validation") -> dict:
+def evaluate(
+    model, data_cfg, *, batch: int, num_batches: int, split: str = "validation", mesh: Mesh | None = None
+) -> dict:
     """Loss (nats/token), perplexity and bits per byte of ``model`` on the first ``num_batches`` batches of
     ``batch`` windows of ``data_cfg.seq_len`` tokens of ``split`` (:func:`lpt.data.make_eval_batches`), no weight
     noise. The loss is the mean over batches of each batch's mean cross entropy (float32 per batch, the mean in
-    float64), as the trainer computes ``eval_loss``."""
+    float64), as the trainer computes ``eval_loss``.
+
+    ``mesh``: the variables are placed on it by their logical axes as the trainer shards them
+    (:func:`lpt.models.partitioning.place`), each batch is split over its data and fsdp axes and the forward is
+    traced under the trainer's rules (:func:`lpt.train.step.on_mesh`), so the kernels run per shard; None: the
+    default device."""
     from lpt import data as data_lib
-    from lpt.train.step import cross_entropy
+    from lpt.models.partitioning import place
+    from lpt.train import mesh as mesh_lib
+    from lpt.train.step import cross_entropy, on_mesh
 
     seq_len = int(data_cfg.seq_len)
     if seq_len > model.spec.max_seq_len:
@@ -53,10 +65,23 @@ def evaluate(model, data_cfg, *, batch: int, num_batches: int, split: str = "val
     for name, value in (("batches", num_batches), ("batch size", batch)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
+    if mesh is not None and batch % (rows := mesh.shape["data"] * mesh.shape["fsdp"]):
+        raise ValueError(f"batch size {batch} does not split over the mesh's data*fsdp = {rows} devices")
     batches = data_lib.make_eval_batches(data_cfg, seq_len=seq_len, batch=batch, num_batches=num_batches, split=split)
-    graphdef, state = nnx.split(model)
-    loss_fn = jax.jit(lambda st, x_BT, y_BT: cross_entropy(nnx.merge(graphdef, st)(x_BT, key=None), y_BT))
-    loss = float(np.mean([float(loss_fn(state, b["inputs"], b["targets"])) for b in batches]))
+    if mesh is None:
+        graphdef, state = nnx.split(model)
+        put, rules = jax.device_put, contextlib.nullcontext
+    else:
+        graphdef, state = place(model, mesh)
+        put = functools.partial(jax.device_put, device=mesh_lib.batch_sharding(mesh))
+        rules = functools.partial(on_mesh, mesh)
+
+    @jax.jit
+    def loss_fn(st, x_BT, y_BT):
+        with rules():
+            return cross_entropy(nnx.merge(graphdef, st)(x_BT, key=None), y_BT)
+
+    loss = float(np.mean([float(loss_fn(state, put(b["inputs"]), put(b["targets"]))) for b in batches]))
     bpt = data_lib.bytes_per_token(data_cfg, split)
     return {
         "loss": loss,
@@ -92,7 +117,7 @@ def _newest_step(workdir: str | Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lpt.generate import DTYPES, load_model
+    from lpt.generate import DTYPES, inference_mesh, load_model
     from lpt.train import config as config_lib
 
     parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.splitlines()[0])
@@ -107,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         model, _, cfg = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)
+        mesh = inference_mesh(cfg)
         if cfg is not None:
             base, batch, batches = cfg.data, int(cfg.train.global_batch), int(cfg.train.eval_batches)
         else:
@@ -122,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             batch=batch if args.batch_size is None else args.batch_size,
             num_batches=batches if args.batches is None else args.batches,
             split=args.split,
+            mesh=mesh,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.workdir is not None:
         result["step"] = args.step if args.step is not None else _newest_step(args.workdir)
+    result["mesh"] = dict(mesh.shape)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -24,6 +24,7 @@ left-padded prompts once and then run one jitted decode step per token with the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -37,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from lpt.models.decode import decode_step, init_cache, left_pad
+from lpt.models.partitioning import place
 
 DTYPES = ("float32", "bfloat16")
 
@@ -88,18 +91,27 @@ def sample(logits_BV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, z_BV, axis=-1).astype(jnp.int32)  # int -> int32
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "length"))
-def _prefill(state, tokens_BP, start_B, key, *, graphdef, sampling: Sampling, length: int):
-    model = nnx.merge(graphdef, state)
-    cache = init_cache(model, tokens_BP.shape[0], length, start=start_B)
-    logits_B1V, cache = model.decode(tokens_BP, cache, last_only=True)
-    return sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), sampling), cache
+def _rules(mesh):
+    """The trainer's trace-time sharding rules on ``mesh`` (:func:`lpt.train.step.on_mesh`); none without a mesh."""
+    from lpt.train.step import on_mesh
+
+    return contextlib.nullcontext() if mesh is None else on_mesh(mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def _step(state, tokens_B, cache, key, i, *, graphdef, sampling: Sampling):
-    logits_BV, cache = decode_step(nnx.merge(graphdef, state), tokens_B, cache)
-    return sample(logits_BV, jax.random.fold_in(key, i), sampling), cache
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "length", "mesh"))
+def _prefill(state, tokens_BP, start_B, key, *, graphdef, sampling: Sampling, length: int, mesh):
+    with _rules(mesh):
+        model = nnx.merge(graphdef, state)
+        cache = init_cache(model, tokens_BP.shape[0], length, start=start_B)
+        logits_B1V, cache = model.decode(tokens_BP, cache, last_only=True)
+        return sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), sampling), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "mesh"), donate_argnames=("cache",))
+def _step(state, tokens_B, cache, key, i, *, graphdef, sampling: Sampling, mesh):
+    with _rules(mesh):
+        logits_BV, cache = decode_step(nnx.merge(graphdef, state), tokens_B, cache)
+        return sample(logits_BV, jax.random.fold_in(key, i), sampling), cache
 
 
 def generate_tokens(
@@ -114,6 +126,7 @@ def generate_tokens(
     stop_tokens: Sequence[int] = (),
     vocab: int = 0,
     on_token: Callable[[int, int], None] | None = None,
+    mesh: Mesh | None = None,
 ) -> list[list[int]]:
     """The new token ids of every prompt (a list of token ids), without the stop token.
 
@@ -122,7 +135,12 @@ def generate_tokens(
     jitted decode step per token. Token i (0-based) is drawn with ``fold_in(PRNGKey(seed), i)`` (:func:`sample`).
     A row stops at its first token in ``stop_tokens``; generation ends when every row has stopped or after N
     tokens. ``on_token(row, token)`` is called for every kept token as soon as it is on the host. ``vocab`` > 0
-    restricts sampling to ids below it."""
+    restricts sampling to ids below it.
+
+    ``mesh``: the variables are placed on it as the trainer shards them (:func:`lpt.models.partitioning.place`)
+    and the steps are traced under the trainer's rules, so the batch and the KV cache split over the data and fsdp
+    axes and the heads over tensor. The batch is filled up to a multiple of data*fsdp with copies of the last prompt,
+    whose tokens are dropped; the other rows draw the same tokens as without a mesh."""
     spec = model.spec
     sampling = Sampling(float(temperature), top_k, float(top_p), vocab)
     sampling.check(spec.vocab_size)
@@ -142,17 +160,24 @@ def generate_tokens(
             f"max_new_tokens={n} does not fit: the longest prompt has {P} tokens and the model sees at most "
             f"max_seq_len={spec.max_seq_len} (prompt + new tokens - 1); use at most {room}"
         )
-    graphdef, state = nnx.split(model)
+    if mesh is None:
+        graphdef, state = nnx.split(model)
+    else:
+        graphdef, state = place(model, mesh)
+        fill = -B % (mesh.shape["data"] * mesh.shape["fsdp"])  # extra rows: copies of the last prompt
+        tokens_BP = np.concatenate([tokens_BP, np.repeat(tokens_BP[-1:], fill, axis=0)])
+        start_B = np.concatenate([start_B, np.repeat(start_B[-1:], fill)])
     key = jax.random.PRNGKey(seed)
     stop = {int(t) for t in stop_tokens}
-    tok_B, cache = _prefill(state, tokens_BP, start_B, key, graphdef=graphdef, sampling=sampling, length=P + n - 1)
+    static = dict(graphdef=graphdef, sampling=sampling, mesh=mesh)
+    tok_B, cache = _prefill(state, tokens_BP, start_B, key, length=P + n - 1, **static)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for i in range(n):
         nxt = None
         if i + 1 < n:  # dispatch the next step before fetching this token: the device keeps busy
-            nxt, cache = _step(state, tok_B, cache, key, i + 1, graphdef=graphdef, sampling=sampling)
-        for b, t in enumerate(np.asarray(tok_B).tolist()):
+            nxt, cache = _step(state, tok_B, cache, key, i + 1, **static)
+        for b, t in enumerate(np.asarray(tok_B)[:B].tolist()):
             if done[b]:
                 continue
             if t in stop:
@@ -217,12 +242,13 @@ def generate(
     seed: int = 0,
     on_text: Callable[[int, str], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    mesh: Mesh | None = None,
 ) -> list[str]:
     """The completion of every prompt (text; :func:`generate_tokens` on the tokenizer's ids).
 
     Stops at the tokenizer's separator (end-of-text) token; samples only ids the tokenizer has.
     ``on_text(row, text)`` receives each row's new text as soon as it is decoded (:class:`TextStream`),
-    ``on_token(row, token)`` each new token id."""
+    ``on_token(row, token)`` each new token id; ``mesh`` as for :func:`generate_tokens`."""
     ids = encode_prompts(tokenizer, prompts)
     if tokenizer.vocab_size > model.spec.vocab_size:
         raise ValueError(
@@ -249,6 +275,7 @@ def generate(
         stop_tokens=(tokenizer.separator,),
         vocab=tokenizer.vocab_size,
         on_token=on_row_token,
+        mesh=mesh,
     )
     for row, s in enumerate(streams):
         rest = s.flush()
@@ -306,6 +333,22 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
     return model, load_tokenizer(cfg.data.tokenizer), cfg
 
 
+def inference_mesh(cfg=None):
+    """The device mesh for evaluating or sampling a model over all devices: a run's own ``train.mesh`` (``cfg``, a
+    run's config), else (a Hugging Face model, ``cfg=None``) FSDP over every device, so the parameters are split
+    across them. ValueError when the run's attention heads do not split over its tensor axis."""
+    import ml_collections
+
+    from lpt.train import config as config_lib
+    from lpt.train import mesh as mesh_lib
+
+    if cfg is None:
+        return mesh_lib.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}))
+    mesh = mesh_lib.make_mesh(cfg.train.mesh)
+    config_lib.check_heads(cfg, mesh.shape["tensor"])
+    return mesh
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lpt.generate", description=__doc__.splitlines()[0])
     src = parser.add_mutually_exclusive_group(required=True)
@@ -321,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="--workdir: checkpoint step (default: the newest)")
     args = parser.parse_args(argv)
     try:
-        model, tokenizer, _ = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)
+        model, tokenizer, cfg = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)
+        mesh = inference_mesh(cfg)
         single = len(args.prompt) == 1
         counts = [0] * len(args.prompt)
         shown = [False]  # the prompt is echoed with the first new text, once the inputs were accepted
@@ -337,7 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         completions = generate(
-            model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, on_text=on_text, on_token=on_token, **kw
+            model,
+            tokenizer,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            on_text=on_text,
+            on_token=on_token,
+            mesh=mesh,
+            **kw,
         )
         seconds = time.time() - t0
     except ValueError as e:

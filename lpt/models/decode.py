@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from lpt.sharding import constrain
+
 
 @struct.dataclass
 class KVCache:
@@ -59,7 +61,8 @@ class KVCache:
 
 def init_cache(model, batch: int, length: int, *, start=None) -> KVCache:
     """An empty cache of ``length`` slots for ``batch`` rows of ``model`` (a :class:`lpt.models.Transformer`), in its
-    compute dtype; ``start`` (int[B]) is each row's left padding (default 0)."""
+    compute dtype; ``start`` (int[B]) is each row's left padding (default 0). Under the trainer's sharding rules
+    (:func:`lpt.sharding.axis_rules`) the rows split over the data and fsdp axes and the kv heads over tensor."""
     spec = model.spec
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r} must be a positive int")
@@ -70,7 +73,9 @@ def init_cache(model, batch: int, length: int, *, start=None) -> KVCache:
     if start_B.shape != (batch,):
         raise ValueError(f"start must have shape ({batch},), got {start_B.shape}")
     dtype = model.prec.compute
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32), start_B)
+    axes = ("layers", "batch", "length", "kv_heads", "head_dim")  # under the trainer's rules: rows over data*fsdp
+    k, v = (constrain(jnp.zeros(shape, dtype), axes) for _ in range(2))
+    return KVCache(k, v, jnp.zeros((), jnp.int32), constrain(start_B, ("batch",)))
 
 
 def cached_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: jax.Array) -> jax.Array:

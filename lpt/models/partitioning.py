@@ -33,6 +33,7 @@ __all__ = [
     "logical_to_mesh",
     "param_partition_specs",
     "param_shardings",
+    "place",
 ]
 
 
@@ -62,3 +63,10 @@ def param_shardings(state, mesh: Mesh, rules: Sequence):
     """Like :func:`param_partition_specs` but ``NamedSharding`` on ``mesh`` (use as jit in/out shardings)."""
     specs = param_partition_specs(state, rules)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def place(model, mesh: Mesh, rules: Sequence = RULES):
+    """``(graphdef, state)`` of ``nnx.split(model)`` with every variable put on ``mesh`` by its logical axes
+    (:func:`param_shardings`): a model sharded as the trainer shards it, for inference outside the trainer."""
+    graphdef, state = nnx.split(model)
+    return graphdef, jax.device_put(state, param_shardings(state, mesh, rules))
