@@ -336,11 +336,18 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
 def inference_mesh(cfg=None):
     """The device mesh for evaluating or sampling a model over all devices: a run's own ``train.mesh`` (``cfg``, a
     run's config), else (a Hugging Face model, ``cfg=None``) FSDP over every device, so the parameters are split
-    across them. ValueError when the run's attention heads do not split over its tensor axis."""
+    across them. ValueError when the run's attention heads do not split over its tensor axis, or when jax runs
+    several processes (the batches are built on one host)."""
     import ml_collections
 
     from lpt.train import config as config_lib
     from lpt.train import mesh as mesh_lib
+
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"evaluation and generation run in one process, not {jax.process_count()}; run them on one host (its "
+            "devices form the mesh)"
+        )
 
     if cfg is None:
         return mesh_lib.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}))
