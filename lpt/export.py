@@ -17,41 +17,24 @@ Exit codes: 0 written (and, with ``--check``, equal), 1 the check failed, 2 bad 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import ml_collections
 import numpy as np
 
 
 def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict, str | None]:
     """``(params, model_cfg, tokenizer_file)`` of the run ``workdir``'s checkpoint ``step`` (None: the newest):
-    verified params, ``config.model`` as a dict with the vocab size of the checkpoint, and the run's tokenizer.json
+    verified params and ``config.model`` as a dict (:func:`lpt.train.load_params`), and the run's tokenizer.json
     (None for other tokenizers)."""
     from lpt.train import load_params
 
     params, cfg = load_params(workdir, step)
-    if "model" not in cfg:  # a checkpoint saved without its config: the run's config.json
-        file = Path(workdir) / "config.json"
-        if not file.is_file():
-            raise ValueError(f"{workdir}: the checkpoint records no config and there is no {file.name}")
-        cfg = ml_collections.ConfigDict(json.loads(file.read_text()))
-    model_cfg = cfg.model.to_dict()
-    rows = int(np.shape(params["embed"]["embedding"])[0])
-    # the trainer records the resolved vocab_size (config.resolve); 0 would be a run recorded before it did
-    if model_cfg["vocab_size"] == 0:
-        model_cfg["vocab_size"] = rows
-    elif model_cfg["vocab_size"] != rows:
-        raise ValueError(
-            f"{workdir}: config model.vocab_size={model_cfg['vocab_size']} but the checkpoint's embedding has "
-            f"{rows} rows"
-        )
     tokenizer = str(cfg.get("data", {}).get("tokenizer", "bytes"))
     tokenizer_file = tokenizer if tokenizer.endswith(".json") else None
     if tokenizer_file is not None and not Path(tokenizer_file).is_file():
         raise ValueError(f"{workdir}: the run's data.tokenizer={tokenizer!r} does not exist any more")
-    return params, model_cfg, tokenizer_file
+    return params, cfg.model.to_dict(), tokenizer_file
 
 
 def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import sys
 import time
@@ -288,22 +287,6 @@ def generate(
 # loading a model (shared with lpt.eval)
 
 
-def run_config(workdir: str | Path, step: int | None = None):
-    """``(params, config)`` of a run's checkpoint (:func:`lpt.train.load_params`); the config recorded with the
-    checkpoint, else ``RUN/config.json``."""
-    import ml_collections
-
-    from lpt.train import load_params
-
-    params, cfg = load_params(workdir, step)
-    if "model" not in cfg:
-        file = Path(workdir) / "config.json"
-        if not file.is_file():
-            raise ValueError(f"{workdir}: the checkpoint records no config and there is no {file.name}")
-        cfg = ml_collections.ConfigDict(json.loads(file.read_text()))
-    return params, cfg
-
-
 def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | None = None):
     """``(model, tokenizer, config)`` from a run (``workdir``; ``config`` is the run's) or a Hugging Face directory
     (``hf``; ``config`` is None). ``dtype`` (float32 | bfloat16): the compute dtype for a run (default its own), the
@@ -311,6 +294,7 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
     from lpt.data.tokenizer import ByteTokenizer, load_tokenizer
     from lpt.models import from_pretrained
     from lpt.models.hf import model_from_params
+    from lpt.train import load_params
 
     if (workdir is None) == (hf is None):
         raise ValueError("give exactly one of --workdir RUN and --hf PATH")
@@ -322,14 +306,11 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
         model, _ = from_pretrained(hf, param_dtype=dtype or "float32")
         tok_file = Path(hf) / "tokenizer.json"
         return model, load_tokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(), None
-    params, cfg = run_config(workdir, step)
-    model_cfg = cfg.model.to_dict()
-    if model_cfg.get("vocab_size", 0) == 0:  # a run recorded before config.resolve filled it in
-        model_cfg["vocab_size"] = int(np.shape(params["embed"]["embedding"])[0])
+    params, cfg = load_params(workdir, step)
     precision = cfg.precision.to_dict()
     if dtype is not None:
         precision["compute_dtype"] = dtype
-    model = model_from_params(model_cfg, precision, params)
+    model = model_from_params(cfg.model, precision, params)
     return model, load_tokenizer(cfg.data.tokenizer), cfg
 
 

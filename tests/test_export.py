@@ -105,23 +105,27 @@ def test_export_step_picks_that_checkpoint(run, tmp_path):
     assert not np.array_equal(exported_norm, np.asarray(load_params(workdir)[0]["final_norm"]["scale"]))  # step 4's
 
 
-def test_export_vocab_size_comes_from_the_run(run, tmp_path, monkeypatch, capsys):
-    """The trainer records the resolved vocab_size; a recorded 0 takes the embedding's rows, a size that disagrees
-    with the embedding is an error."""
-    workdir, tokenizer = run
+def test_the_run_config_takes_its_vocab_size_from_the_embedding(run, tmp_path):
+    """The trainer records the resolved vocab_size; ``lpt.train.load_params`` sets a recorded 0 to the embedding's
+    rows and refuses a size that disagrees with them; without a config in the checkpoint it reads config.json."""
     from tokenizers import Tokenizer
 
+    from lpt.train import checkpoint
+
+    workdir, tokenizer = run
     n = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
     assert json.loads((workdir / "config.json").read_text())["model"]["vocab_size"] == n > 0  # configured as 0
     params, cfg = load_params(workdir)
     rows = np.shape(params["embed"]["embedding"])[0]
-    for recorded, rc in ((0, 0), (rows + 1, 2)):
-        c = cfg.copy_and_resolve_references()
-        c.model.vocab_size = recorded
-        monkeypatch.setattr("lpt.train.load_params", lambda w, s, c=c: (params, c))
-        assert export.main(["--workdir", str(workdir), "--out", str(tmp_path / str(recorded))]) == rc
-    assert json.loads((tmp_path / "0" / "config.json").read_text())["vocab_size"] == rows
-    assert f"embedding has {rows} rows" in capsys.readouterr().err
+    saved = cfg.to_dict()
+    saved["model"]["vocab_size"] = 0
+    assert checkpoint.run_config(workdir, saved, params).model.vocab_size == rows
+    saved["model"]["vocab_size"] = rows + 1
+    with pytest.raises(ValueError, match=f"vocab_size={rows + 1} but the checkpoint's embedding has {rows} rows"):
+        checkpoint.run_config(workdir, saved, params)
+    assert checkpoint.run_config(workdir, None, params).model.to_dict() == cfg.model.to_dict()
+    with pytest.raises(ValueError, match="records no config and there is no config.json"):
+        checkpoint.run_config(tmp_path, None, params)
 
 
 def test_export_errors_exit_2(tmp_path, capsys):

@@ -18,6 +18,7 @@ count), ``metadata`` a JSON dict (step, config, library versions, mesh, process 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -207,9 +208,11 @@ def _one_line(e: Exception) -> str:
 
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any]:
     """The params of a run's checkpoint (the newest if ``step`` is None) as a nested dict of numpy arrays, and the
-    run's config (an ``ml_collections.ConfigDict``). The arrays are verified against their saved checksums."""
-    import ml_collections
+    run's config (an ``ml_collections.ConfigDict``). The arrays are verified against their saved checksums.
 
+    The config is the one saved with the checkpoint, else the run's ``config.json`` (ValueError when neither
+    exists). Its ``model.vocab_size`` is the embedding's row count when it says 0 (the tokenizer's size); a nonzero
+    size that disagrees with the embedding is a ValueError."""
     directory = Path(workdir).resolve() / "checkpoints"
     manager = ocp.CheckpointManager(directory)
     steps = sorted(manager.all_steps())
@@ -223,4 +226,28 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any
     manager.close()
     meta = dict(restored["metadata"])
     verify(restored["state"], meta)
-    return jax.device_get(restored["state"]["params"]), ml_collections.ConfigDict(meta.get("config", {}))
+    params = jax.device_get(restored["state"]["params"])
+    return params, run_config(workdir, meta.get("config"), params)
+
+
+def run_config(workdir: str | Path, saved: dict | None, params: dict):
+    """The config of the run ``workdir`` as its checkpoint saved it (``saved``; None or empty: the run's
+    ``config.json``), with ``model.vocab_size`` checked against the rows of ``params``' embedding (0: set to them)."""
+    import ml_collections
+
+    if not saved:
+        file = Path(workdir) / "config.json"
+        if not file.is_file():
+            raise ValueError(f"{workdir}: the checkpoint records no config and there is no {file.name}")
+        saved = json.loads(file.read_text())
+    cfg = ml_collections.ConfigDict(saved)
+    if "model" in cfg and "embed" in params:
+        rows = int(np.shape(params["embed"]["embedding"])[0])
+        if cfg.model.vocab_size == 0:  # the tokenizer's size: the embedding holds it
+            cfg.model.vocab_size = rows
+        elif cfg.model.vocab_size != rows:
+            raise ValueError(
+                f"{workdir}: config model.vocab_size={cfg.model.vocab_size} but the checkpoint's embedding has "
+                f"{rows} rows"
+            )
+    return cfg
