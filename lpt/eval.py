@@ -10,7 +10,8 @@ Data: for ``--workdir`` the run's own ``config.data``, its ``train.global_batch`
 ``train.eval_batches`` batches, so that the loss equals the run's final ``eval_loss`` (the trainer's evaluation
 reads the same batches, :func:`lpt.data.make_eval_batches`); for ``--hf`` the ``config.data`` of
 configs/tiny_cpu.py (the embedded corpus) with ``PATH/tokenizer.json`` as the tokenizer if there is one (else
-bytes), 8 rows per batch and 4 batches. ``--config.data.KEY=VALUE`` (or ``--config.data.KEY VALUE``) overrides
+bytes), 8 rows per batch (rounded up to a multiple of the mesh's data × fsdp) and 4 batches.
+``--config.data.KEY=VALUE`` (or ``--config.data.KEY VALUE``) overrides
 data keys as the trainer does (:func:`lpt.train.config.parse_overrides`), e.g. another corpus or ``seq_len``;
 ``--batches N``, ``--batch-size B``, ``--split validation|train`` and ``--dtype float32|bfloat16`` (compute dtype;
 default the run's own, float32 for ``--hf``) change the rest. Exit codes: 0 done, 2 bad input (one line on stderr).
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             tok_file = Path(args.hf) / "tokenizer.json"
             base.tokenizer = str(tok_file) if tok_file.is_file() else "bytes"
             base.seq_len = min(base.seq_len, model.spec.max_seq_len)
-            batch, batches = 8, 4
+            rows = mesh.shape["data"] * mesh.shape["fsdp"]
+            batch, batches = -(-8 // rows) * rows, 4  # at least 8 rows, a multiple of the devices
         data = data_config(base, rest)
         result = evaluate(
             model,

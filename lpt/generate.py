@@ -315,10 +315,12 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
 
 
 def inference_mesh(cfg=None):
-    """The device mesh for evaluating or sampling a model over all devices: a run's own ``train.mesh`` (``cfg``, a
-    run's config), else (a Hugging Face model, ``cfg=None``) FSDP over every device, so the parameters are split
-    across them. ValueError when the run's attention heads do not split over its tensor axis, or when jax runs
-    several processes (the batches are built on one host)."""
+    """The device mesh for evaluating or sampling a model over all devices of this process: a run's own
+    ``train.mesh`` (``cfg``, a run's config) when this machine has the devices it names, else (a run trained on
+    more devices than there are here, or a Hugging Face model, ``cfg=None``) FSDP over every device, so the
+    parameters are split across them; a run's own mesh that does not fit is said on stderr. The numbers do not
+    depend on the mesh beyond float32 summation order. ValueError when the run's attention heads do not split over
+    its tensor axis, or when jax runs several processes (the batches are built on one host)."""
     import ml_collections
 
     from lpt.train import config as config_lib
@@ -329,10 +331,19 @@ def inference_mesh(cfg=None):
             f"evaluation and generation run in one process, not {jax.process_count()}; run them on one host (its "
             "devices form the mesh)"
         )
-
+    fsdp = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
     if cfg is None:
-        return mesh_lib.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}))
-    mesh = mesh_lib.make_mesh(cfg.train.mesh)
+        return mesh_lib.make_mesh(fsdp)
+    try:
+        mesh = mesh_lib.make_mesh(cfg.train.mesh)
+    except ValueError:  # the run's mesh names more devices than this machine has
+        sizes = {k: int(cfg.train.mesh[k]) for k in ("data", "fsdp", "tensor")}
+        n = jax.device_count()
+        print(
+            f"note: the run's train.mesh {sizes} does not fit the {n} device(s) here; using FSDP over them",
+            file=sys.stderr,
+        )
+        return mesh_lib.make_mesh(fsdp)
     config_lib.check_heads(cfg, mesh.shape["tensor"])
     return mesh
 

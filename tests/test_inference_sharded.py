@@ -26,6 +26,11 @@ model = M.build_model(spec, {}, rngs=nnx.Rngs(0))
 data = config_lib.load_config_file("tiny_cpu").data
 data.seq_len = 32
 assert dict(G.inference_mesh(None).shape) == {"data": 1, "fsdp": 4, "tensor": 1}  # a Hugging Face model: FSDP
+run = config_lib.load_config_file("tiny_cpu")
+run.train.mesh.data, run.train.mesh.tensor = 2, 2
+assert dict(G.inference_mesh(run).shape) == {"data": 2, "fsdp": 1, "tensor": 2}  # a run's own mesh
+run.train.mesh.data, run.train.mesh.fsdp, run.train.mesh.tensor = 1, 8, 1  # trained on 8 devices, 4 here
+assert dict(G.inference_mesh(run).shape) == {"data": 1, "fsdp": 4, "tensor": 1}
 ref = E.evaluate(model, data, batch=8, num_batches=2)["loss"]
 prompts = [[84, 104, 101], [65], [100, 101, 102, 32, 120]]
 want = G.generate_tokens(model, prompts, max_new_tokens=12)
@@ -50,6 +55,7 @@ def test_eval_and_generate_shard_over_four_devices():
         [sys.executable, "-c", textwrap.dedent(SCRIPT)], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "note: the run's train.mesh {'data': 1, 'fsdp': 8, 'tensor': 1} does not fit the 4 device(s)" in p.stderr
     rows = [line.split(" ", 1) for line in p.stdout.splitlines() if line.split(" ", 1)[0] in ("bytes", "loss")]
     values = {(k, v.rsplit(" ", 1)[0]): float(v.rsplit(" ", 1)[1]) for k, v in rows}
     for sizes, split in (("(1, 4, 1)", 4), ("(2, 1, 2)", 2)):  # params split over fsdp * tensor, not data
