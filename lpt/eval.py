@@ -15,6 +15,8 @@ bytes), 8 rows per batch (rounded up to a multiple of the mesh's data × fsdp) a
 data keys as the trainer does (:func:`lpt.train.config.parse_overrides`), e.g. another corpus or ``seq_len``;
 ``--batches N``, ``--batch-size B``, ``--split validation|train`` and ``--dtype float32|bfloat16`` (compute dtype;
 default the run's own, float32 for ``--hf``) change the rest. Exit codes: 0 done, 2 bad input (one line on stderr).
+Devices: every device of the machine, sharded as :func:`lpt.generate.inference_mesh` says (the JSON line names the
+``mesh``).
 
 From Python: :func:`evaluate` on any :class:`lpt.models.Transformer`.
 """

@@ -16,6 +16,10 @@ printed as ``[i] prompt+completion``, in the order given. Generation stops at ``
 tokenizer's separator (end-of-text) token, which is not printed. A summary (tokens, seconds, tokens/s) goes to
 stderr. Exit codes: 0 done, 2 bad input (one line on stderr).
 
+Devices: every device of the machine, on the run's own ``train.mesh`` (FSDP over all devices for ``--hf``, or when
+the run's mesh needs more devices than there are), the parameters and the KV cache split as the trainer splits them
+(:func:`inference_mesh`).
+
 From Python: :func:`generate` (text in, text out) and :func:`generate_tokens` (token ids); both prefill the
 left-padded prompts once and then run one jitted decode step per token with the KV cache
 (:mod:`lpt.models.decode`); sampling is :func:`sample`. See docs/generation.md.
