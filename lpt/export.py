@@ -83,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare logits with transformers' (needs transformers)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.workdir, args.out, args.step)
-        print(f"wrote {out}", flush=True)
+        from lpt.models import hf
+
+        params, model_cfg, tokenizer_file = run_params(args.workdir, args.step)  # read once, for both
+        hf.save_params(args.out, params, model_cfg, tokenizer_file=tokenizer_file)
+        print(f"wrote {args.out}", flush=True)
         if not args.check:
             return 0
-        params, model_cfg, _ = run_params(args.workdir, args.step)
-        diff, scale = check(out, params, model_cfg)
+        diff, scale = check(args.out, params, model_cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
