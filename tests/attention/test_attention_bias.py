@@ -54,8 +54,10 @@ def test_fa2_default_unbiased_and_not_worse_than_standard():
     beta_only = AttentionPolicy(shift="beta", denominator="f32", accumulator="f32", residual="f32")
     _, _, rms_beta_only = _stats(_error(beta_only, 16))
     assert t_std > 4.0 and mean_std > 1e-4  # the final bf16 cast of O is biased
-    # one f32 P̃V matmul per block: the tiny far products are swamped by the maximum's (f32-level bias, t ≈ 13)
-    assert t_one > 6.0 and 0 < mean_one < 1e-4 * mean_std
+    # one f32 P̃V matmul per block: the tiny far products are swamped by the maximum's (an f32-level bias whose size
+    # depends on the order XLA:CPU's dot adds them in: t = 13.2 on Zen 3, 5.2 on Sapphire Rapids); t > 3 is the
+    # one-sided 0.13% level of an unbiased error
+    assert t_one > 3.0 and 0 < mean_one < 1e-4 * mean_std
     # the split accumulation (default) removes it: unbiased, and a smaller RMS error
     assert abs(t_def) < 3.0 and abs(mean_def) < 0.1 * mean_one
     assert rms_def < rms_one < 1e-3 * rms_std

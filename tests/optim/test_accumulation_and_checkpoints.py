@@ -1,6 +1,5 @@
 """Compensated micro-batch accumulation, f32-checkpoint conversion, and sharding-invariant stochastic rounding."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from cpu_devices import cpu_env
 
 import lpt.optim as O
 from lpt.optim import accumulation
@@ -110,7 +110,7 @@ _SHARDED = textwrap.dedent(
 
 
 def test_stochastic_rounding_and_kahan_adamw_are_sharding_invariant():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = cpu_env(4)
     r = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK" in r.stdout

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from float_bounds import gamma
 
 import lpt.optim as O
 
@@ -241,7 +242,9 @@ def test_diagnostics_report_cancellation_and_norms():
         _, st = jax.jit(tx.update)(u, tx.init(p), p)
         diag = O.get_diagnostics(st)
         assert float(diag["update/cancelled_fraction"]) == 1.0
-        np.testing.assert_allclose(float(diag["update/intended_norm"]), 1e-3 * np.sqrt(1000), rtol=1e-6)
+        # 1000 squares summed in f32 in an order XLA picks per ISA (a sequential sum is 2.4e-6 off), then a square
+        # root: relative error <= γ_1001 (u = 2^-24)
+        np.testing.assert_allclose(float(diag["update/intended_norm"]), 1e-3 * np.sqrt(1000), rtol=gamma(1001))
         assert float(diag["update/applied_norm"]) == 0.0
     tx = O.stochastic_rounding(diagnostics=True)
     _, st = jax.jit(tx.update)(u, tx.init(p), p)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from float_bounds import assert_within, gamma
 
 import lpt.pqt as pqt
 
@@ -76,7 +77,12 @@ def test_forward_and_gradients_match_reference(method):
     assert gw.dtype == jnp.float32 and gb.dtype == jnp.float32 and gb.shape == grid
     np.testing.assert_array_equal(np.asarray(gw), np.asarray(gw_ref))  # ∂L/∂w = ∂L/∂ŵ exactly
     gb, gb_ref = np.asarray(gb), np.asarray(gb_ref)
-    np.testing.assert_allclose(gb, gb_ref, rtol=1e-5, atol=1e-6 * np.abs(gb_ref).max())
+    # ∂L/∂b_t = −ln2 · max|w| · 2^(1−b_t) · Σ_tile c·r: both programs sum the same exact products c·r (bf16 times a
+    # few-bit R) over a tile (<= 1023 additions, any order) and multiply by three factors (exp2 <= 2 ulps, counted
+    # as 4 roundings, and the ln2 constant): each within γ_n·Σ|terms| of the exact value, n = 1023 + 3 + 4 + 1
+    terms = np.abs(c * f64(r))
+    tile_abs = np.pad(terms, ((0, 0), (0, 64 - 40), (0, 96 - 70))).reshape(2, 2, 32, 3, 32).sum(axis=(2, 4))
+    assert_within(gb, gb_ref, 2 * gamma(1031) * math.log(2) * amax * np.exp2(1.0 - bt) * tile_abs, "∂L/∂b_t")
     assert np.abs(gb).min() > 0
 
 
@@ -92,7 +98,11 @@ def test_scalar_bitwidth_gradient_is_sum_over_tiles():
         return jax.grad(loss)(jnp.float32(5.0)), jax.grad(loss)(jnp.full((2, 2), 5.0))
 
     g_scalar, g_grid = run(w)
-    np.testing.assert_allclose(float(g_scalar), float(jnp.sum(g_grid)), rtol=1e-6)
+    # each tile's term is (−ln2 · step) · Σ_tile R (an exact integer sum): 2 products, exp2 (<= 2 ulps: 4 roundings),
+    # 3 additions over the 4 tiles, in two programs that may fuse and order them differently: 2γ_9·Σ|tile terms|
+    np.testing.assert_allclose(
+        float(g_scalar), float(jnp.sum(g_grid)), rtol=0, atol=2 * gamma(9) * float(jnp.sum(jnp.abs(g_grid)))
+    )
 
 
 def test_forward_and_backward_see_the_same_r():
@@ -119,7 +129,10 @@ def test_forward_and_backward_see_the_same_r():
     def expected(r):  # Eq. 4 with the given R
         return -math.log(2) / 8 * (f64(g) * r).reshape(2, 32, 3, 32).sum(axis=(1, 3))
 
-    np.testing.assert_allclose(np.asarray(g_bt), expected(r_fwd), rtol=1e-5, atol=1e-5)
+    # Σ over a 32 x 32 tile of exact products g·R (<= 1023 f32 additions), times 2^-3 (exp2: <= 2 ulps) and −ln2:
+    # within γ_n·(ln2/8)·Σ|g·R| of the f64 value, n = 1023 + 4 + 2
+    tile_abs = np.abs(f64(g) * r_fwd).reshape(2, 32, 3, 32).sum(axis=(1, 3))
+    assert_within(g_bt, expected(r_fwd), gamma(1029) * math.log(2) / 8 * tile_abs, "∂L/∂b_t")
     assert np.max(np.abs(expected(f64(r_other)) - expected(r_fwd))) > 0.5  # another R would show
 
 
