@@ -20,15 +20,11 @@ Rerun all of these with `python benchmarks/configs_compile.py`; tests/train/test
 FLOPs and HBM.
 """
 
-import ml_collections
+from lpt.train.config import defaults
 
 
-def get_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-
-    c.model = ml_collections.ConfigDict()
-    c.model.kind = "llama"  # RMSNorm, RoPE, SwiGLU, GQA
-    c.model.vocab_size = 0  # 0: the tokenizer's vocabulary size (256 for data.tokenizer="bytes")
+def get_config():
+    c = defaults()
     c.model.d_model = 2048  # residual width
     c.model.n_layers = 16  # transformer blocks
     c.model.n_heads = 32  # query heads (head_dim 64)
@@ -36,80 +32,36 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 8192  # SwiGLU hidden width
     c.model.max_seq_len = 2048  # longest sequence
     c.model.rope_theta = 500000.0  # RoPE base (Llama 3)
-    c.model.rope_scaling = ml_collections.ConfigDict()
-    c.model.rope_scaling.type = "none"  # RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)
-    c.model.rope_scaling.factor = 1.0  # linear / llama3: context extension factor
-    c.model.rope_scaling.low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are scaled
-    c.model.rope_scaling.high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept
-    c.model.rope_scaling.original_max_len = 8192  # llama3: the pretraining context length
-    c.model.norm_eps = 1e-5  # RMSNorm epsilon
-    c.model.tie_embeddings = False  # separate LM head
-    c.model.init_std = 0.02  # normal init std
     c.model.remat = True  # recompute block activations in the backward pass (2048-token sequences)
     c.model.scan_layers = True  # stack the blocks and nnx.scan over them (params get a replicated 'layers' axis)
 
-    c.precision = ml_collections.ConfigDict()
     c.precision.param_dtype = "bfloat16"  # params stored in bf16
     c.precision.compute_dtype = "bfloat16"  # matmul inputs / activations in bf16
     c.precision.update_rule = "kahan"  # Kahan-compensated bf16 updates
-    c.precision.moment_rounding = "stochastic"  # 16-bit Adam moments: "stochastic" (unbiased) | "nearest"
     c.precision.update_impl = "pallas"  # kahan only: the fused AdamW + Kahan Pallas kernel, per shard (GPU/TPU)
-    c.precision.matmul = ml_collections.ConfigDict()
     c.precision.matmul.qkv = "fp8"  # blockwise FP8 (1x128 / 128x128 scales, f32 promotion every 128 of K)
     c.precision.matmul.out = "fp8"  # attention output projection
     c.precision.matmul.up = "fp8"  # MLP up/gate
     c.precision.matmul.down = "fp8"  # MLP down
-    c.precision.matmul.lm_head = "bf16"  # vocabulary projection
-    c.precision.attention = ml_collections.ConfigDict()
     c.precision.attention.impl = "pallas"  # flash attention kernel
-    c.precision.attention.stable = True  # Qiu & Yao's fix for repeated row maxima
-    c.precision.attention.beta = 7.0  # the fix's beta
-    c.precision.pqt = ml_collections.ConfigDict()
-    c.precision.pqt.method = "none"  # no pseudo-quantisation training
-    c.precision.pqt.layers = ()  # layer kinds with PQT
-    c.precision.pqt.b_init = 6.0  # initial bitwidth (PQT only)
-    c.precision.pqt.b_target = 4.0  # target bitwidth (PQT only)
-    c.precision.pqt.loss_weight = 0.0  # bitwidth loss weight (PQT only)
 
-    c.data = ml_collections.ConfigDict()
     c.data.source = "arrayrecord"  # ArrayRecord files of byte documents
     c.data.paths = "/data/corpus/*.array_record"  # glob (override on the command line)
     c.data.seq_len = 2048  # tokens per sequence
     c.data.validation_fraction = 0.001  # held-out share
     c.data.worker_count = 8  # grain worker processes per host
-    c.data.shuffle_seed = 0  # data order seed
-    c.data.cache_dir = ""  # tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
-    c.data.tokenizer = "bytes"  # "bytes" (vocab 256) | path to a tokenizer.json (tokenizers) | a SentencePiece .model
 
-    c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4  # peak lr
     c.optim.warmup_steps = 2000  # linear warmup
-    c.optim.schedule = "cosine"  # cosine decay to lr/10
-    c.optim.b1 = 0.9  # Adam beta1
-    c.optim.b2 = 0.95  # Adam beta2
-    c.optim.eps = 1e-8  # Adam epsilon
-    c.optim.weight_decay = 0.1  # decoupled weight decay on matrices
-    c.optim.grad_clip = 1.0  # global-norm clipping
     c.optim.microbatches = 4  # gradient accumulation passes per step (v5e-8: 11.3 GiB per chip; 2 passes need 17.7)
 
-    c.train = ml_collections.ConfigDict()
     c.train.steps = 50000  # optimizer steps (~26B tokens)
     c.train.global_batch = 256  # sequences per step (512K tokens)
-    c.train.seed = 0  # init and per-step randomness
     c.train.eval_every = 1000  # validation interval
     c.train.eval_batches = 50  # validation batches per evaluation
     c.train.log_every = 20  # logging interval
     c.train.diagnostics_every = 100  # forward pass logging FP8 underflow / attention repeated max; 0 = off
-    c.train.profile_steps = ""  # "FIRST,LAST" writes a jax.profiler trace of those steps to workdir/profile
     c.train.checkpoint_every = 1000  # checkpoint interval
-    c.train.keep_checkpoints = 3  # checkpoints kept
-    c.train.mesh = ml_collections.ConfigDict()
     c.train.mesh.data = 1  # replicas (raise for multi-pod / DCN data parallelism)
     c.train.mesh.fsdp = -1  # shard params and optimizer state over all devices
-    c.train.mesh.tensor = 1  # tensor parallelism (2-4 within a node if activations dominate memory)
-
-    c.init_from = ml_collections.ConfigDict()
-    c.init_from.hf = ""  # a Hugging Face model directory (config.json + *.safetensors) to fine-tune; "" = none
-    c.init_from.workdir = ""  # an lpt run directory to fine-tune from; "" = none (fresh init)
-    c.init_from.step = -1  # with init_from.workdir: the checkpoint step to take (-1 = the newest)
     return c

@@ -9,14 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from float_bounds import transformer_logits_sigma
 from tiny_run import train_tiny
 
 import lpt.models as M
+from lpt import eval as E
 from lpt import generate as G
 from lpt.data.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT2 = dict(kind="gpt2", d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=24, init_std=0.3)
+GPT2 = dict(kind="gpt2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=24, init_std=0.3)
 PROMPTS = [[5, 9, 200, 17, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7]]
 
 
@@ -41,8 +43,22 @@ def _reference_greedy(model, prompts, new):
     return out
 
 
+def _assert_exact_argmax(model, prompts, generated):
+    """Each greedy token leads the runner-up of its exact logits by more than 6σ of either (tests/float_bounds.py's
+    rounding error model of an f32 forward; exceeded with probability 2e-9 per logit): every f32 program of the
+    model (the cache's, the full forward's, the sampler's) picks it, whatever order XLA:CPU adds its sums in."""
+    for p, new in zip(prompts, generated, strict=True):
+        logits, sigma = transformer_logits_sigma(model, np.asarray([[*p, *new[:-1]]]))
+        steps = np.arange(len(p) - 1, len(p) + len(new) - 1)
+        top2 = np.argsort(logits[0, steps], -1)[:, -2:]
+        assert top2[:, 1].tolist() == list(new)
+        gap = np.diff(np.take_along_axis(logits[0, steps], top2, -1), axis=-1)[:, 0]
+        assert np.all(gap > 6 * np.take_along_axis(sigma[0, steps], top2, -1).sum(-1)), gap
+
+
 def test_greedy_equals_full_forward_per_token(model):
     got = G.generate_tokens(model, PROMPTS, max_new_tokens=8, temperature=0.0)
+    _assert_exact_argmax(model, PROMPTS, got)
     assert got == _reference_greedy(model, PROMPTS, 8)
     # the default fills the context: the longest prompt (7) + 18 - 1 = max_seq_len (24)
     assert [len(r) for r in G.generate_tokens(model, [[1]] * 2 + [PROMPTS[2]])] == [18, 18, 18]
@@ -54,6 +70,7 @@ def test_seeds_top_k_top_p(model):
     assert a == G.generate_tokens(model, PROMPTS, seed=7, **kw)  # same seed: same tokens
     assert a != G.generate_tokens(model, PROMPTS, seed=8, **kw)
     greedy = G.generate_tokens(model, PROMPTS, max_new_tokens=12, temperature=0.0)
+    _assert_exact_argmax(model, PROMPTS, greedy)  # so top_k=1 and a tiny top_p (other programs) pick these tokens
     assert a != greedy
     assert G.generate_tokens(model, PROMPTS, seed=7, top_k=1, **kw) == greedy
     assert G.generate_tokens(model, PROMPTS, seed=7, top_p=1e-6, **kw) == greedy
@@ -177,3 +194,19 @@ def test_cli_errors_are_one_line(run, capsys, argv, msg):
     out, err = capsys.readouterr()
     assert err.startswith("error: ") and msg in err and err.count("\n") == 1
     assert out == ""  # the prompt is echoed only once generation runs
+
+
+@pytest.mark.parametrize("tool", ["generate", "eval"])
+@pytest.mark.parametrize("exists", [False, True], ids=["missing", "empty"])
+def test_read_only_tools_create_nothing_in_a_wrong_workdir(tmp_path, capsys, tool, exists):
+    workdir = tmp_path / "does" / "not" / "exist"
+    if exists:
+        workdir.mkdir(parents=True)
+    argv = ["--workdir", str(workdir)] + (["--prompt", "ab"] if tool == "generate" else [])
+    assert (G.main if tool == "generate" else E.main)(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    what = "holds no checkpoints/ directory" if exists else "does not exist"
+    assert err[-1] == f"error: --workdir {str(workdir)!r} {what}; give the directory of an lpt run"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == (
+        [Path("does"), Path("does/not"), Path("does/not/exist")] if exists else []
+    )

@@ -19,10 +19,9 @@ paths)``, ``data_options(cfg)``, ``Windows``, ``PreparedStream`` (a prepared dir
 Command-line tools: ``python -m lpt.data.prepare`` (tokenize files into ArrayRecord shards for
 ``source="prepared"``) and ``python -m lpt.data.train_tokenizer`` (a byte-level BPE ``tokenizer.json``).
 
-``config.data`` keys: source ("embedded" | "text" | "arrayrecord" | "prepared"), paths (glob; for "prepared" the
-directory), seq_len (unused here: pass ``seq_len=``), validation_fraction (0.1), worker_count (0), shuffle_seed (0),
-cache_dir (None: $LPT_DATA_CACHE or ~/.cache/lpt/data; where file sources are cached as memory-mapped token
-streams), tokenizer ("bytes" | a tokenizer.json | a SentencePiece .model). See docs/models_and_data.md.
+``DataConfig``: the typed ``config.data`` section (each key's type, default, allowed values and doc; ``seq_len`` is
+unused here: pass ``seq_len=``); ``data_options(cfg)`` builds it from a ConfigDict or a partial mapping. See
+docs/models_and_data.md.
 """
 
 from lpt.data.cache import Corpus
@@ -36,6 +35,7 @@ from lpt.data.corpus import (
     token_streams,
 )
 from lpt.data.pipeline import (
+    DataConfig,
     Windows,
     bytes_per_token,
     data_options,
@@ -51,6 +51,7 @@ __all__ = [
     "SOURCES",
     "VOCAB_SIZE",
     "Corpus",
+    "DataConfig",
     "PreparedStream",
     "Windows",
     "bytes_per_token",

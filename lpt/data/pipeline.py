@@ -1,4 +1,4 @@
-"""grain pipelines: packed windows, per-process shards of a global batch, checkpointable iterators, eval batches.
+"""grain pipelines: packed windows, per-process shards of a global batch, iterators from any batch, eval batches.
 
 Packing (concatenate-then-split): the split's token stream (documents joined by the tokenizer's separator, see
 :mod:`lpt.data.corpus`; for ``source="prepared"`` read with random access from ArrayRecord shards) is cut into
@@ -8,10 +8,9 @@ windows ``w_i = stream[i·L : i·L + L + 1]`` for ``i < ⌊(N − 1)/L⌋``, and
 Training order: a grain ``MapDataset`` of windows, shuffled with the seed and repeated forever (each epoch
 reshuffled). The global batch ``b`` is rows ``b·G … b·G + G − 1`` of that sequence; process ``p`` of ``P`` gets rows
 ``p·(G/P) … (p+1)·(G/P) − 1`` of it. So the global batch does not depend on the process count, the shards are
-disjoint and cover it, and the iterator state is one integer (the next batch index): ``get_state()`` /
-``set_state()`` are JSON dicts and work with ``grain.checkpoint.CheckpointHandler`` (orbax). With
-``worker_count > 0`` grain's multiprocess prefetch gives the same batches (checked) but its state has a different,
-per-worker form: restore with the same worker count.
+disjoint and cover it, and the data position is one integer, the next global batch index: the trainer resumes at
+step ``s`` with ``start=s`` (:func:`make_train_iterator`), for any process count and worker count. With
+``worker_count > 0`` grain's multiprocess prefetch gives the same batches (checked).
 """
 
 from __future__ import annotations
@@ -21,50 +20,46 @@ import numpy as np
 
 from lpt.data.cache import Corpus
 from lpt.data.corpus import SOURCES, load_corpus
-
-_DATA_KEYS = {
-    "source": "embedded",
-    "paths": None,
-    "seq_len": None,
-    "validation_fraction": 0.1,
-    "worker_count": 0,
-    "shuffle_seed": 0,
-    "cache_dir": None,
-    "tokenizer": "bytes",
-}
+from lpt.options import build, option, section
 
 
-def data_options(data_cfg) -> dict:
-    """``config.data`` as a dict with defaults; ValueError naming unknown keys / bad values."""
-    if data_cfg is None:
-        d = {}
-    elif hasattr(data_cfg, "to_dict"):
-        d = data_cfg.to_dict()
-    else:
-        d = dict(data_cfg)
-    unknown = sorted(set(d) - set(_DATA_KEYS))
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in config.data; valid keys: {sorted(_DATA_KEYS)}")
-    out = {**_DATA_KEYS, **d}
-    if out["source"] not in SOURCES:
-        raise ValueError(f"config.data.source={out['source']!r} is not supported; allowed: {list(SOURCES)}")
-    if not isinstance(out["worker_count"], int) or out["worker_count"] < 0:
-        raise ValueError(f"config.data.worker_count={out['worker_count']!r} must be an int >= 0")
-    if not isinstance(out["tokenizer"], str) or not out["tokenizer"]:
-        raise ValueError(
-            f"config.data.tokenizer={out['tokenizer']!r} must be 'bytes' or the path of a tokenizer.json / .model"
-        )
-    return out
+@section("data")
+class DataConfig:
+    """The ``data`` section of a config: where the tokens come from and how they are read."""
 
-
-def _corpus(opts: dict) -> Corpus:
-    paths = opts["paths"] if opts["source"] != "embedded" else None
-    return load_corpus(
-        opts["source"], paths, float(opts["validation_fraction"]), opts["cache_dir"] or None, opts["tokenizer"]
+    source: str = option(
+        "embedded",
+        '"embedded" (pydoc_data.topics) | "text" (files) | "arrayrecord" | "prepared" (python -m lpt.data.prepare)',
+        SOURCES,
     )
+    paths: str = option("", 'glob of the input files ("text", "arrayrecord") or the prepared directory')
+    seq_len: int = option(64, "tokens per training sequence")
+    validation_fraction: float = option(0.1, "share of the corpus held out for validation")
+    worker_count: int = option(0, "grain worker processes (0 = in-process; may change between runs)")
+    shuffle_seed: int = option(0, "seed of the training data order")
+    cache_dir: str = option("", 'tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data')
+    tokenizer: str = option("bytes", '"bytes" (vocab 256) | a Hugging Face tokenizer.json | a SentencePiece .model')
+
+    def check(self):
+        if self.worker_count < 0:
+            raise ValueError(f"config key data.worker_count={self.worker_count!r} must be an int >= 0")
+        if not self.tokenizer:
+            raise ValueError(
+                f"config.data.tokenizer={self.tokenizer!r} must be 'bytes' or the path of a tokenizer.json / .model"
+            )
 
 
-def _streams(opts: dict) -> dict[str, np.ndarray]:
+def data_options(data_cfg=None) -> DataConfig:
+    """The data section from a ConfigDict or a (partial) mapping; ValueError naming unknown keys / bad values."""
+    return build(DataConfig, data_cfg)
+
+
+def _corpus(opts: DataConfig) -> Corpus:
+    paths = opts.paths if opts.source != "embedded" else None
+    return load_corpus(opts.source, paths, opts.validation_fraction, opts.cache_dir or None, opts.tokenizer)
+
+
+def _streams(opts: DataConfig) -> dict[str, np.ndarray]:
     return _corpus(opts).streams
 
 
@@ -133,29 +128,41 @@ class ProcessBatches(grain.MapDataset):
         return f"ProcessBatches(global_batch={self.global_batch}, process_index={self.process_index})"
 
 
-def _shuffle_seed(opts: dict, seed: int) -> int:
-    return int(np.random.SeedSequence([int(opts["shuffle_seed"]), int(seed)]).generate_state(1)[0] & 0x7FFFFFFF)
+def _shuffle_seed(opts: DataConfig, seed: int) -> int:
+    return int(np.random.SeedSequence([opts.shuffle_seed, int(seed)]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def make_train_iterator(
-    data_cfg, *, seq_len: int, global_batch: int, process_index: int = 0, process_count: int = 1, seed: int = 0
+    data_cfg,
+    *,
+    seq_len: int,
+    global_batch: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    seed: int = 0,
+    start: int = 0,
 ) -> grain.DatasetIterator:
-    """Infinite iterator of ``{"inputs", "targets"}: int32[global_batch // process_count, seq_len]`` (numpy).
+    """Infinite iterator of ``{"inputs", "targets"}: int32[global_batch // process_count, seq_len]`` (numpy), this
+    process's rows of global batches ``start, start + 1, …``.
 
-    Order is a function of ``(config.data.shuffle_seed, seed)`` only. ``worker_count > 0`` prefetches in that many
-    worker processes (grain ``mp_prefetch``); the batches are the same for every worker count.
+    Order is a function of ``(config.data.shuffle_seed, seed)`` only, so the iterator at ``start`` continues one
+    that yielded ``start`` batches, whatever the process count or worker count of either. ``worker_count > 0``
+    prefetches in that many worker processes (grain ``mp_prefetch``); the batches are the same for every worker
+    count.
     """
     opts = data_options(data_cfg)
     _check_batch(global_batch, process_index, process_count)
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start={start!r} must be an int >= 0 (a global batch index)")
     rows = grain.MapDataset.source(Windows(_streams(opts)["train"], seq_len))
     rows = rows.shuffle(seed=_shuffle_seed(opts, seed)).repeat()
-    ds = ProcessBatches(rows, global_batch, process_index, process_count).to_iter_dataset()
-    if opts["worker_count"] > 0:
+    ds = ProcessBatches(rows, global_batch, process_index, process_count)[start:].to_iter_dataset()
+    if opts.worker_count > 0:
         from absl import flags
 
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside absl.app nobody parsed them
             flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=opts["worker_count"]))
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=opts.worker_count))
     return iter(ds)
 
 

@@ -26,7 +26,9 @@ Public API
 ``partitioning``: ``axis_rules(mesh, rules)``, ``constrain(x, axes)``, ``logical_to_mesh(axes, rules)``,
     ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``RULES`` (from
     :mod:`lpt.sharding`).
-``model_spec(cfg)`` / ``precision_spec(cfg)``: validated frozen views of the configs (ValueError on bad keys).
+``ModelSpec`` / ``PrecisionSpec``: the typed ``model`` and ``precision`` sections (type, default, allowed values and doc
+    of every key); ``model_spec(cfg)`` / ``precision_spec(cfg)`` build them from a ConfigDict or a partial mapping
+    (ValueError naming a bad key).
 ``from_pretrained(path, *, param_dtype="float32") -> (model, model_cfg)``
     a Hugging Face GPT-2 / Llama directory (config.json + safetensors) as an lpt model (f32 params and compute, or
     bf16 params and compute) and its ``config.model``; lower-level pieces in :mod:`lpt.models.hf`.
@@ -34,8 +36,8 @@ Public API
     the model as a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads. See
     docs/huggingface.md.
 
-Optional ``config.model`` switches beyond the trainer contract: ``remat`` (``nnx.remat`` per block) and
-``scan_layers`` (parameters stacked on a leading "layers" axis, ``nnx.scan`` over them); both default False.
+``config.model`` switches: ``remat`` (``nnx.remat`` per block) and ``scan_layers`` (parameters stacked on a leading
+"layers" axis, ``nnx.scan`` over them); both default False.
 See docs/models_and_data.md for the precision recipe.
 """
 

@@ -32,9 +32,9 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: Precis
         k_BSKD,
         v_BSKD,
         causal=True,
-        stable=prec.attention_stable,
-        beta=prec.attention_beta,
-        impl=prec.attention_impl,
+        stable=prec.attention.stable,
+        beta=prec.attention.beta,
+        impl=prec.attention.impl,
     )
 
 

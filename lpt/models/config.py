@@ -1,8 +1,10 @@
-"""Validated, hashable views of ``config.model`` and ``config.precision``.
+"""The typed ``model`` and ``precision`` sections of a config, and the hashable specs the model is built from.
 
-The trainer's configs are ``ml_collections.ConfigDict``; the model turns them into frozen dataclasses once, so that
-a typo becomes a ``ValueError`` naming the key and the allowed ones, and so the precision choices can live as static
-(hashable) attributes of NNX modules.
+Each section is a frozen dataclass whose fields carry their type, default, allowed values and doc (``lpt.options``);
+the trainer's config (``lpt.train.config``) is made of them, so ``--help``, the command-line parser and validation
+come from these definitions. :func:`model_spec` and :func:`precision_spec` build them from a ConfigDict or a
+(partial) mapping; the checks that only the model knows (divisible heads, an even RoPE head dim) run on
+construction, so users who build models without the trainer get the same one-line errors.
 
 Storage rule. ``update_rule == "f32_master"`` stores every parameter in float32 and each layer views it through
 ``param_dtype`` (round-to-nearest-even, straight-through gradient) and then ``compute_dtype``; with any other update
@@ -12,12 +14,12 @@ bitwidth parameters are always float32.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-
 import jax.numpy as jnp
 
+from lpt.optim.adam import MOMENT_ROUNDINGS
+from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
 from lpt.optim.recipes import UPDATE_RULES as ROUNDING_RULES
+from lpt.options import build, option, section
 
 PARAM_DTYPES = {
     "float32": jnp.float32,
@@ -34,90 +36,124 @@ MATMULS = ("bf16", "fp8")
 ATTENTION_IMPLS = ("xla", "pallas", "softmax")
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
-
-
-def _as_dict(cfg, what: str) -> dict:
-    if cfg is None:
-        return {}
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    raise ValueError(f"{what} must be a ConfigDict or a mapping, got {type(cfg).__name__}")
-
-
-def _take(d: dict, allowed: dict, what: str) -> dict:
-    unknown = sorted(set(d) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in {what}; valid keys: {sorted(allowed)}")
-    out = dict(allowed)
-    out.update(d)
-    missing = [k for k, v in out.items() if v is _REQUIRED]
-    if missing:
-        raise ValueError(f"{what} is missing required key(s) {missing}")
-    return out
-
-
-def _choice(value, allowed, what: str):
-    if value not in allowed:
-        raise ValueError(f"{what}={value!r} is not supported; allowed: {list(allowed)}")
-    return value
-
-
-_REQUIRED = object()
-
-
 ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
-@dataclasses.dataclass(frozen=True)
+@section("model.rope_scaling")
 class RopeScaling:
     """RoPE frequency scaling (see :func:`lpt.models.layers.rope_inv_freq`); Hugging Face's ``rope_scaling``."""
 
-    type: str = "none"  # "none" | "linear" | "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_len: int = 8192  # llama3 only: the context length the model was pretrained at
+    type: str = option("none", 'RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)', ROPE_SCALINGS)
+    factor: float = option(1.0, "linear / llama3: context extension factor")
+    low_freq_factor: float = option(1.0, "llama3: wavelengths above original_max_len / this are scaled")
+    high_freq_factor: float = option(4.0, "llama3: wavelengths below original_max_len / this are kept")
+    original_max_len: int = option(8192, "llama3: the pretraining context length")
+
+    def check(self):
+        if self.type != "none" and not self.factor > 0:
+            raise ValueError(f"config key model.rope_scaling.factor={self.factor!r} must be > 0")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"config key model.rope_scaling: high_freq_factor={self.high_freq_factor!r} must exceed "
+                f"low_freq_factor={self.low_freq_factor!r}"
+            )
 
 
-@dataclasses.dataclass(frozen=True)
+@section("model")
 class ModelSpec:
-    kind: str
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    max_seq_len: int
-    rope_theta: float
-    norm_eps: float
-    tie_embeddings: bool
-    init_std: float
-    remat: bool = False
-    scan_layers: bool = False
-    rope_scaling: RopeScaling = RopeScaling()
+    """The ``model`` section: architecture and size. Defaults are the embedded default run (``tiny_cpu``)."""
+
+    kind: str = option(
+        "llama", '"llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)', KINDS
+    )
+    vocab_size: int = option(0, "0: the tokenizer's vocabulary size (256 for data.tokenizer=bytes)")
+    d_model: int = option(128, "residual stream width")
+    n_layers: int = option(2, "transformer blocks")
+    n_heads: int = option(4, "query heads (head_dim = d_model / n_heads)")
+    n_kv_heads: int = option(0, "key/value heads (GQA); 0: n_heads")
+    d_ff: int = option(384, "MLP hidden width (SwiGLU for llama, GELU for gpt2)")
+    max_seq_len: int = option(64, "longest sequence the model accepts (RoPE table / position embedding size)")
+    rope_theta: float = option(10000.0, "RoPE base frequency (llama only)")
+    norm_eps: float = option(1e-5, "epsilon of RMSNorm / LayerNorm")
+    tie_embeddings: bool = option(False, "share the input embedding with the output projection")
+    init_std: float = option(0.02, "std of the normal init of weight matrices")
+    remat: bool = option(False, "recompute block activations in the backward pass (less memory, ~1/3 more compute)")
+    scan_layers: bool = option(False, "nnx.scan over stacked blocks (one compiled block: faster compiles when deep)")
+    rope_scaling: RopeScaling = option(RopeScaling(), "RoPE frequency scaling")
+
+    def check(self):
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.vocab_size < 0:
+            raise ValueError(f"config key model.vocab_size={self.vocab_size} must be >= 0 (0 = the tokenizer's size)")
+        for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"config key model.{k}={getattr(self, k)!r} must be a positive int")
+        if self.kind == "gpt2" and self.n_kv_heads != self.n_heads:
+            raise ValueError(f"gpt2 has no GQA: n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"config key model.d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"config key model.n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if self.kind == "llama" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
 
-@dataclasses.dataclass(frozen=True)
+@section("precision.matmul")
+class Matmul:
+    """``precision.matmul``: the matmul of each layer kind."""
+
+    qkv: str = option("bf16", '"bf16": matmul in compute_dtype; "fp8": blockwise FP8 (lpt.fp8)', MATMULS)
+    out: str = option("bf16", "attention output projection", MATMULS)
+    up: str = option("bf16", "MLP up (and gate) projection", MATMULS)
+    down: str = option("bf16", "MLP down projection", MATMULS)
+    lm_head: str = option("bf16", "output projection to the vocabulary", MATMULS)
+
+
+@section("precision.attention")
+class Attention:
+    """``precision.attention``: the attention implementation and its numerics."""
+
+    impl: str = option("xla", '"xla" reference, "pallas" flash kernel, or "softmax" (plain)', ATTENTION_IMPLS)
+    stable: bool = option(True, "Qiu & Yao's fix for repeated row maxima in low-precision softmax")
+    beta: float = option(7.0, "the fix's beta (rows with a repeated max use beta*m or 0 as offset)")
+
+
+@section("precision.pqt")
+class Pqt:
+    """``precision.pqt``: pseudo-quantization training."""
+
+    method: str = option("none", 'pseudo-quantization training: "none" | "gaussws" | "diffq"', PQT_METHODS)
+    layers: tuple[str, ...] = option((), 'layer kinds that get PQT, e.g. "out,down"', PQT_LAYER_KINDS)
+    b_init: float = option(6.0, "initial learnable bitwidth")
+    b_target: float = option(4.0, "bitwidth the aux loss pulls towards")
+    loss_weight: float = option(0.0, "weight of the bitwidth aux loss")
+
+
+@section("precision")
 class PrecisionSpec:
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    update_rule: str = "f32_master"
-    matmul: tuple[tuple[str, str], ...] = tuple((k, "bf16") for k in LAYER_KINDS)
-    attention_impl: str = "xla"
-    attention_stable: bool = True
-    attention_beta: float = 7.0
-    pqt_method: str = "none"
-    pqt_layers: tuple[str, ...] = ()
-    pqt_b_init: float = 6.0
-    pqt_b_target: float = 4.0
-    pqt_loss_weight: float = 0.0
+    """The ``precision`` section: storage, view and compute dtypes, the update rule, and the per-layer recipe."""
+
+    param_dtype: str = option(
+        "float32", "dtype params are stored in (f32_master: the dtype layers view them in)", tuple(PARAM_DTYPES)
+    )
+    compute_dtype: str = option(
+        "float32", "dtype of matmul inputs/activations (loss, softmax, norms: always f32)", tuple(COMPUTE_DTYPES)
+    )
+    update_rule: str = option("f32_master", "f32_master | nearest | kahan | stochastic | norm_preserving", UPDATE_RULES)
+    moment_rounding: str = option(
+        "stochastic", '16-bit Adam moments: "stochastic" (unbiased) | "nearest"', MOMENT_ROUNDINGS
+    )
+    update_impl: str = option("xla", 'kahan only: the fused step in "xla" or the "pallas" kernel', UPDATE_IMPLS)
+    matmul: Matmul = option(Matmul(), "per-layer matmuls")
+    attention: Attention = option(Attention(), "attention")
+    pqt: Pqt = option(Pqt(), "pseudo-quantization training")
 
     @property
     def store_dtype(self):
@@ -134,124 +170,20 @@ class PrecisionSpec:
         return COMPUTE_DTYPES[self.compute_dtype]
 
     def matmul_for(self, layer_kind: str) -> str:
-        return dict(self.matmul)[layer_kind]
+        return getattr(self.matmul, layer_kind)
 
     def pqt_for(self, layer_kind: str) -> str:
-        return self.pqt_method if layer_kind in self.pqt_layers else "none"
+        return self.pqt.method if layer_kind in self.pqt.layers else "none"
 
 
-def model_spec(model_cfg) -> ModelSpec:
-    d = _take(
-        _as_dict(model_cfg, "config.model"),
-        {
-            "kind": _REQUIRED,
-            "vocab_size": 256,
-            "d_model": _REQUIRED,
-            "n_layers": _REQUIRED,
-            "n_heads": _REQUIRED,
-            "n_kv_heads": None,
-            "d_ff": _REQUIRED,
-            "max_seq_len": _REQUIRED,
-            "rope_theta": 10000.0,
-            "norm_eps": 1e-5,
-            "tie_embeddings": False,
-            "init_std": 0.02,
-            "remat": False,
-            "scan_layers": False,
-            "rope_scaling": {},
-        },
-        "config.model",
-    )
-    rs = _take(
-        _as_dict(d["rope_scaling"], "config.model.rope_scaling"),
-        {f.name: f.default for f in dataclasses.fields(RopeScaling)},
-        "config.model.rope_scaling",
-    )
-    _choice(rs["type"], ROPE_SCALINGS, "config.model.rope_scaling.type")
-    if rs["type"] != "none" and not float(rs["factor"]) > 0:
-        raise ValueError(f"config.model.rope_scaling.factor={rs['factor']!r} must be > 0")
-    if rs["type"] == "llama3" and not float(rs["high_freq_factor"]) > float(rs["low_freq_factor"]):
-        raise ValueError(
-            f"config.model.rope_scaling: high_freq_factor={rs['high_freq_factor']!r} must exceed "
-            f"low_freq_factor={rs['low_freq_factor']!r}"
-        )
-    d["rope_scaling"] = RopeScaling(
-        type=rs["type"],
-        factor=float(rs["factor"]),
-        low_freq_factor=float(rs["low_freq_factor"]),
-        high_freq_factor=float(rs["high_freq_factor"]),
-        original_max_len=int(rs["original_max_len"]),
-    )
-    _choice(d["kind"], KINDS, "config.model.kind")
-    if d["n_kv_heads"] is None:
-        d["n_kv_heads"] = d["n_heads"]
-    if d["kind"] == "gpt2" and d["n_kv_heads"] != d["n_heads"]:
-        raise ValueError(f"gpt2 has no GQA: n_kv_heads={d['n_kv_heads']} must equal n_heads={d['n_heads']}")
-    for k in ("remat", "scan_layers", "tie_embeddings"):
-        if not isinstance(d[k], bool):
-            raise ValueError(f"config.model.{k}={d[k]!r} must be a bool")
-    for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-        if not isinstance(d[k], int) or d[k] <= 0:
-            raise ValueError(f"config.model.{k}={d[k]!r} must be a positive int")
-    if d["d_model"] % d["n_heads"]:
-        raise ValueError(f"config.model.d_model={d['d_model']} is not divisible by n_heads={d['n_heads']}")
-    if d["n_heads"] % d["n_kv_heads"]:
-        raise ValueError(f"config.model.n_heads={d['n_heads']} is not divisible by n_kv_heads={d['n_kv_heads']}")
-    if d["kind"] == "llama" and (d["d_model"] // d["n_heads"]) % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {d['d_model'] // d['n_heads']}")
-    return ModelSpec(**{k: d[k] for k in (f.name for f in dataclasses.fields(ModelSpec))})
+def model_spec(model_cfg=None) -> ModelSpec:
+    """The model section from a ConfigDict or a (partial) mapping; the vocabulary size must be known (> 0)."""
+    spec = build(ModelSpec, model_cfg)
+    if spec.vocab_size <= 0:
+        raise ValueError(f"config key model.vocab_size={spec.vocab_size!r} must be a positive int to build a model")
+    return spec
 
 
-def precision_spec(precision_cfg) -> PrecisionSpec:
-    d = _take(
-        _as_dict(precision_cfg, "config.precision"),
-        {
-            "param_dtype": "float32",
-            "compute_dtype": "float32",
-            "update_rule": "f32_master",
-            # the optimizer's keys (lpt.train.optimizer; validated by lpt.train.config): accepted, not stored
-            "moment_rounding": "stochastic",
-            "update_impl": "xla",
-            "matmul": {},
-            "attention": {},
-            "pqt": {},
-        },
-        "config.precision",
-    )
-    _choice(d["param_dtype"], PARAM_DTYPES, "config.precision.param_dtype")
-    _choice(d["compute_dtype"], COMPUTE_DTYPES, "config.precision.compute_dtype")
-    _choice(d["update_rule"], UPDATE_RULES, "config.precision.update_rule")
-    mm = _take(
-        _as_dict(d["matmul"], "config.precision.matmul"), dict.fromkeys(LAYER_KINDS, "bf16"), "config.precision.matmul"
-    )
-    for k, v in mm.items():
-        _choice(v, MATMULS, f"config.precision.matmul.{k}")
-    att = _take(
-        _as_dict(d["attention"], "config.precision.attention"),
-        {"impl": "xla", "stable": True, "beta": 7.0},
-        "config.precision.attention",
-    )
-    _choice(att["impl"], ATTENTION_IMPLS, "config.precision.attention.impl")
-    pqt = _take(
-        _as_dict(d["pqt"], "config.precision.pqt"),
-        {"method": "none", "layers": (), "b_init": 6.0, "b_target": 4.0, "loss_weight": 0.0},
-        "config.precision.pqt",
-    )
-    _choice(pqt["method"], PQT_METHODS, "config.precision.pqt.method")
-    layers = (pqt["layers"],) if isinstance(pqt["layers"], str) else tuple(pqt["layers"])
-    for k in layers:
-        _choice(k, PQT_LAYER_KINDS, "config.precision.pqt.layers entry")
-    return PrecisionSpec(
-        param_dtype=d["param_dtype"],
-        compute_dtype=d["compute_dtype"],
-        update_rule=d["update_rule"],
-        matmul=tuple((k, mm[k]) for k in LAYER_KINDS),
-        attention_impl=att["impl"],
-        attention_stable=bool(att["stable"]),
-        attention_beta=float(att["beta"]),
-        pqt_method=pqt["method"],
-        pqt_layers=layers,
-        pqt_b_init=float(pqt["b_init"]),
-        pqt_b_target=float(pqt["b_target"]),
-        pqt_loss_weight=float(pqt["loss_weight"]),
-    )
+def precision_spec(precision_cfg=None) -> PrecisionSpec:
+    """The precision section from a ConfigDict or a (partial) mapping (missing keys: their defaults)."""
+    return build(PrecisionSpec, precision_cfg)

@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_collections
 
 from lpt.models.config import model_spec
+from lpt.options import to_dict
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 _MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
@@ -71,13 +72,9 @@ def model_kind(hf: dict, where) -> str:
 
 
 def _model_cfg(**kw) -> ml_collections.ConfigDict:
-    """``config.model`` with every key of configs/tiny_cpu.py (remat and scan_layers False)."""
-    rs = {"type": "none", "factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_len": 8192}
-    rs.update(kw.pop("rope_scaling", {}))
-    d = {"rope_theta": 10000.0, **kw, "rope_scaling": rs, "remat": False, "scan_layers": False}
-    cfg = ml_collections.ConfigDict(d)
-    model_spec(cfg)  # lpt's own checks (divisibility, even head_dim, ...)
-    return cfg
+    """``config.model`` with every key: ``kw`` over the model section's defaults, checked by lpt's own rules
+    (divisibility, even head_dim, ...)."""
+    return ml_collections.ConfigDict(to_dict(model_spec(kw)))
 
 
 def _gpt2_config(hf: dict, where) -> ml_collections.ConfigDict:

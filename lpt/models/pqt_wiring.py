@@ -34,8 +34,8 @@ def make_bitwidth(shape: tuple[int, int], prec: PrecisionSpec):
     grid = pqt.block_grid(shape, BLOCK)
     return pqt.PQTBitwidth(
         jnp.ones(grid, jnp.float32),
-        b_init=prec.pqt_b_init,
-        b_target=prec.pqt_b_target,
+        b_init=prec.pqt.b_init,
+        b_target=prec.pqt.b_target,
         block=BLOCK,
         kernel_shape=tuple(shape),
         out_sharding=(None,) * len(grid),  # the tile grid rarely divides a mesh axis: replicate
@@ -51,9 +51,9 @@ def sample(w_view: jax.Array, bitwidth, key: jax.Array, *, method: str, path: st
 
 def aux_loss(model) -> jax.Array:
     """``λ Σ_layers mean_tiles |b_t − b_target|`` (Ahn & Yoo (GaussWS), Eq. 12), float32; 0 without PQT layers."""
-    if model.prec.pqt_method == "none":
+    if model.prec.pqt.method == "none":
         return jnp.zeros((), jnp.float32)
-    return _pqt().bitwidth_loss(model, model.prec.pqt_loss_weight)
+    return _pqt().bitwidth_loss(model, model.prec.pqt.loss_weight)
 
 
 _KIND_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "out", "up": "up", "gate": "up", "down": "down"}
@@ -62,7 +62,7 @@ _KIND_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "out", "up": "up", "gate": 
 def pqt_diagnostics(model) -> dict[str, jax.Array]:
     """``pqt/all/bt_mean``, ``pqt/all/frac_le{5,9,12}`` (from :func:`lpt.pqt.bitwidth_stats`), ``pqt/bt_min``,
     ``pqt/bt_max`` and ``pqt/bt_mean/<kind>`` (unweighted tile mean per layer kind)."""
-    if model.prec.pqt_method == "none":
+    if model.prec.pqt.method == "none":
         return {}
     pqt = _pqt()
     out = {k: v for k, v in pqt.bitwidth_stats(model).items() if k.startswith("pqt/all/")}

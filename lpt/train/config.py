@@ -1,19 +1,22 @@
-"""Config files, command-line overrides and validation for ``python -m lpt.train``.
+"""The trainer's config: one typed tree, config files, command-line overrides and validation.
 
-A config file is a Python file with ``get_config() -> ml_collections.ConfigDict`` (see ``configs/``). The loader
+:class:`Config` is the whole tree, made of the typed sections ``model`` and ``precision`` (:mod:`lpt.models.config`),
+``data`` (:mod:`lpt.data.pipeline`) and ``optim``, ``train``, ``init_from`` (here). Every key is one field with its
+type, default, allowed values and doc (:func:`lpt.options.option`); the parser, validation, ``--help`` and the
+complete ``config.json`` are derived from them.
+
+A config file is a Python file with ``get_config() -> ml_collections.ConfigDict`` (see ``configs/``) that starts
+from :func:`defaults` and sets the keys that make it that run; keys it does not set keep their defaults. The loader
 puts the file's directory on ``sys.path`` while it runs, so a recipe config can start from another one
-(``from tiny_cpu import get_config as base``). The loaded config is checked against ``SCHEMA`` (every key, its type,
-its allowed values): a missing key, an unknown key or a value outside the allowed set raises ``ValueError`` naming
-the key and listing what is valid. ``--config.a.b=value`` overrides are parsed with the type recorded in the schema.
-Every config sets every key; ``python -m lpt.train --help`` lists them.
+(``from tiny_cpu import get_config as base``). An unknown key, a value of the wrong type or outside the allowed set
+raises ``ValueError`` naming the key and what is valid. ``--config.a.b=value`` overrides are parsed with the key's
+type. ``python -m lpt.train --help`` lists every key with its value and doc.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib.util
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,9 +24,79 @@ from typing import Any
 import ml_collections
 
 import lpt.configs
-from lpt.models import config as model_config
-from lpt.optim.adam import MOMENT_ROUNDINGS
-from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
+from lpt import options
+from lpt.data.pipeline import DataConfig
+from lpt.models.config import ModelSpec, PrecisionSpec
+from lpt.options import option, section
+
+_CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
+
+
+@section("optim")
+class OptimConfig:
+    """The ``optim`` section: AdamW and its schedule."""
+
+    lr: float = option(3e-3, "peak learning rate")
+    warmup_steps: int = option(30, "linear warmup from 0")
+    schedule: str = option("cosine", '"cosine" (decay to lr/10 at train.steps) | "constant"', ("cosine", "constant"))
+    b1: float = option(0.9, "Adam beta1, in [0, 1)")
+    b2: float = option(0.95, "Adam beta2, in [0, 1)")
+    eps: float = option(1e-8, "Adam epsilon, > 0")
+    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)")
+    grad_clip: float = option(1.0, "clip the global gradient norm (0 = off)")
+    microbatches: int = option(1, "gradient accumulation steps per optimizer step")
+
+
+@section("train.mesh")
+class MeshConfig:
+    """``train.mesh``: the device mesh's axis sizes."""
+
+    data: int = option(-1, "data-parallel axis (-1: all devices not used by the other axes)")
+    fsdp: int = option(1, 'fully-sharded data parallel axis (params sharded on "embed")')
+    tensor: int = option(1, "tensor-parallel axis (heads / mlp / vocab)")
+
+
+@section("train")
+class TrainConfig:
+    """The ``train`` section: steps, batch, evaluation, logging, checkpoints and the mesh."""
+
+    steps: int = option(600, "optimizer steps")
+    global_batch: int = option(32, "sequences per step, summed over all devices and processes")
+    seed: int = option(0, "model init and per-step randomness: key = fold_in(PRNGKey(seed), step)")
+    eval_every: int = option(100, "validation every N steps (and at the end)")
+    eval_batches: int = option(4, "validation batches per evaluation")
+    log_every: int = option(10, "JSONL/TensorBoard logging interval")
+    diagnostics_every: int = option(50, "forward pass logging FP8 underflow / attention repeated max; 0 = off")
+    profile_steps: str = option("", '"FIRST,LAST" writes a jax.profiler trace of those steps to workdir/profile')
+    checkpoint_every: int = option(200, "checkpoint interval (and at the end, and on SIGTERM)")
+    keep_checkpoints: int = option(3, "newest checkpoints to keep")
+    mesh: MeshConfig = option(MeshConfig(), "the device mesh")
+
+
+@section("init_from")
+class InitFromConfig:
+    """The ``init_from`` section: start a fresh run from another run's or a Hugging Face model's weights."""
+
+    hf: str = option("", 'a Hugging Face model directory (config.json + *.safetensors) to fine-tune; "" = none')
+    workdir: str = option("", 'an lpt run directory to fine-tune from; "" = none (fresh init)')
+    step: int = option(-1, "with init_from.workdir: the checkpoint step to take (-1 = the newest)")
+
+
+@section("")
+class Config:
+    """The whole config of a run."""
+
+    model: ModelSpec = option(ModelSpec(), "architecture and size")
+    precision: PrecisionSpec = option(PrecisionSpec(), "the precision recipe")
+    data: DataConfig = option(DataConfig(), "the data")
+    optim: OptimConfig = option(OptimConfig(), "the optimizer")
+    train: TrainConfig = option(TrainConfig(), "the training run")
+    init_from: InitFromConfig = option(InitFromConfig(), "the weights a fresh run starts from")
+
+
+LEAVES: dict[str, options.Leaf] = {leaf.key: leaf for leaf in options.leaves(Config)}
+# key path -> (type, allowed values or None); tuple values are written "a,b" on the command line
+SCHEMA: dict[str, tuple[Any, tuple | None]] = {k: (leaf.type, leaf.choices) for k, leaf in LEAVES.items()}
 
 # integer keys that must be >= 1 (intervals, counts, sizes)
 POSITIVE = (
@@ -37,78 +110,37 @@ POSITIVE = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
 )
-_CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
-MATMUL_KINDS = model_config.LAYER_KINDS
 
-# key path -> (type, allowed values or None). tuple[str] values are written "a,b" on the command line.
-SCHEMA: dict[str, tuple[type, tuple | None]] = {
-    "model.kind": (str, model_config.KINDS),
-    "model.vocab_size": (int, None),  # 0 = the tokenizer's vocabulary size (data.tokenizer)
-    "model.d_model": (int, None),
-    "model.n_layers": (int, None),
-    "model.n_heads": (int, None),
-    "model.n_kv_heads": (int, None),
-    "model.d_ff": (int, None),
-    "model.max_seq_len": (int, None),
-    "model.rope_theta": (float, None),
-    "model.rope_scaling.type": (str, model_config.ROPE_SCALINGS),
-    "model.rope_scaling.factor": (float, None),
-    "model.rope_scaling.low_freq_factor": (float, None),
-    "model.rope_scaling.high_freq_factor": (float, None),
-    "model.rope_scaling.original_max_len": (int, None),
-    "model.norm_eps": (float, None),
-    "model.tie_embeddings": (bool, None),
-    "model.init_std": (float, None),
-    "model.remat": (bool, None),
-    "model.scan_layers": (bool, None),
-    "precision.param_dtype": (str, tuple(model_config.PARAM_DTYPES)),
-    "precision.compute_dtype": (str, tuple(model_config.COMPUTE_DTYPES)),
-    "precision.update_rule": (str, model_config.UPDATE_RULES),
-    "precision.moment_rounding": (str, MOMENT_ROUNDINGS),  # 16-bit Adam moments
-    "precision.update_impl": (str, UPDATE_IMPLS),  # kahan's fused step: XLA or the Pallas kernel
-    **{f"precision.matmul.{k}": (str, model_config.MATMULS) for k in MATMUL_KINDS},
-    "precision.attention.impl": (str, model_config.ATTENTION_IMPLS),
-    "precision.attention.stable": (bool, None),
-    "precision.attention.beta": (float, None),
-    "precision.pqt.method": (str, model_config.PQT_METHODS),
-    "precision.pqt.layers": (tuple, model_config.PQT_LAYER_KINDS),
-    "precision.pqt.b_init": (float, None),
-    "precision.pqt.b_target": (float, None),
-    "precision.pqt.loss_weight": (float, None),
-    "data.source": (str, ("embedded", "text", "arrayrecord", "prepared")),
-    "data.paths": (str, None),
-    "data.seq_len": (int, None),
-    "data.validation_fraction": (float, None),
-    "data.worker_count": (int, None),
-    "data.shuffle_seed": (int, None),
-    "data.cache_dir": (str, None),  # "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data
-    "data.tokenizer": (str, None),  # "bytes", a Hugging Face tokenizer.json or a SentencePiece .model
-    "optim.lr": (float, None),
-    "optim.warmup_steps": (int, None),
-    "optim.schedule": (str, ("cosine", "constant")),
-    "optim.b1": (float, None),
-    "optim.b2": (float, None),
-    "optim.eps": (float, None),
-    "optim.weight_decay": (float, None),
-    "optim.grad_clip": (float, None),
-    "optim.microbatches": (int, None),
-    "train.steps": (int, None),
-    "train.global_batch": (int, None),
-    "train.seed": (int, None),
-    "train.eval_every": (int, None),
-    "train.eval_batches": (int, None),
-    "train.log_every": (int, None),
-    "train.diagnostics_every": (int, None),  # activation diagnostics pass every N steps (0 = off)
-    "train.profile_steps": (str, None),  # "FIRST,LAST": a jax.profiler trace of those steps; "" = off
-    "train.checkpoint_every": (int, None),
-    "train.keep_checkpoints": (int, None),
-    "train.mesh.data": (int, None),
-    "train.mesh.fsdp": (int, None),
-    "train.mesh.tensor": (int, None),
-    "init_from.hf": (str, None),  # "" or a Hugging Face model directory to start from
-    "init_from.workdir": (str, None),  # "" or an lpt run directory to start from
-    "init_from.step": (int, None),  # with init_from.workdir: its checkpoint step (-1 = the newest)
-}
+
+# On resume, these keys must equal the checkpoint's: the model and the precision recipe define the train state and its
+# numerics; the data keys and the batch define what the saved data position means. Every other key (intervals,
+# diagnostics, the mesh, data.worker_count, the optimizer's hyperparameters, train.steps) may change between runs.
+RESUME_FIXED = ("model.", "precision.", "data.source", "data.paths", "data.tokenizer", "data.seq_len")
+RESUME_FIXED += ("data.validation_fraction", "data.shuffle_seed", "train.global_batch")
+RESUME_FREE = ("model.remat", "precision.update_impl")  # the same math, another memory or kernel
+
+
+def resume_conflicts(saved: ml_collections.ConfigDict | dict, current: ml_collections.ConfigDict) -> list[str]:
+    """The keys of ``RESUME_FIXED`` whose value in ``current`` differs from the checkpoint's ``saved`` config, as
+    ``"key=saved -> current"`` (empty when the run may resume)."""
+    old, new = _flatten(complete(saved)), _flatten(complete(current))
+    return [
+        f"{key}={old[key]!r} -> {new[key]!r}"
+        for key in LEAVES
+        if key.startswith(RESUME_FIXED) and key not in RESUME_FREE and old[key] != new[key]
+    ]
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every key at its default: what a config file starts from (``c = defaults(); c.train.steps = 100``)."""
+    return ml_collections.ConfigDict(options.to_dict(Config()))
+
+
+def complete(cfg: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
+    """``cfg`` (a ConfigDict or a nested dict, possibly partial: a file, or a ``config.json`` of an older run) with
+    every key, the missing ones at their defaults; ValueError for an unknown key, a wrong type or a value outside
+    the allowed set."""
+    return ml_collections.ConfigDict(options.to_dict(options.build(Config, cfg)))
 
 
 def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
@@ -122,84 +154,57 @@ def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]
     return out
 
 
-def _close_matches(key: str) -> str:
-    """'(did you mean X?) valid keys in that section: ...' for an unknown ``key``."""
-    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
-    same_section = sorted(k for k in SCHEMA if k.startswith(section))
-    guess = difflib.get_close_matches(key, SCHEMA, n=1)
-    hint = f"did you mean {guess[0]!r}? " if guess else ""
-    return hint + "valid keys in that section: " + ", ".join(same_section or sorted(SCHEMA))
-
-
-def _check_value(key: str, value: Any) -> None:
-    typ, allowed = SCHEMA[key]
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if typ is tuple:
-        if not isinstance(value, tuple | list) or any(v not in allowed for v in value):
-            raise ValueError(f"config key {key}={value!r}: must be a tuple drawn from {allowed}")
-        return
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ValueError(f"config key {key}={value!r} has type {type(value).__name__}; expected {typ.__name__}")
-    if allowed is not None and value not in allowed:
-        raise ValueError(f"config key {key}={value!r} is not allowed; valid values: {', '.join(allowed)}")
-
-
 def validate(cfg: ml_collections.ConfigDict) -> None:
-    """Raise ValueError if ``cfg`` has unknown or missing keys, wrong types or values outside the allowed set."""
-    flat = _flatten(cfg)
-    unknown = sorted(set(flat) - set(SCHEMA))
-    if unknown:
-        raise ValueError(f"unknown config key(s) {unknown}; {_close_matches(unknown[0])}")
-    missing = sorted(set(SCHEMA) - set(flat))
-    if missing:
-        raise ValueError(f"config is missing key(s) {missing}; every config must set all keys of lpt.train.SCHEMA")
-    for key, value in flat.items():
-        _check_value(key, value)
-    diag_every = cfg.train.diagnostics_every
-    if diag_every < 0:
-        raise ValueError(f"config key train.diagnostics_every={diag_every} must be >= 0 (0 = off)")
-    update_impl, p = cfg.precision.update_impl, cfg.precision
-    if update_impl == "pallas" and (p.update_rule != "kahan" or p.param_dtype != "bfloat16"):
+    """Raise ValueError if ``cfg`` has unknown keys, wrong types, values outside the allowed set, or values that
+    do not fit together (missing keys take their defaults)."""
+    typed = options.build(Config, cfg)
+    flat = _flatten(complete(cfg))
+    if typed.train.diagnostics_every < 0:
+        raise ValueError(f"config key train.diagnostics_every={typed.train.diagnostics_every} must be >= 0 (0 = off)")
+    p = typed.precision
+    if p.update_impl == "pallas" and (p.update_rule != "kahan" or p.param_dtype != "bfloat16"):
         raise ValueError(
             f"precision.update_impl='pallas' runs the fused bf16 AdamW + Kahan kernel: it needs "
             f"precision.update_rule='kahan' and precision.param_dtype='bfloat16', got {p.update_rule!r} and "
             f"{p.param_dtype!r} (use precision.update_impl='xla')"
         )
-    mesh = cfg.train.mesh
+    mesh = typed.train.mesh
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
     if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ValueError(f"train.mesh (data, fsdp, tensor) = {sizes}: each must be >= 1, and at most one may be -1")
     for key in POSITIVE:
         if flat[key] < 1:
             raise ValueError(f"config key {key}={flat[key]} must be >= 1")
-    profile_steps(cfg)  # raises on a malformed range
-    if not cfg.optim.lr > 0:
-        raise ValueError(f"config key optim.lr={cfg.optim.lr} must be > 0")
+    _profile_range(typed.train.profile_steps)  # raises on a malformed range
+    o = typed.optim
+    if not o.lr > 0:
+        raise ValueError(f"config key optim.lr={o.lr} must be > 0")
+    for key, value in (("b1", o.b1), ("b2", o.b2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"config key optim.{key}={value} must be in [0, 1)")
+    if not o.eps > 0:
+        raise ValueError(f"config key optim.eps={o.eps} must be > 0")
     if p.update_rule != "f32_master" and p.param_dtype == "float32":
         raise ValueError(
             f"precision.update_rule={p.update_rule!r} rounds each update into low-precision params, but "
             f"precision.param_dtype='float32'; set precision.param_dtype=bfloat16 (or float16, float8_*) with it, "
             f"or use precision.update_rule=f32_master for f32 params"
         )
-    if cfg.train.mesh.tensor > 1:
-        check_heads(cfg, cfg.train.mesh.tensor)
-    if cfg.train.global_batch % cfg.optim.microbatches:
+    if mesh.tensor > 1:
+        check_heads(cfg, mesh.tensor)
+    if typed.train.global_batch % o.microbatches:
         raise ValueError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by optim.microbatches="
-            f"{cfg.optim.microbatches}"
+            f"train.global_batch={typed.train.global_batch} is not divisible by optim.microbatches={o.microbatches}"
         )
-    if cfg.model.vocab_size < 0:
-        raise ValueError(f"config key model.vocab_size={cfg.model.vocab_size} must be >= 0 (0 = the tokenizer's size)")
-    if cfg.init_from.hf and cfg.init_from.workdir:
+    i = typed.init_from
+    if i.hf and i.workdir:
         raise ValueError(
-            f"init_from.hf={cfg.init_from.hf!r} and init_from.workdir={cfg.init_from.workdir!r} are both set; "
-            "start from one of them"
+            f"init_from.hf={i.hf!r} and init_from.workdir={i.workdir!r} are both set; start from one of them"
         )
-    if cfg.init_from.step < -1:
-        raise ValueError(f"config key init_from.step={cfg.init_from.step} must be >= 0, or -1 for the newest")
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if i.step < -1:
+        raise ValueError(f"config key init_from.step={i.step} must be >= 0, or -1 for the newest")
+    if typed.data.seq_len > typed.model.max_seq_len:
+        raise ValueError(f"data.seq_len={typed.data.seq_len} exceeds model.max_seq_len={typed.model.max_seq_len}")
 
 
 def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -226,7 +231,11 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
     """``train.profile_steps`` as (first, last) step, or None when it is ""; ValueError if malformed."""
-    text = cfg.train.profile_steps.strip()
+    return _profile_range(cfg.train.profile_steps)
+
+
+def _profile_range(text: str) -> tuple[int, int] | None:
+    text = text.strip()
     if not text:
         return None
     parts = text.split(",")
@@ -250,26 +259,16 @@ def check_heads(cfg: ml_collections.ConfigDict, tensor: int) -> None:
 
 
 def parse_value(key: str, text: str) -> Any:
-    """Parse the command-line string ``text`` for config key ``key`` using the schema's type."""
-    if key not in SCHEMA:
-        raise ValueError(f"unknown config key {key!r}; {_close_matches(key)}")
-    typ, _ = SCHEMA[key]
-    if typ is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"config key {key}: {text!r} is not a bool (use true/false)")
-        return text.lower() in ("true", "1")
-    if typ is tuple:
-        return tuple(t for t in text.split(",") if t)
-    try:
-        return typ(text)
-    except ValueError:
-        raise ValueError(f"config key {key}: cannot parse {text!r} as {typ.__name__}") from None
+    """Parse the command-line string ``text`` for config key ``key`` with the key's type."""
+    if key not in LEAVES:
+        raise options.unknown_key_error(key, list(LEAVES))
+    return options.parse(key, text, LEAVES[key].type)
 
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """Return a copy of ``cfg`` with ``{"a.b": "text"}`` overrides applied (parsed by schema type), validated and
     passed through :func:`resolve`."""
-    tree = cfg.to_dict()
+    tree = complete(cfg).to_dict()
     for key, text in overrides.items():
         value = parse_value(key, text)
         *parents, leaf = key.split(".")
@@ -315,43 +314,27 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
         sys.path.pop(0)
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {str(path)!r} does not define get_config()")
-    cfg = module.get_config()
+    cfg = complete(module.get_config())
     validate(cfg)
     return cfg
 
 
-def config_comments(path: str | Path) -> dict[str, str]:
-    """``{key: comment}`` from the ``c.a.b = value  # comment`` lines of a config file and of the shipped configs it
-    imports (``from tiny_cpu import get_config as base``)."""
-    path = resolve_config(path)
-    text = path.read_text()
-    comments: dict[str, str] = {}
-    for base in re.findall(r"^from (\w+) import", text, re.M):
-        if (path.parent / f"{base}.py").is_file():
-            comments.update(config_comments(path.parent / f"{base}.py"))
-    for key, comment in re.findall(r"^\s*c\.([\w.]+)\s*=.*?#\s*(.+)$", text, re.M):
-        comments[key] = comment.strip()
-    return comments
-
-
-def schema_help(cfg: ml_collections.ConfigDict | None = None, comments: dict[str, str] | None = None) -> str:
-    """The config keys with their types and allowed values for ``--help``; with ``cfg``, each key's current value,
-    and with ``comments``, the config file's comment on it."""
+def schema_help(cfg: ml_collections.ConfigDict | None = None) -> str:
+    """The config keys with their types, allowed values and docs for ``--help``; with ``cfg``, each key's value."""
     flat = _flatten(cfg) if cfg is not None else {}
     head = "config keys (override any with --config.KEY=VALUE or --config.KEY VALUE; tuples as a,b)"
-    lines = [head + (": current values from the given --config" if cfg is not None else ":")]
-    for key, (typ, allowed) in SCHEMA.items():
-        value = f" = {flat[key]!r}" if key in flat else ""
-        choices = f"  one of: {', '.join(allowed)}" if allowed else ""
-        lines.append(f"  {key}{value}  ({typ.__name__}){choices}")
-        if comments and key in comments:
-            lines.append(f"      {comments[key]}")
+    lines = [head + (": values from the given --config" if cfg is not None else ": defaults")]
+    for key, leaf in LEAVES.items():
+        value = flat[key] if key in flat else leaf.default
+        choices = f"  one of: {', '.join(map(str, leaf.choices))}" if leaf.choices else ""
+        lines.append(f"  {key} = {value!r}  ({options.type_name(leaf.type)}){choices}")
+        lines.append(f"      {leaf.doc}")
     return "\n".join(lines)
 
 
 def _help_for(config: str) -> str:
     try:
-        return schema_help(load_config_file(config), config_comments(config))
+        return schema_help(load_config_file(config))
     except ValueError as e:
         return f"{schema_help()}\n\n(--config {config}: {e})"
 

@@ -67,6 +67,29 @@ def test_process_shards_are_disjoint_and_cover_the_global_batch(procs):
         assert len({r.tobytes() for r in stacked}) == 8
 
 
+def test_an_iterator_started_at_a_batch_continues_any_other():
+    """start=b yields what an iterator that already gave b batches yields next, for another process count too (the
+    trainer resumes step b this way, whatever the process or worker count was)."""
+    it = D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3)
+    _take(it, 5)
+    expected = _take(it, 3)
+    resumed = _take(D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3, start=5), 3)
+    halves = [
+        _take(
+            D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3, start=5, process_index=p, process_count=2), 3
+        )
+        for p in range(2)
+    ]
+    for i in range(3):
+        np.testing.assert_array_equal(resumed[i]["inputs"], expected[i]["inputs"])
+        np.testing.assert_array_equal(np.concatenate([h[i]["inputs"] for h in halves]), expected[i]["inputs"])
+    assert (
+        expected[0]["inputs"] != _take(D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3), 1)[0]["inputs"]
+    ).any()
+    with pytest.raises(ValueError, match="start=-1 must be an int >= 0"):
+        D.make_train_iterator(CFG, seq_len=16, global_batch=4, start=-1)
+
+
 def test_iterator_state_round_trip_resumes_exactly():
     it = D.make_train_iterator(CFG, seq_len=16, global_batch=4, seed=3)
     _take(it, 5)
@@ -106,7 +129,9 @@ def test_clear_errors(tmp_path):
         D.make_train_iterator({"source": "hdfs"}, seq_len=8, global_batch=2)
     with pytest.raises(ValueError, match="not divisible by the process count 3"):
         D.make_train_iterator(CFG, seq_len=8, global_batch=8, process_count=3)
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['shuffle'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown config key\(s\) \['data.shuffle'\]; did you mean 'data.shuffle_seed'"
+    ):
         D.make_train_iterator({"shuffle": True}, seq_len=8, global_batch=2)
 
 

@@ -34,7 +34,7 @@ def test_constrain_is_identity_outside_and_annotates_inside():
 
 
 def test_param_partition_specs_follow_param_metadata():
-    cfg = dict(kind="llama", d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)
+    cfg = dict(kind="llama", vocab_size=256, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)
     model = nnx.eval_shape(lambda: M.build_model(cfg, {}, rngs=nnx.Rngs(0)))
     specs = P.param_partition_specs(nnx.state(model), RULES)
     flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(specs)}

@@ -240,9 +240,69 @@ def test_overrides_take_the_space_form_too():
         config_lib.parse_args(["--config", "tiny_cpu", "--workdir", "w", "--config.train.steps"])
 
 
-def test_help_with_a_config_shows_each_keys_value_and_comment(capsys):
+def test_help_with_a_config_shows_each_keys_value_and_doc(capsys):
     with pytest.raises(SystemExit):
         main(["--config", "tiny_cpu_bf16_kahan", "--help"])
     out = capsys.readouterr().out
     assert "  precision.update_rule = 'kahan'  (str)" in out  # the derived config's value
-    assert "  model.d_model = 128  (int)\n      residual stream width" in out  # the base file's comment
+    assert "  model.d_model = 128  (int)\n      residual stream width" in out  # the key's doc
+    assert "  optim.b2 = 0.95  (float)\n      Adam beta2, in [0, 1)" in out  # a default the files do not set
+
+
+def test_every_key_has_one_typed_definition():
+    """Each key of the tree has a type, a default of that type (inside its allowed values) and a doc line; the
+    defaults alone are a valid config."""
+    assert len(config_lib.LEAVES) == 70
+    for key, leaf in config_lib.LEAVES.items():
+        assert leaf.doc and "\n" not in leaf.doc, key
+        assert leaf.type in (bool, int, float, str, tuple[str, ...]), key
+        if leaf.choices is not None and leaf.type != tuple[str, ...]:
+            assert leaf.default in leaf.choices, key
+    config_lib.validate(config_lib.defaults())
+
+
+def test_a_config_file_sets_only_its_own_keys(tmp_path):
+    f = tmp_path / "mine.py"
+    f.write_text(
+        "from lpt.train.config import defaults\n\n"
+        "def get_config():\n    c = defaults()\n    c.train.steps = 7\n    return c\n"
+    )
+    cfg = config_lib.load_config_file(f)
+    assert cfg.train.steps == 7 and cfg.optim.b2 == 0.95 and cfg.model.d_model == 128
+    # a file that builds a partial ConfigDict itself gets the defaults for the rest
+    f.write_text(
+        "import ml_collections\n\ndef get_config():\n    return ml_collections.ConfigDict({'train': {'steps': 9}})\n"
+    )
+    cfg = config_lib.load_config_file(f)
+    assert cfg.train.steps == 9 and cfg.precision.update_rule == "f32_master" and cfg.data.tokenizer == "bytes"
+
+
+def test_a_saved_config_without_newer_keys_still_loads():
+    """A run's config.json from before a key existed: the key takes its default; a key that no longer exists is
+    an error naming it."""
+    saved = config_lib.defaults().to_dict()
+    del saved["precision"]["moment_rounding"], saved["train"]["mesh"]
+    cfg = config_lib.complete(saved)
+    assert cfg.precision.moment_rounding == "stochastic" and cfg.train.mesh.data == -1
+    saved["precision"]["moment_dtype"] = "int8"
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['precision.moment_dtype'\]"):
+        config_lib.complete(saved)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"optim.b2": "2.0"}, r"optim.b2=2.0 must be in \[0, 1\)"),
+        ({"optim.b1": "-0.1"}, r"optim.b1=-0.1 must be in \[0, 1\)"),
+        ({"optim.b2": "1.0"}, r"optim.b2=1.0 must be in \[0, 1\)"),
+        ({"optim.eps": "-1e-8"}, r"optim.eps=-1e-08 must be > 0"),
+        ({"optim.eps": "0"}, r"optim.eps=0.0 must be > 0"),
+        ({"model.n_kv_heads": "3"}, r"model.n_heads=4 is not divisible by n_kv_heads=3"),
+        ({"data.worker_count": "-1"}, r"data.worker_count=-1 must be an int >= 0"),
+        ({"precision.pqt.layers": "qkv,lm_head"}, r"precision.pqt.layers=\('qkv', 'lm_head'\): must be a tuple"),
+    ],
+)
+def test_values_outside_their_range_are_one_line_errors(override, message):
+    with pytest.raises(ValueError, match=message) as e:
+        config_lib.apply_overrides(config_lib.load_config_file(TINY), override)
+    assert "\n" not in str(e.value)
