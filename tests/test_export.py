@@ -130,6 +130,7 @@ def test_the_run_config_takes_its_vocab_size_from_the_embedding(run, tmp_path):
 
 def test_export_errors_exit_2(tmp_path, capsys):
     assert export.main(["--workdir", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
-    assert "holds no checkpoint" in capsys.readouterr().err
+    assert f"--workdir {str(tmp_path / 'nothing')!r} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "nothing").exists()
     p = subprocess.run([sys.executable, "-m", "lpt.export", "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "--workdir" in p.stdout

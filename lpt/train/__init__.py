@@ -2,14 +2,16 @@
 
 Modules, in the order the recipe (``lpt/train/loop.py``) uses them:
 
-* ``config``: load a config file (``get_config()``), apply ``--config.a.b=value`` overrides, validate against
-  ``SCHEMA`` (unknown keys rejected with the valid ones listed).
+* ``config``: the typed config tree (``Config``: every key's type, default, allowed values and doc), config files
+  (``get_config()`` from ``defaults()``), ``--config.a.b=value`` overrides and validation (unknown keys rejected with
+  the valid ones listed).
 * ``distributed``: ``jax.distributed`` start-up (explicit, SLURM, TPU pod) and the SIGTERM flag.
 * ``mesh``: the ("data", "fsdp", "tensor") mesh and the logical-axis rules -> shardings.
 * ``optimizer``: ``clip -> adamw(schedule) -> lpt.optim update rule`` from the config.
 * ``state``: ``TrainState`` (params / other variables as plain dicts + optimizer state), sharded init.
 * ``step``: jitted train step (donated state, explicit shardings, microbatching) and eval step.
-* ``checkpoint``: orbax CheckpointManager (state + grain iterator + JSON metadata), fallback on corrupt latest.
+* ``checkpoint``: orbax CheckpointManager (state + JSON metadata; the data position is the step), fallback on a
+  corrupt latest step, a one-line error for a checkpoint of another model, recipe or data position.
 * ``metrics``: JSONL + TensorBoard, loss-curve PNG, MFU.
 
 * ``loop``: the recipe itself, ``train(cfg, workdir, hooks=())``, and ``program(cfg, mesh)`` (the jitted steps and

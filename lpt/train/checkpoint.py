@@ -1,8 +1,10 @@
-"""Checkpoints with orbax ``CheckpointManager``: train state + grain iterator state + JSON metadata.
+"""Checkpoints with orbax ``CheckpointManager``: train state + JSON metadata.
 
-Layout: ``<workdir>/checkpoints/<step>/{state, data, metadata}``. ``state`` is the train state as a pytree of
-(sharded) arrays, ``data`` the grain iterator's JSON state (one file per process, so a restore needs the same process
-count), ``metadata`` a JSON dict (step, config, library versions, mesh, process count, data worker count).
+Layout: ``<workdir>/checkpoints/<step>/{state, metadata}``. ``state`` is the train state as a pytree of (sharded)
+arrays, ``metadata`` a JSON dict (step, config, library versions, mesh, process count, data worker count). The data
+position is not stored: step ``s`` consumed global batches ``0 … s − 1``, so a resumed run's iterator starts at batch
+``s`` (:func:`lpt.data.make_train_iterator`'s ``start``), whatever the process count or data worker count now.
+(Checkpoints of older lpt versions also hold a ``data`` item, the grain iterator state; it is not read.)
 
 * Saves are asynchronous (orbax writes in a background thread after copying device arrays); ``wait()`` blocks.
 * ``keep_checkpoints`` newest steps are kept, older ones deleted.
@@ -25,12 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grain.checkpoint
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from lpt.train import config as config_lib
 from lpt.train.state import TrainState
 
 log = logging.getLogger("lpt.train")
@@ -114,18 +116,18 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: TrainState, data_iter, metadata: dict, *, force: bool = False) -> bool:
-        """Start saving ``state`` (and the iterator position, and metadata with the state's checksums) as ``step``;
-        returns once the checksums are computed and the arrays copied, while the files are written."""
+    def save(self, step: int, state: TrainState, metadata: dict, *, force: bool = False) -> bool:
+        """Start saving ``state`` (and metadata with the state's checksums) as ``step``; returns once the checksums
+        are computed and the arrays copied, while the files are written."""
         metadata = {**metadata, "checksum": CHECKSUM, "checksums": checksums(state.to_dict())}
         items = {"state": ocp.args.StandardSave(state.to_dict()), "metadata": ocp.args.JsonSave(metadata)}
-        if data_iter is not None:
-            items["data"] = grain.checkpoint.CheckpointSave(data_iter)
         return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
-    def restore_latest(self, abstract: TrainState, data_iter) -> tuple[TrainState, dict] | None:
+    def restore_latest(self, abstract: TrainState, config=None) -> tuple[TrainState, dict] | None:
         """Restore the newest readable checkpoint onto ``abstract``'s shardings (None if there is none).
 
+        With ``config`` (the run's), a step saved with another model, precision recipe or data position
+        (:func:`lpt.train.config.resume_conflicts`) raises ValueError naming every differing key; nothing is moved.
         A step whose files cannot be read, or whose arrays fail their checksums, is moved aside (:meth:`move_aside`)
         and the previous step is tried. A step whose stored arrays do not have the current config's shapes and
         dtypes raises ValueError (a changed model, precision or optimizer: use a new workdir); nothing is moved then.
@@ -134,6 +136,14 @@ class Checkpointer:
         wanted = _layout(abstract.to_dict())
         moved = []
         for step in reversed(self.steps()):
+            saved = self._saved_config(step) if config is not None else None
+            conflicts = config_lib.resume_conflicts(saved, config) if saved else []
+            if conflicts:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.directory} was saved with another model, precision recipe or "
+                    f"data position ({'; '.join(conflicts)}); a run resumes only with the same ones: use a new "
+                    f"--workdir (with --config.init_from.workdir={self.directory.parent} to start from its weights)"
+                )
             try:
                 meta = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state")
                 stored = _layout(meta.item_metadata)
@@ -149,7 +159,7 @@ class Checkpointer:
                     f"use a new --workdir"
                 )
             try:
-                return self.restore(step, abstract, data_iter)
+                return self.restore(step, abstract)
             except Exception as e:  # noqa: BLE001 -- the layout matches, so a read failure is damage
                 moved.append(self.move_aside(step, e))
         if moved:
@@ -159,14 +169,17 @@ class Checkpointer:
             )
         return None
 
-    def restore(self, step: int, abstract: TrainState, data_iter) -> tuple[TrainState, dict]:
+    def _saved_config(self, step: int) -> dict | None:
+        """The config recorded in ``step``'s metadata, or None when it cannot be read (the restore then decides)."""
+        try:
+            saved = json.loads((self.directory / str(step) / "metadata" / "metadata").read_text()).get("config")
+            return saved if isinstance(saved, dict) else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def restore(self, step: int, abstract: TrainState) -> tuple[TrainState, dict]:
         """Restore ``step``; raises DamagedCheckpointError if its arrays do not match their recorded checksums."""
-        items: dict[str, Any] = {
-            "state": ocp.args.StandardRestore(abstract.to_dict()),
-            "metadata": ocp.args.JsonRestore(),
-        }
-        if data_iter is not None:
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        items = {"state": ocp.args.StandardRestore(abstract.to_dict()), "metadata": ocp.args.JsonRestore()}
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         meta = dict(restored["metadata"])
         meta["verified"] = verify(restored["state"], meta)
@@ -214,7 +227,10 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any
     exists). Its ``model.vocab_size`` is the embedding's row count when it says 0 (the tokenizer's size); a nonzero
     size that disagrees with the embedding is a ValueError."""
     directory = Path(workdir).resolve() / "checkpoints"
-    manager = ocp.CheckpointManager(directory)
+    if not directory.is_dir():  # read-only: create nothing (CheckpointManager would make the directory)
+        what = "does not exist" if not Path(workdir).exists() else "holds no checkpoints/ directory"
+        raise ValueError(f"--workdir {str(workdir)!r} {what}; give the directory of an lpt run")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     steps = sorted(manager.all_steps())
     if not steps:
         raise ValueError(f"{directory} holds no checkpoint")
@@ -232,16 +248,18 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any
 
 def run_config(workdir: str | Path, saved: dict | None, params: dict):
     """The config of the run ``workdir`` as its checkpoint saved it (``saved``; None or empty: the run's
-    ``config.json``), with ``model.vocab_size`` checked against the rows of ``params``' embedding (0: set to them)."""
-    import ml_collections
-
+    ``config.json``), every key present (an older run's config lacks the keys added since: they take their defaults),
+    with ``model.vocab_size`` checked against the rows of ``params``' embedding (0: set to them)."""
     if not saved:
         file = Path(workdir) / "config.json"
         if not file.is_file():
             raise ValueError(f"{workdir}: the checkpoint records no config and there is no {file.name}")
         saved = json.loads(file.read_text())
-    cfg = ml_collections.ConfigDict(saved)
-    if "model" in cfg and "embed" in params:
+    try:
+        cfg = config_lib.complete(saved)
+    except ValueError as e:
+        raise ValueError(f"{workdir}: the run's saved config: {e}") from None
+    if "embed" in params:
         rows = int(np.shape(params["embed"]["embedding"])[0])
         if cfg.model.vocab_size == 0:  # the tokenizer's size: the embedding holds it
             cfg.model.vocab_size = rows

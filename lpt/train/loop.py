@@ -114,7 +114,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
     log.info("mesh %s over %d device(s), %d process(es)", dict(mesh.shape), mesh.size, jax.process_count())
 
     # 2. Data: this process's slice of every global batch, and fixed validation batches.
-    data_iter, eval_batches, to_global = _data(cfg, mesh)
+    eval_batches, to_global = _eval_data(cfg, mesh)
     unigram = data_lib.unigram_loss(cfg.data, split="validation")
 
     # 3. Model, optimizer, the sharded layout of the train state, the jitted steps.
@@ -122,7 +122,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
 
     # 4. Resume from the newest readable checkpoint in workdir, else initialise (from config.init_from if set).
     ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.train.keep_checkpoints)
-    restored = ckpt.restore_latest(state_lib.with_shardings(prog.abstract, prog.shardings), data_iter)
+    restored = ckpt.restore_latest(state_lib.with_shardings(prog.abstract, prog.shardings), cfg)
     if restored is None:  # a fresh init, or config.init_from's params (a fine-tune) with a fresh optimizer
         state, origin = init_from.initial_state(cfg, prog)
     else:
@@ -131,10 +131,19 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
         log.info("resumed from step %d (saved on mesh %s, now %s)", meta["step"], meta["mesh"], dict(mesh.shape))
     start = int(state.step)
     summary_path = workdir / "summary.json"
-    if start == steps and summary_path.exists():
+    if start >= steps and summary_path.exists():  # finished (a smaller train.steps does not rewrite its results)
         ckpt.close()
-        log.info("the run already finished at step %d (%s); nothing to do", steps, summary_path)
+        log.info("the run already finished at step %d (%s); nothing to do", start, summary_path)
         return json.loads(summary_path.read_text())
+    if start > steps:
+        ckpt.close()
+        raise ValueError(
+            f"the newest checkpoint in {workdir / 'checkpoints'} is step {start}, past train.steps={steps}; "
+            f"set train.steps >= {start} to continue it, or use a new --workdir"
+        )
+    if restored is not None:
+        _warn_schedule_change(restored[1].get("config"), cfg, start)
+    data_iter = _train_data(cfg, start)
 
     # 5. The loop. Step s's metrics are fetched after step s+1 is dispatched (keeps the device busy); every
     #    checkpoint is preceded by a finiteness check of all steps so far, so a NaN never reaches a checkpoint.
@@ -188,7 +197,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
                 eval_loss = evaluate(s)
             if s % cfg.train.checkpoint_every == 0 or s == steps or stop:
                 logger.drain()
-                ckpt.save(s, state, data_iter, _metadata(cfg, mesh, s, origin), force=True)
+                ckpt.save(s, state, _metadata(cfg, mesh, s, origin), force=True)
             if stop:
                 ckpt.wait()
                 log.warning("preempted: saved checkpoint at step %d in %s; exiting cleanly", s, ckpt.directory)
@@ -232,13 +241,24 @@ def batch_structs(cfg, mesh: Mesh) -> dict:
     return {"inputs": tokens, "targets": tokens}
 
 
-def _data(cfg, mesh: Mesh):
-    """(train iterator of this process's slices, fixed validation batches, local batch -> global jax.Array)."""
+def _train_data(cfg, start: int):
+    """The iterator of this process's slices of global batches ``start, start + 1, …`` (step ``s`` trains on batch
+    ``s − 1``, so a run at step ``start`` continues exactly where it stopped)."""
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    return data_lib.make_train_iterator(
+        cfg.data,
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.train.global_batch,
+        seed=cfg.data.shuffle_seed,
+        start=start,
+        **shard,
+    )
+
+
+def _eval_data(cfg, mesh: Mesh):
+    """(fixed validation batches of this process, local batch -> global jax.Array)."""
     seq_len, global_batch = cfg.data.seq_len, cfg.train.global_batch
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    data_iter = data_lib.make_train_iterator(
-        cfg.data, seq_len=seq_len, global_batch=global_batch, seed=cfg.data.shuffle_seed, **shard
-    )
     eval_batches = data_lib.make_eval_batches(
         cfg.data, seq_len=seq_len, batch=global_batch, num_batches=cfg.train.eval_batches, **shard
     )
@@ -247,7 +267,7 @@ def _data(cfg, mesh: Mesh):
     def to_global(local: dict) -> dict:
         return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v)) for k, v in local.items()}
 
-    return data_iter, eval_batches, to_global
+    return eval_batches, to_global
 
 
 class _Logger:
@@ -310,6 +330,30 @@ def _flops_per_token(cfg) -> float:
     from lpt import models
 
     return float(models.flops_per_token(cfg.model, cfg.data.seq_len))
+
+
+def _warn_schedule_change(saved: dict | None, cfg, step: int) -> None:
+    """Say on stderr when the learning-rate schedule of the resumed run differs from the checkpoint's at ``step``
+    (``train.steps`` or an optim key changed): the cosine is stretched or squeezed from there on."""
+    if not saved:
+        return
+    old = config_lib.complete(saved)
+    if old.train.steps == cfg.train.steps and old.optim.to_dict() == cfg.optim.to_dict():
+        return
+    before = float(optimizer.make_schedule(old.optim, old.train.steps)(step + 1))
+    after = float(optimizer.make_schedule(cfg.optim, cfg.train.steps)(step + 1))
+    if before != after:
+        log.warning(
+            "the learning-rate schedule differs from the checkpoint's (train.steps %d -> %d, optim %s): lr at step "
+            "%d is %.4g instead of %.4g (x%.3g)",
+            old.train.steps,
+            cfg.train.steps,
+            "changed" if old.optim.to_dict() != cfg.optim.to_dict() else "unchanged",
+            step + 1,
+            after,
+            before,
+            after / before if before else float("inf"),
+        )
 
 
 def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None) -> dict:

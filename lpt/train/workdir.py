@@ -20,8 +20,9 @@ LOCK_NAME = "lpt.lock"
 
 
 def prepare(workdir: str | Path) -> Path:
-    """Create ``workdir`` if needed; ValueError (one line) if it is a file, cannot be created or is not writable."""
-    path = Path(workdir)
+    """Create ``workdir`` if needed; ValueError (one line) if it is empty (an unset shell variable would train into
+    the current directory), a file, cannot be created or is not writable."""
+    path = _nonempty(workdir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--workdir {str(path)!r} is a file; give a directory (it is created if missing)")
     try:
@@ -33,11 +34,17 @@ def prepare(workdir: str | Path) -> Path:
     return path
 
 
+def _nonempty(workdir: str | Path) -> Path:
+    if not str(workdir).strip():
+        raise ValueError(f"--workdir {str(workdir)!r} is empty; give the run's directory (it is created if missing)")
+    return Path(workdir)
+
+
 class WorkdirLock:
     """Exclusive lock on ``<workdir>/lpt.lock``; use as a context manager (``enabled=False``: a no-op)."""
 
     def __init__(self, workdir: str | Path, *, enabled: bool = True):
-        self.path = Path(workdir) / LOCK_NAME
+        self.path = _nonempty(workdir) / LOCK_NAME
         self.enabled = enabled
         self._fd: int | None = None
 

@@ -12,7 +12,6 @@
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from cpu_devices import cpu_env
 
 import lpt.optim
 from lpt.models import hf
@@ -187,7 +187,7 @@ print("sharded leaves", split)
 
 
 def test_sharded_placement_on_four_devices(source):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = cpu_env(4)
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-c", textwrap.dedent(SHARDED), str(source)]
     p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)

@@ -40,7 +40,7 @@ def _state(v: float) -> TrainState:
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     ck = Checkpointer(tmp_path, keep=3)
     for s in (1, 2):
-        ck.save(s, _state(float(s)), None, {"step": s}, force=True)
+        ck.save(s, _state(float(s)), {"step": s}, force=True)
     ck.close()
     # corrupt every data file of step 2's state (a torn write the commit marker did not catch)
     files = [f for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*") if f.is_file()]
@@ -48,7 +48,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     for f in files:
         f.write_bytes(b"\x00garbage")
     ck = Checkpointer(tmp_path, keep=3)
-    restored, meta = ck.restore_latest(_state(0.0), None)
+    restored, meta = ck.restore_latest(_state(0.0))
     assert [d.name.split("-")[0] for d in (tmp_path / "checkpoints_damaged").iterdir()] == ["2"]  # kept
     assert meta["step"] == 1 and meta["verified"] and ck.steps() == [1]
     np.testing.assert_array_equal(restored.params["w"], np.full((4, 3), 1.0, np.float32))
@@ -58,20 +58,20 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
         if f.is_file():
             f.write_bytes(b"\x00garbage")
     with pytest.raises(ValueError, match=r"none of the checkpoints .* could be read; they were moved to"):
-        ck.restore_latest(_state(0.0), None)
-    assert ck.restore_latest(_state(0.0), None) is None and ck.steps() == []  # the next run starts over
+        ck.restore_latest(_state(0.0))
+    assert ck.restore_latest(_state(0.0)) is None and ck.steps() == []  # the next run starts over
     ck.close()
 
 
 def test_checkpoint_of_another_config_is_a_clear_error_and_is_not_moved(tmp_path):
     ck = Checkpointer(tmp_path, keep=3)
-    ck.save(1, _state(1.0), None, {"step": 1}, force=True)
+    ck.save(1, _state(1.0), {"step": 1}, force=True)
     ck.wait()
     other = _state(0.0).replace(params={"w": jnp.zeros((4, 5), jnp.float32)})
     with pytest.raises(
         ValueError, match=r"step 1 .* holds 3 arrays that do not match the 3 arrays of the current config"
     ):
-        ck.restore_latest(other, None)
+        ck.restore_latest(other)
     assert ck.steps() == [1] and not (tmp_path / "checkpoints_damaged").exists()
     ck.close()
 

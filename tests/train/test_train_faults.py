@@ -8,6 +8,7 @@ and leaves what was there untouched.
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,19 @@ def test_workdir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
     assert f.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("workdir", ["", " "])
+def test_an_empty_workdir_is_a_one_line_error(tmp_path, monkeypatch, capsys, workdir):
+    """``--workdir "$UNSET"`` must not train into (and write config.json over) the current directory."""
+    monkeypatch.chdir(tmp_path)
+    rc = main([*ARGS, "--workdir", workdir])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        rc == 2
+        and err[-1] == f"error: --workdir {workdir!r} is empty; give the run's directory (it is created if missing)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_torn_metrics_line_is_skipped_and_a_finished_run_is_left_alone(reference, tmp_path, caplog):
     assert run(tmp_path, crash_after=5) == -1
     path = tmp_path / "metrics.jsonl"
@@ -255,3 +269,82 @@ def test_sigterm_during_start_up_exits_cleanly(tmp_path, monkeypatch, caplog):
     assert any("stopped during start-up, before step 1" in r.message for r in caplog.records)
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is given back
+
+
+def _files(workdir) -> dict:
+    """Every file of a run but the lock (rewritten by each trainer that takes the workdir)."""
+    return {
+        p.relative_to(workdir): p.read_bytes() for p in Path(workdir).rglob("*") if p.is_file() and p.name != "lpt.lock"
+    }
+
+
+@pytest.mark.parametrize(
+    "change, keys",
+    [
+        (
+            ["--config.model.n_heads=8", "--config.model.n_kv_heads=4"],
+            ["model.n_heads=4 -> 8", "model.n_kv_heads=2 -> 4"],
+        ),
+        (["--config.precision.param_dtype=bfloat16"], ["precision.param_dtype='float32' -> 'bfloat16'"]),
+        (["--config.train.global_batch=16"], ["train.global_batch=8 -> 16"]),
+    ],
+    ids=["heads", "param_dtype", "global_batch"],
+)
+def test_a_checkpoint_of_another_model_or_recipe_never_resumes(reference, tmp_path, capsys, change, keys):
+    """The same array shapes (n_heads 4 -> 8 with n_kv_heads 2 -> 4 at the same width; f32 master weights viewed in
+    bf16) or another data position: one error line naming every changed key, and the run's files byte-identical."""
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    before = _files(work)
+    rc = main([*ARGS, "--workdir", str(work), "--config.train.steps=6", *change])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: checkpoint step 6 ") and "another model" in err[-1], err[-3:]
+    for key in keys:
+        assert key in err[-1]
+    assert _files(work) == before and not (work / "checkpoints_damaged").exists()
+
+
+def test_knobs_that_keep_the_state_resume_and_a_longer_schedule_is_announced(reference, tmp_path, caplog):
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    knobs = ["--config.train.log_every=2", "--config.model.remat=true", "--config.train.diagnostics_every=3"]
+    with caplog.at_level("WARNING"):
+        assert main([*ARGS, "--workdir", str(work), "--config.train.steps=8", *knobs]) == 0
+    assert json.loads((work / "summary.json").read_text())["final_step"] == 8
+    warning = [r.getMessage() for r in caplog.records if "learning-rate schedule differs" in r.getMessage()]
+    assert len(warning) == 1 and "train.steps 6 -> 8" in warning[0] and "lr at step 7" in warning[0]
+
+
+def test_a_changed_worker_count_resumes_exactly_and_moves_nothing(reference, tmp_path, caplog):
+    """data.worker_count is a performance knob: the run resumes at its step with the same batches (the data position
+    is the step), every checkpoint stays where it is and metrics.jsonl keeps its history."""
+    assert run(tmp_path, crash_after=5) == -1  # checkpoints 2 and 4, then a crash
+    with caplog.at_level("INFO"):
+        rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6", "--config.data.worker_count=1"])
+    assert rc == 0 and any("resumed from step 4" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "checkpoints_damaged").exists()
+    assert losses(tmp_path) == losses(reference)
+
+
+@pytest.mark.parametrize("steps", [4, 5])
+def test_a_finished_run_rerun_with_fewer_steps_is_left_alone(reference, tmp_path, capsys, steps):
+    """summary.json, metrics.jsonl and the checkpoints of the 6-step run stay byte-identical (the model is at step 6,
+    so nothing may be recorded as step 4 or 5)."""
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    before = _files(work)
+    assert main([*ARGS, "--workdir", str(work), f"--config.train.steps={steps}"]) == 0
+    assert _files(work) == before
+
+
+def test_an_unfinished_run_past_a_smaller_step_count_is_an_error(tmp_path, capsys):
+    assert run(tmp_path, crash_after=5) == -1  # checkpoints 2 and 4, no summary
+    before = _files(tmp_path)
+    rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        rc == 2
+        and err[-1].startswith("error: the newest checkpoint in ")
+        and "is step 4, past train.steps=3" in err[-1]
+    )
+    assert _files(tmp_path) == before
