@@ -162,7 +162,7 @@ def test_hugging_face_directory(source, tmp_path):
 
 SHARDED = """
 import sys, ml_dtypes, numpy as np
-sys.path.insert(0, "tests/train")
+sys.path[:0] = ["tests/train", "tests"]
 import lpt.optim, test_init_from as T
 from lpt.train import checkpoint, init_from, loop
 cfg = T.config(**{**T.BF16_KAHAN, "init_from.workdir": sys.argv[1], "train.mesh.data": "1", "train.mesh.fsdp": "4"})

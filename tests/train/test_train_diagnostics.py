@@ -86,13 +86,12 @@ def test_train_step_jaxpr_has_no_probes(monkeypatch):
     assert str(step.trace(abstract, batch).jaxpr) == before
 
 
-def test_diagnostics_every_is_required_and_validated():
+def test_diagnostics_every_has_a_default_and_is_validated():
     cfg = config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py")
     assert cfg.train.diagnostics_every == 50
     tree = cfg.to_dict()
-    del tree["train"]["diagnostics_every"]  # every config sets every key
-    with pytest.raises(ValueError, match=r"missing key\(s\) \['train.diagnostics_every'\]"):
-        config_lib.validate(ml_collections.ConfigDict(tree))
+    del tree["train"]["diagnostics_every"]  # a config that does not set it gets the default
+    assert config_lib.complete(ml_collections.ConfigDict(tree)).train.diagnostics_every == 50
     assert config_lib.apply_overrides(cfg, {"train.diagnostics_every": "5"}).train.diagnostics_every == 5
     with pytest.raises(ValueError, match="diagnostics_every=-1 must be >= 0"):
         _cfg(**{"train.diagnostics_every": "-1"})
