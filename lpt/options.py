@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -72,6 +73,7 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -7,6 +7,7 @@ each step once; a cached executable is the one the compiler produced, so results
 """
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -24,23 +25,19 @@ from lpt import targets  # noqa: E402  (jax reads the cache settings at import)
 targets.compile_only_environment()
 
 
-_F16 = {}
-
-
+@functools.cache
 def _float16_compiles() -> bool:
     """Whether XLA:CPU can compile an f32 <-> f16 conversion here. Without F16C (a CPU before 2012, or
     ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2``) LLVM emits calls to ``__truncsfhf2`` / ``__extendhfsf2``, which XLA's
     JIT does not provide, and every program touching float16 fails to compile."""
-    if "ok" not in _F16:
-        import jax
-        import jax.numpy as jnp
+    import jax
+    import jax.numpy as jnp
 
-        try:
-            jax.block_until_ready(jax.jit(lambda x: x.astype(jnp.float16))(jnp.ones(2, jnp.float32)))
-            _F16["ok"] = True
-        except Exception:  # noqa: BLE001 -- jax raises JaxRuntimeError("INTERNAL: Failed to materialize symbols")
-            _F16["ok"] = False
-    return _F16["ok"]
+    try:
+        jax.block_until_ready(jax.jit(lambda x: x.astype(jnp.float16))(jnp.ones(2, jnp.float32)))
+        return True
+    except Exception:  # noqa: BLE001 -- jax raises JaxRuntimeError("INTERNAL: Failed to materialize symbols")
+        return False
 
 
 @pytest.hookimpl(hookwrapper=True)

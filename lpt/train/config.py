@@ -158,7 +158,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     """Raise ValueError if ``cfg`` has unknown keys, wrong types, values outside the allowed set, or values that
     do not fit together (missing keys take their defaults)."""
     typed = options.build(Config, cfg)
-    flat = _flatten(complete(cfg))
+    flat = _flatten(ml_collections.ConfigDict(options.to_dict(typed)))
     if typed.train.diagnostics_every < 0:
         raise ValueError(f"config key train.diagnostics_every={typed.train.diagnostics_every} must be >= 0 (0 = off)")
     p = typed.precision

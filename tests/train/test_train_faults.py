@@ -324,7 +324,7 @@ def test_a_changed_worker_count_resumes_exactly_and_moves_nothing(reference, tmp
     argv = [*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6", "--config.data.worker_count=1"]
     assert main(argv, hooks=[hook]) == 0 and steps == [5, 6]  # resumed from step 4
     assert not (tmp_path / "checkpoints_damaged").exists()
-    assert losses(tmp_path) == losses(reference)
+    assert losses(tmp_path) == losses(reference)  # resume: the same program on the same batches, bit for bit
 
 
 @pytest.mark.parametrize("steps", [4, 5])
