@@ -9,6 +9,13 @@ source, every input file's path, size and mtime, validation_fraction, and the to
 renamed into place at the end, so processes sharing a cache directory never see a half-written cache (the loser of
 a race discards its copy). Old caches are not deleted.
 
+Every open verifies the cache against ``meta.json``: each stream file's size must be its token count times the
+token size, and its ``digest`` (blake2b of the file size and of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` at
+evenly spaced offsets, the first and the last included: at most 256 KiB read, so it stays cheap for any cache size)
+must match. A truncated, extended or overwritten stream (and a missing file) is damaged: the cache is removed with
+one warning naming the file and rebuilt from the documents. A cache without digests (written by an older lpt) is
+checked by size only.
+
 Encoding with a tokenizer other than "bytes" (:func:`encoded_parts`, shared with ``python -m lpt.data.prepare``):
 each document is split where the bytes tokenizer splits it (``cut = len − round(f · len)``), moved forward past
 UTF-8 continuation bytes so that no character is cut; each part is decoded as UTF-8 (a document that is not UTF-8
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -35,6 +43,9 @@ import numpy as np
 
 CACHE_VERSION = 1
 SPLITS = ("train", "validation")
+SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # the digest reads at most 64 blocks of 4 KiB of each stream
+
+log = logging.getLogger("lpt.data")
 
 
 class Corpus(NamedTuple):
@@ -174,14 +185,60 @@ def encoded_parts(
             yield split, [tokenizer.separator], 1
 
 
+class DamagedCache(ValueError):
+    """A cache directory whose streams do not match its ``meta.json``."""
+
+
+def _suffix(dtype: np.dtype) -> str:
+    return {1: "u8", 2: "u16", 4: "u32"}[dtype.itemsize]
+
+
+def digest(path: str) -> str:
+    """blake2b (16 bytes, hex) of the file's size and of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` at evenly
+    spaced offsets from the first byte to the last block (the whole file when it is smaller than that)."""
+    size = os.path.getsize(path)
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as fh:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+            h.update(fh.read())
+        else:
+            for offset in np.linspace(0, size - SAMPLE_BYTES, SAMPLE_BLOCKS).astype(np.int64):
+                fh.seek(int(offset))
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _write_meta(directory: str, meta: dict, dtype: np.dtype) -> None:
+    """``meta.json`` with the ``digest`` of each split's stream file."""
+    meta["digest"] = {s: digest(os.path.join(directory, f"{s}.{_suffix(dtype)}")) for s in SPLITS}
+    with open(os.path.join(directory, "meta.json"), "w") as fh:
+        json.dump(meta, fh)
+
+
+def _verify(directory: str, meta: dict, dtype: np.dtype) -> None:
+    """DamagedCache (one line, naming the file) unless every stream has the size and digest ``meta`` records."""
+    for split in SPLITS:
+        path = os.path.join(directory, f"{split}.{_suffix(dtype)}")
+        want = int(meta["tokens"][split]) * dtype.itemsize
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size != want:
+            found = "missing" if size is None else f"{size} bytes"
+            raise DamagedCache(f"{path} is {found}; its meta.json says {want} bytes")
+        if "digest" in meta and digest(path) != meta["digest"][split]:
+            raise DamagedCache(f"{path} does not match the digest in its meta.json (its bytes were changed)")
+
+
 def _open(directory: str) -> Corpus:
-    with open(os.path.join(directory, "meta.json")) as fh:
-        meta = json.load(fh)
+    try:
+        with open(os.path.join(directory, "meta.json")) as fh:
+            meta = json.load(fh)
+    except ValueError:
+        raise DamagedCache(f"{os.path.join(directory, 'meta.json')} is not valid JSON") from None
     dtype = np.dtype(meta.get("dtype", "uint8"))
-    suffix = {1: "u8", 2: "u16", 4: "u32"}[dtype.itemsize]
+    _verify(directory, meta, dtype)
     streams = {}
     for split in SPLITS:
-        path = os.path.join(directory, f"{split}.{suffix}")
+        path = os.path.join(directory, f"{split}.{_suffix(dtype)}")
         streams[split] = np.memmap(path, dtype=dtype, mode="r") if meta["tokens"][split] else np.zeros(0, dtype)
     if "counts" in meta:  # bytes: 256 counts in meta.json
         counts = {split: np.asarray(meta["counts"][split], np.int64) for split in SPLITS}
@@ -192,21 +249,32 @@ def _open(directory: str) -> Corpus:
     return Corpus(streams, counts, {split: int(text_bytes[split]) for split in SPLITS})
 
 
-def _build_atomically(root: str, key: str, write: Callable[[str], None]) -> str:
+def _build_or_open(root: str, key: str, write: Callable[[str], None]) -> Corpus:
+    """Open the verified cache ``root/key``, building it with ``write(tmp_dir)`` when it is missing or damaged."""
     final = os.path.join(root, key)
-    if not os.path.exists(os.path.join(final, "meta.json")):
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root)
+    if os.path.exists(os.path.join(final, "meta.json")):
         try:
-            write(tmp)
+            return _open(final)
+        except DamagedCache as e:
+            log.warning("the data cache is damaged: %s; removing %s and rebuilding it", e, final)
+            aside = tempfile.mkdtemp(prefix=f"{key}.damaged-", dir=root)
             try:
-                os.rename(tmp, final)
-            except OSError:  # another process finished first: use its cache
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
+                os.rename(final, os.path.join(aside, key))  # atomic: no reader sees a half-deleted cache
+            except OSError:  # another process moved it first
+                pass
+            shutil.rmtree(aside, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root)
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first: use its cache
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _open(final)
 
 
 def build_or_open(
@@ -239,10 +307,9 @@ def build_or_open(
                         counts[split][separator] += 1
                         sizes[split] += n + 1
         meta = {"version": CACHE_VERSION, "tokens": sizes, "counts": {s: counts[s].tolist() for s in SPLITS}}
-        with open(os.path.join(tmp, "meta.json"), "w") as fh:
-            json.dump(meta, fh)
+        _write_meta(tmp, meta, np.dtype(np.uint8))
 
-    return _open(_build_atomically(cache_dir or default_cache_dir(), key, write))
+    return _build_or_open(cache_dir or default_cache_dir(), key, write)
 
 
 class TokenCounter:
@@ -276,7 +343,7 @@ def build_or_open_tokens(
     from lpt.data.tokenizer import token_dtype
 
     dtype = token_dtype(tokenizer.vocab_size)
-    suffix = {1: "u8", 2: "u16", 4: "u32"}[dtype.itemsize]
+    suffix = _suffix(dtype)
 
     def write(tmp: str) -> None:
         counters = {s: TokenCounter(tokenizer, dtype) for s in SPLITS}
@@ -297,7 +364,6 @@ def build_or_open_tokens(
             "tokens": {s: counters[s].tokens for s in SPLITS},
             "bytes": {s: counters[s].text_bytes for s in SPLITS},
         }
-        with open(os.path.join(tmp, "meta.json"), "w") as fh:
-            json.dump(meta, fh)
+        _write_meta(tmp, meta, dtype)
 
-    return _open(_build_atomically(cache_dir or default_cache_dir(), key, write))
+    return _build_or_open(cache_dir or default_cache_dir(), key, write)
