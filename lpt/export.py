@@ -1,10 +1,16 @@
-"""``python -m lpt.export --workdir RUN --out DIR [--step N] [--check]``: a trained lpt run as a Hugging Face model
-directory.
+"""``python -m lpt.export --workdir RUN --out DIR [--step N] [--overwrite] [--check]``: a trained lpt run as a
+Hugging Face model directory.
 
 Reads the run's checkpoint (the newest, or ``--step``) with :func:`lpt.train.load_params` and its config (the one
 recorded with the checkpoint, else ``RUN/config.json``) and writes ``DIR/{config.json, model.safetensors}`` with
 :func:`lpt.models.hf.save_params`: GPT-2 or Llama, tensors in the parameters' stored dtype (float32, or bfloat16
 for the bf16 recipes). If ``config.data.tokenizer`` is a tokenizer.json file it is copied to ``DIR/tokenizer.json``.
+
+``DIR`` may be missing or an empty directory. A non-empty directory is refused (exit 2, nothing touched) unless
+``--overwrite`` is given; a file is always refused. The export is written to a new sibling directory
+(``.DIR.new-*``) and then put in place as a unit: an existing ``DIR`` is renamed aside (``.DIR.old-*``), the new
+one renamed to ``DIR`` and the old one deleted, so no file of an older export (a stale tokenizer.json, say)
+survives beside new weights, and an export that fails halfway leaves ``DIR`` as it was.
 
 ``--check`` then loads ``DIR`` with ``transformers.AutoModelForCausalLM`` (float32, eager attention) and compares
 its logits with those of the run's own parameters in lpt (float32, :func:`check`) on 2 rows of random token ids
@@ -17,6 +23,9 @@ Exit codes: 0 written (and, with ``--check``, equal), 1 the check failed, 2 bad 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,13 +46,45 @@ def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict
     return params, cfg.model.to_dict(), tokenizer_file
 
 
-def export(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:
-    """Write the run ``workdir``'s checkpoint ``step`` (None: the newest) to ``out`` as a Hugging Face directory."""
+def check_out(out: str | Path, overwrite: bool = False) -> Path:
+    """``out`` (symlinks resolved) if an export may be written there: missing, an empty directory, or with
+    ``overwrite`` a non-empty one; else a ValueError naming it."""
+    path = Path(out).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; give a directory (created if missing)")
+    if not overwrite and path.is_dir() and any(path.iterdir()):
+        raise ValueError(f"--out {str(out)!r} is not empty; pass --overwrite to replace it with the export")
+    return path
+
+
+def write(out: str | Path, params: dict, model_cfg, tokenizer_file: str | None, *, overwrite: bool = False) -> Path:
+    """Write ``params`` as a Hugging Face directory (:func:`lpt.models.hf.save_params`) to a new sibling of ``out``,
+    then swap it in for ``out`` (see the module docstring); ``out`` as :func:`check_out` allows it."""
     from lpt.models import hf
 
-    params, model_cfg, tokenizer_file = run_params(workdir, step)
-    hf.save_params(out, params, model_cfg, tokenizer_file=tokenizer_file)
-    return Path(out)
+    out = check_out(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    new, old = out.with_name(f".{out.name}.new-{tag}"), out.with_name(f".{out.name}.old-{tag}")
+    try:
+        hf.save_params(new, params, model_cfg, tokenizer_file=tokenizer_file)
+        if out.exists():
+            out.rename(old)
+        new.rename(out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            old.rename(out)  # put the previous export back
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def export(workdir: str | Path, out: str | Path, step: int | None = None, *, overwrite: bool = False) -> Path:
+    """Write the run ``workdir``'s checkpoint ``step`` (None: the newest) to ``out`` as a Hugging Face directory
+    (:func:`write`)."""
+    check_out(out, overwrite)  # before reading the checkpoint
+    return write(out, *run_params(workdir, step), overwrite=overwrite)
 
 
 def check(out: str | Path, params: dict, model_cfg, *, rows: int = 2, max_len: int = 64) -> tuple[float, float]:
@@ -80,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="the lpt run directory (holds checkpoints/)")
     parser.add_argument("--out", required=True, help="the Hugging Face model directory to write")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (as a whole)")
     parser.add_argument("--check", action="store_true", help="compare logits with transformers' (needs transformers)")
     args = parser.parse_args(argv)
     try:
-        from lpt.models import hf
-
+        check_out(args.out, args.overwrite)  # before reading the checkpoint
         params, model_cfg, tokenizer_file = run_params(args.workdir, args.step)  # read once, for both
-        hf.save_params(args.out, params, model_cfg, tokenizer_file=tokenizer_file)
+        write(args.out, params, model_cfg, tokenizer_file, overwrite=args.overwrite)
         print(f"wrote {args.out}", flush=True)
         if not args.check:
             return 0

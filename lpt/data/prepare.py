@@ -134,6 +134,27 @@ _TEMPORARY = re.compile(
 )
 
 
+def input_files(input: str, source: str) -> list[str]:
+    """The files ``--input`` matches (:func:`lpt.data.corpus._glob`: sorted, ``**`` recursive); ValueError naming
+    the glob when it matches none."""
+    try:
+        return corpus._glob(input, source)
+    except ValueError:  # corpus words it for config.data.paths
+        raise ValueError(f"--input {input!r} matches no files (a glob of input files; quote it)") from None
+
+
+def _read_manifest(path: str) -> dict:
+    """An existing ``manifest.json``; ValueError naming it when it is not a JSON object."""
+    try:
+        with open(path, "rb") as fh:
+            manifest = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a prepare manifest (not JSON: {e}); use another --out") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} is not a prepare manifest (not a JSON object); use another --out")
+    return manifest
+
+
 def _write_manifest(out: str, manifest: dict) -> None:
     path = os.path.join(out, prepared.MANIFEST)
     with open(path + ".tmp", "w") as fh:
@@ -181,9 +202,11 @@ def prepare(
         raise ValueError(f"--record-tokens {record_tokens!r} must be an int >= 1")
     if not shard_mb > 0:
         raise ValueError(f"--shard-mb {shard_mb!r} must be > 0")
-    tok = load_tokenizer(tokenizer)
-    files = corpus._glob(input, source)
     out = os.path.expanduser(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file; give a directory (created if missing)")
+    tok = load_tokenizer(tokenizer)
+    files = input_files(input, source)
     manifest = {
         "format": prepared.FORMAT,
         "tokenizer": {
@@ -202,8 +225,7 @@ def prepare(
     }
     path = os.path.join(out, prepared.MANIFEST)
     if os.path.exists(path):
-        with open(path) as fh:
-            old = json.load(fh)
+        old = _read_manifest(path)
         _check_rerun(out, old, manifest)
         manifest["finished"] = {
             k: v
@@ -261,7 +283,8 @@ def prepare(
     return {**manifest, "tokenized": sorted(tokenized)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """The CLI (see the module docstring); returns the exit status: 0 done, 2 bad input (one line on stderr)."""
     parser = argparse.ArgumentParser(prog="python -m lpt.data.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--tokenizer", required=True, help="'bytes', a tokenizer.json or a SentencePiece .model")
     parser.add_argument("--input", required=True, help="glob of input files ('**' recursive; quote it)")
@@ -290,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
             record_tokens=args.record_tokens,
         )
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     dt = time.perf_counter() - t0
     total = sum(m["bytes"].values())
     print(
@@ -298,8 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"tokens train {m['tokens']['train']:,} validation {m['tokens']['validation']:,}, "
         f"{total / max(1, sum(m['tokens'].values())):.3f} bytes/token; {dt:.1f} s"
     )
-    return m
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,6 +23,7 @@ import numpy as np
 
 # special tokens that end a document, by the names common tokenizers give them
 _END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+_FROM_BUFFER = "Cannot instantiate Tokenizer from buffer: "  # how tokenizers' ValueError for a bad file begins
 
 
 class ByteTokenizer:
@@ -40,19 +41,34 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def _file_identity(path: Path) -> str:
-    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def _identity(data: bytes) -> str:
+    """``"sha256:<first 16 hex digits>"`` of a tokenizer file's content."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
+
+
+def _not_a(path: Path, what: str, error: str) -> ValueError:
+    """The ValueError for a tokenizer file that its library could not parse (``error``: the library's message)."""
+    first = next((ln.strip() for ln in error.splitlines() if ln.strip()), "")
+    return ValueError(
+        f"data.tokenizer={str(path)!r} is not a valid {what} ({first}); give 'bytes', a Hugging Face "
+        "tokenizer.json, or a SentencePiece .model"
+    )
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package); no special tokens are added on ``encode``."""
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package); no special tokens are added on ``encode``.
+    ValueError naming the file when ``tokenizers`` cannot parse it."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
+        data = path.read_bytes()  # read here: an I/O error stays an OSError, a parse error is a ValueError
         self.name = str(path)
-        self.identity = _file_identity(path)
-        self._tok = Tokenizer.from_file(str(path))
+        self.identity = _identity(data)
+        try:
+            self._tok = Tokenizer.from_buffer(data)
+        except ValueError as e:  # "Cannot instantiate Tokenizer from buffer: <serde's message>"
+            raise _not_a(path, "Hugging Face tokenizer.json", str(e).removeprefix(_FROM_BUFFER)) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = [self._tok.token_to_id(t) for t in _END_TOKENS]
         self.separator = next((i for i in ids if i is not None), 0)
@@ -65,14 +81,21 @@ class HFTokenizer:
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece ``.model``; the separator is its ``eos_id`` (else 0)."""
+    """A SentencePiece ``.model``; the separator is its ``eos_id`` (else 0). ValueError naming the file when
+    ``sentencepiece`` cannot parse it."""
 
     def __init__(self, path: Path):
         import sentencepiece
 
+        data = path.read_bytes()
         self.name = str(path)
-        self.identity = _file_identity(path)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.identity = _identity(data)
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except RuntimeError as e:  # "INTERNAL: ..." for bytes that are not a ModelProto (or one with no unk piece)
+            detail = "not a serialized ModelProto" if "ParseFromArray" in str(e) else str(e)
+            raise _not_a(path, "SentencePiece model", detail) from None
         self.vocab_size = self._sp.get_piece_size()
         self.separator = self._sp.eos_id() if self._sp.eos_id() >= 0 else 0
 
@@ -102,7 +125,8 @@ def _load_file(path: str, size: int, mtime_ns: int) -> Tokenizer:  # keyed by si
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
     """The tokenizer named by ``config.data.tokenizer``: "bytes", a ``*.json`` file, or a ``*.model`` file (loaded
-    once per process and file version)."""
+    once per process and file version). ValueError naming the spec for anything else: a missing file, another
+    suffix, or a file its library cannot parse (a truncated tokenizer.json, a .model that is not SentencePiece's)."""
     if str(spec) == "bytes":
         return ByteTokenizer()
     path = Path(spec).expanduser()

@@ -20,13 +20,13 @@ from collections.abc import Iterator
 END_OF_TEXT = "<|endoftext|>"
 
 
-def _train_texts(input: str | None, validation_fraction: float) -> Iterator[str]:
+def _train_texts(files: list[str] | None, validation_fraction: float) -> Iterator[str]:
     from lpt.data import cache, corpus
 
-    if input is None:
+    if files is None:
         docs = corpus.load_documents("embedded")
     else:
-        docs = ((f, f) for f in corpus._glob(input, "text"))  # paths: read in line-aligned pieces
+        docs = ((f, f) for f in files)  # paths: read in line-aligned pieces
     for name, doc in docs:
         train, _ = cache.text_parts(doc, validation_fraction)
         for piece in train:
@@ -49,12 +49,17 @@ def train_tokenizer(
     "train_bytes"}``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from lpt.data.prepare import input_files
+
     if not isinstance(vocab_size, int) or vocab_size < 257:
         raise ValueError(f"--vocab-size {vocab_size!r} must be an int >= 257 (256 bytes + {END_OF_TEXT})")
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"--validation-fraction {validation_fraction!r} must be in (0, 1)")
     if not str(out).endswith(".json"):
         raise ValueError(f"--out {out!r} must end in .json (data.tokenizer tells tokenizer files by their suffix)")
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a directory; give the tokenizer.json file to write")
+    files = None if input is None else input_files(input, "text")
     t0 = time.perf_counter()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -69,7 +74,7 @@ def train_tokenizer(
     seen = [0]
 
     def texts():
-        for t in _train_texts(input, validation_fraction):
+        for t in _train_texts(files, validation_fraction):
             seen[0] += len(t.encode("utf-8"))
             yield t
 
@@ -83,7 +88,8 @@ def train_tokenizer(
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """The CLI (see the module docstring); returns the exit status: 0 written, 2 bad input (one line on stderr)."""
     parser = argparse.ArgumentParser(prog="python -m lpt.data.train_tokenizer", description=__doc__.split("\n")[0])
     parser.add_argument("--vocab-size", type=int, required=True, help="ids in total (>= 257)")
     parser.add_argument("--out", required=True, help="the tokenizer.json to write")
@@ -100,13 +106,14 @@ def main(argv: list[str] | None = None) -> dict:
             min_frequency=args.min_frequency,
         )
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(
         f"wrote {args.out}: vocab {r['vocab_size']} ({END_OF_TEXT} = 0, the separator), trained on "
         f"{r['train_bytes']:,} bytes in {r['seconds']:.2f} s"
     )
-    return r
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -42,7 +42,7 @@ from flax import nnx
 from lpt import numerics
 from lpt.models.config import ModelSpec, model_spec, precision_spec
 from lpt.models.hf_config import ARCHITECTURES, hf_config, model_kind, read_config
-from lpt.models.hf_files import FLOAT_CODES, ST_CODES, read_safetensors, read_tensors, write_safetensors
+from lpt.models.hf_files import FLOAT_CODES, ST_CODES, read_json, read_safetensors, read_tensors, write_safetensors
 from lpt.models.transformer import Transformer
 
 __all__ = [
@@ -215,7 +215,7 @@ def load_params(path: str | Path, model_cfg) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"{path} has no config.json")
-    kind = model_kind(json.loads(file.read_text()), file)
+    kind = model_kind(read_json(file), file)
     if kind != spec.kind:
         raise ValueError(f"{file} describes a {kind} model but config.model.kind={spec.kind!r}")
     tensors = read_tensors(path)

@@ -6,12 +6,12 @@ defaults; what lpt's models cannot express is a one-line ValueError); :func:`hf_
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import ml_collections
 
 from lpt.models.config import model_spec
+from lpt.models.hf_files import read_json
 from lpt.options import to_dict
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
@@ -58,27 +58,53 @@ def model_kind(hf: dict, where) -> str:
     """lpt's ``config.model.kind`` ("gpt2" or "llama") of a config.json dict, from ``architectures`` or else
     ``model_type``; ``where`` names the file in the ValueError when neither is supported."""
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{where}: architectures={archs!r} is not a list of class names")
     if archs:
         known = [a for a in archs if a in ARCHITECTURES]
         if not known:
             raise ValueError(f"{where}: architectures={archs} is not supported; allowed: {list(ARCHITECTURES)}")
         return ARCHITECTURES[known[0]]
     model_type = hf.get("model_type")
-    if model_type not in _MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in _MODEL_TYPES:
         raise ValueError(
             f"{where}: model_type={model_type!r} (no architectures) is not supported; allowed: {list(_MODEL_TYPES)}"
         )
     return _MODEL_TYPES[model_type]
 
 
-def _model_cfg(**kw) -> ml_collections.ConfigDict:
+def _model_cfg(where, **kw) -> ml_collections.ConfigDict:
     """``config.model`` with every key: ``kw`` over the model section's defaults, checked by lpt's own rules
-    (divisibility, even head_dim, ...)."""
-    return ml_collections.ConfigDict(to_dict(model_spec(kw)))
+    (divisibility, even head_dim, ...); their ValueError is prefixed with ``where``."""
+    try:
+        return ml_collections.ConfigDict(to_dict(model_spec(kw)))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+# the JSON types a config.json value may have, by the type of transformers' default (None: an optional integer)
+_JSON_TYPES = {
+    bool: ((bool,), "true or false"),
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    str: ((str,), "a string"),
+    type(None): ((int, type(None)), "an integer or null"),
+}
+
+
+def _typed(hf: dict, defaults: dict, where) -> dict:
+    """``hf`` over ``defaults``, each default's key checked to hold a JSON value of the default's type (JSON true
+    and false are not numbers); ValueError naming ``where`` and the key."""
+    c = {**defaults, **hf}
+    for key, default in defaults.items():
+        types, name = _JSON_TYPES[type(default)]
+        if not isinstance(c[key], types) or (isinstance(c[key], bool) and bool not in types):
+            raise ValueError(f"{where}: {key}={c[key]!r} is not {name}")
+    return c
 
 
 def _gpt2_config(hf: dict, where) -> ml_collections.ConfigDict:
-    c = {**_GPT2_DEFAULTS, **hf}
+    c = _typed(hf, _GPT2_DEFAULTS, where)
     if c["activation_function"] not in _GELU_TANH:
         raise ValueError(
             f"{where}: activation_function={c['activation_function']!r} is not supported; "
@@ -92,6 +118,7 @@ def _gpt2_config(hf: dict, where) -> ml_collections.ConfigDict:
         if bool(c[key]) != want:
             raise ValueError(f"{where}: {key}={c[key]!r} is not supported; allowed: {want}")
     return _model_cfg(
+        where,
         kind="gpt2",
         vocab_size=int(c["vocab_size"]),
         d_model=int(c["n_embd"]),
@@ -109,42 +136,55 @@ def _gpt2_config(hf: dict, where) -> ml_collections.ConfigDict:
 def _rope(c: dict, where) -> tuple[float, dict]:
     """(rope_theta, lpt rope_scaling) from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5); like
     transformers, rope_scaling wins when both are set."""
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    section = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    rope = c.get(section) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{where}: {section}={rope!r} is not a JSON object")
     if any(isinstance(v, dict) for v in rope.values()):
         raise ValueError(f"{where}: per-layer-type rope parameters {sorted(rope)} are not supported")
-    theta = float(rope.get("rope_theta", c["rope_theta"]))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in _ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in _ROPE_TYPES:
         raise ValueError(f"{where}: rope type {kind!r} is not supported; allowed: {list(_ROPE_TYPES)}")
-    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+
+    def number(key: str, default=None) -> float:  # rope[key] (missing or null: default), a JSON number
+        v = default if rope.get(key) is None else rope[key]
+        if v is None:
+            raise ValueError(f"{where}: {section} of rope type {kind!r} has no {key}")
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"{where}: {section}.{key}={v!r} is not a number")
+        return float(v)
+
+    theta = number("rope_theta", c["rope_theta"])
+    if number("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(
             f"{where}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported; allowed: 1.0"
         )
     out = {"type": _ROPE_TYPES[kind]}
     if kind in ("linear", "llama3"):
-        out["factor"] = float(rope["factor"])
+        out["factor"] = number("factor")
     if kind == "llama3":
-        out["low_freq_factor"] = float(rope["low_freq_factor"])
-        out["high_freq_factor"] = float(rope["high_freq_factor"])
-        out["original_max_len"] = int(rope.get("original_max_position_embeddings") or c["max_position_embeddings"])
+        out["low_freq_factor"] = number("low_freq_factor")
+        out["high_freq_factor"] = number("high_freq_factor")
+        out["original_max_len"] = int(number("original_max_position_embeddings", c["max_position_embeddings"]))
     return theta, out
 
 
 def _llama_config(hf: dict, where) -> ml_collections.ConfigDict:
-    c = {**_LLAMA_DEFAULTS, **hf}
+    c = _typed(hf, _LLAMA_DEFAULTS, where)
     if c["hidden_act"] != "silu":
         raise ValueError(f"{where}: hidden_act={c['hidden_act']!r} is not supported; allowed: ['silu']")
     for key in ("attention_bias", "mlp_bias"):
         if c[key]:
             raise ValueError(f"{where}: {key}={c[key]!r} is not supported (lpt's Llama has no biases); allowed: false")
     d, h = int(c["hidden_size"]), int(c["num_attention_heads"])
-    if c["head_dim"] is not None and int(c["head_dim"]) != d // h:
+    if c["head_dim"] is not None and h > 0 and int(c["head_dim"]) != d // h:  # h <= 0: refused by _model_cfg
         raise ValueError(
             f"{where}: head_dim={c['head_dim']} is not supported; lpt needs head_dim = hidden_size / "
             f"num_attention_heads = {d // h}"
         )
     theta, scaling = _rope(c, where)
     return _model_cfg(
+        where,
         kind="llama",
         vocab_size=int(c["vocab_size"]),
         d_model=d,
@@ -171,14 +211,16 @@ def read_config(path: str | Path) -> ml_collections.ConfigDict:
     ``intermediate_size``, ``max_position_embeddings``, ``rms_norm_eps``, ``tie_word_embeddings``, ``rope_theta`` and
     ``rope_scaling`` / ``rope_parameters`` (type default, linear or llama3); ``hidden_act`` must be silu,
     ``attention_bias`` / ``mlp_bias`` false, ``head_dim`` (if given) hidden_size / num_attention_heads. Keys a
-    config.json leaves out take transformers' defaults. Anything else: a one-line ValueError.
+    config.json leaves out take transformers' defaults. Anything else, or a file that is not a JSON object or holds
+    a value of another type than transformers' default (a string for an integer, ...): a one-line ValueError naming
+    the file.
     """
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(
             f"{path} has no config.json (a Hugging Face model directory holds config.json and model.safetensors)"
         )
-    hf = json.loads(file.read_text())
+    hf = read_json(file)
     return _gpt2_config(hf, file) if model_kind(hf, file) == "gpt2" else _llama_config(hf, file)
 
 

@@ -36,28 +36,61 @@ ST_CODES = {v: k for k, v in _ST_DTYPES.items()}  # numpy dtype -> safetensors c
 FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # the float codes among them
 
 
+def read_json(file: str | Path) -> dict:
+    """The JSON object in ``file`` (a model directory's config.json or safetensors index); ValueError naming the file
+    when it is not UTF-8 JSON or holds something other than an object."""
+    try:
+        obj = json.loads(Path(file).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not a JSON file ({e})") from None
+    if not isinstance(obj, dict):
+        found = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
+        raise ValueError(f"{file} holds {found}; expected a JSON object")
+    return obj
+
+
+def _is_index(x) -> bool:
+    """Whether ``x`` is a JSON integer >= 0 (not a boolean)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
     """``{name: array}`` of one ``.safetensors`` file, memory-mapped (read-only), in the file's dtypes (BF16 and FP8
-    as ``ml_dtypes`` arrays). ValueError on a malformed header or a dtype outside F64/F32/F16/BF16/F8/I*/U8/BOOL."""
+    as ``ml_dtypes`` arrays). ValueError naming the file when it is not a safetensors file (a header length past the
+    end of the file, a header that is not a JSON object of ``{dtype, shape, data_offsets}`` entries, byte ranges
+    that do not fit) or holds a dtype outside F64/F32/F16/BF16/F8/I*/U8/BOOL."""
     file = Path(file)
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise ValueError(f"{file} is not a safetensors file (shorter than its 8-byte header length)")
         (n,) = struct.unpack("<Q", raw)
+        size = os.fstat(f.fileno()).st_size - 8 - n
+        if size < 0:  # random bytes give a length of petabytes: never read that
+            raise ValueError(
+                f"{file} is not a safetensors file or is truncated: its header length says {n} bytes, "
+                f"the file holds {size + n} after it"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{file} is not a safetensors file (its header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} is not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
-    size = file.stat().st_size - 8 - n
-    if size < 0:
-        raise ValueError(f"{file} is truncated: its header says {n} bytes, the file holds {size + n}")
     data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n, shape=(size,)) if size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
-        code, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if code not in _ST_DTYPES:
+        info = info if isinstance(info, dict) else {}
+        code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        lists = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+        if not (lists and all(map(_is_index, shape + offsets))):
+            raise ValueError(
+                f"{file}: tensor {name!r} has a malformed header entry; expected "
+                '{"dtype": code, "shape": [ints >= 0], "data_offsets": [start, end]}'
+            )
+        shape, (start, end) = tuple(shape), offsets
+        if not isinstance(code, str) or code not in _ST_DTYPES:
             raise ValueError(f"{file}: tensor {name!r} has dtype {code}; supported: {sorted(_ST_DTYPES)}")
         dtype = _ST_DTYPES[code]
         if end - start != math.prod(shape) * dtype.itemsize or end > size:
@@ -109,7 +142,9 @@ def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
     if not index.is_file():
         found = sorted(p.name for p in path.iterdir()) if path.is_dir() else "not a directory"
         raise ValueError(f"{path} holds neither model.safetensors nor model.safetensors.index.json (found: {found})")
-    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map of tensor names to shard files")
     out = {}
     for shard in sorted(set(weight_map.values())):
         tensors = read_safetensors(path / shard)

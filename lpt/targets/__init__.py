@@ -96,9 +96,15 @@ def devices(topology: str) -> tuple:
             raise ValueError(f"topology {topology!r} is not a TPU slice libtpu knows: {first}") from None
     m = _GPU.match(topology)
     if m and m.group(1) in GPU_TARGETS:
-        topo = topologies.get_topology_desc(
-            platform="cuda", target_config=gpu_target_config(m.group(1)), topology="x".join(m.groups()[1:])
-        )
+        try:
+            topo = topologies.get_topology_desc(
+                platform="cuda", target_config=gpu_target_config(m.group(1)), topology="x".join(m.groups()[1:])
+            )
+        except NotImplementedError as e:  # "topology not implemented for cuda": jax has no CUDA plugin registered
+            raise ValueError(
+                f"topology {topology!r} needs jax's CUDA plugin, which is not installed ({e}); install lpt's dev "
+                "extras (jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12): pip install -e '.[dev]'"
+            ) from None
         return tuple(topo.devices)
     raise ValueError(
         f"topology {topology!r} is not recognised; use a TPU slice like 'v5e:2x4' or 'v5p:2x2x1', or a GPU node "

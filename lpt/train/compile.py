@@ -10,7 +10,8 @@ compiled program (:mod:`lpt.targets.hlo`) and the compile time. No data is read:
 
 Exit status: 0 the step compiles and fits; 1 it does not compile (the ``error`` field and a one-line ``error: ...`` on
 stderr) or does not fit (``fits: false``, ``advice``: which knob to turn and by how much); 2 bad input (config,
-unknown topology, a mesh that does not divide the topology's devices, a batch that does not split over the mesh).
+unknown topology, a GPU topology without jax's CUDA plugin installed, a mesh that does not divide the topology's
+devices, a batch that does not split over the mesh).
 
 On TPU the compile runs with libtpu's ``--xla_tpu_no_crash_on_oom=true`` (set by :func:`main` before libtpu starts),
 so a program that needs more than the HBM still compiles and reports its full requirement; without it libtpu stops at
@@ -78,8 +79,9 @@ def shard_bytes(tree) -> int:
 def compile_step(cfg, topology: str) -> dict:
     """Compile ``cfg``'s train step for ``topology`` and return the report (see module docstring and docs/compile.md).
 
-    Raises ValueError on bad input and :class:`DoesNotCompile` when the compiler rejects the step (except libtpu's
-    HBM out-of-memory, which is reported with ``fits: false``)."""
+    Raises ValueError on bad input (also a GPU topology when jax's CUDA plugin, a ``dev`` extra, is not installed)
+    and :class:`DoesNotCompile` when the compiler rejects the step (except libtpu's HBM out-of-memory, which is
+    reported with ``fits: false``)."""
     import jax
 
     from lpt import models, targets
