@@ -112,6 +112,12 @@ def _coerce(key: str, value: Any, typ: Any, choices: tuple | None) -> Any:
     return value
 
 
+def check_seed(key: str, value: int) -> None:
+    """ValueError unless ``value`` is a seed that jax, numpy and grain all take: an int in [0, 2**63)."""
+    if not 0 <= value < 2**63:
+        raise ValueError(f"config key {key}={value!r} must be a seed in [0, 2**63)")
+
+
 def check_fields(obj: Any) -> None:
     """Check (and normalize: int -> float, list -> tuple) every field of the section instance ``obj`` in place."""
     hints = _hints(type(obj))

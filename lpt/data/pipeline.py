@@ -10,7 +10,8 @@ reshuffled). The global batch ``b`` is rows ``b·G … b·G + G − 1`` of that 
 ``p·(G/P) … (p+1)·(G/P) − 1`` of it. So the global batch does not depend on the process count, the shards are
 disjoint and cover it, and the data position is one integer, the next global batch index: the trainer resumes at
 step ``s`` with ``start=s`` (:func:`make_train_iterator`), for any process count and worker count. With
-``worker_count > 0`` grain's multiprocess prefetch gives the same batches (checked).
+``worker_count > 0`` grain's multiprocess prefetch gives the same batches (checked); its workers exit when the
+trainer dies, also on SIGKILL (:mod:`lpt.data.workers`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 
 from lpt.data.cache import Corpus
 from lpt.data.corpus import SOURCES, load_corpus
-from lpt.options import build, option, section
+from lpt.data.workers import exit_with_parent
+from lpt.options import build, check_seed, option, section
 
 
 @section("data")
@@ -43,6 +45,7 @@ class DataConfig:
     def check(self):
         if self.worker_count < 0:
             raise ValueError(f"config key data.worker_count={self.worker_count!r} must be an int >= 0")
+        check_seed("data.shuffle_seed", self.shuffle_seed)
         if not self.tokenizer:
             raise ValueError(
                 f"config.data.tokenizer={self.tokenizer!r} must be 'bytes' or the path of a tokenizer.json / .model"
@@ -162,7 +165,8 @@ def make_train_iterator(
 
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside absl.app nobody parsed them
             flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=opts.worker_count))
+        # each worker exits when this process dies, however it dies (lpt.data.workers)
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=opts.worker_count), exit_with_parent)
     return iter(ds)
 
 

@@ -1,7 +1,8 @@
 """``python -m lpt.train --config configs/tiny_cpu.py --workdir runs/tiny [--config.key=value ...]``
 
 Parses the command line, starts the processes of a multi-host run and calls :func:`lpt.train.loop.train`.
-Exit codes: 0 done (or preempted and saved), 1 stopped on a non-finite training state, 2 bad input.
+Exit codes: 0 done (or preempted and saved), 1 stopped on a non-finite training state, 2 bad input, 3 a checkpoint
+could not be written (an I/O failure: the steps saved before it are complete).
 """
 
 from __future__ import annotations
@@ -12,19 +13,14 @@ from collections.abc import Sequence
 
 import jax
 
+from lpt.train import checkpoint, console, distributed, loop
 from lpt.train import config as config_lib
-from lpt.train import distributed, loop
 
 log = logging.getLogger("lpt.train")
 
 
 def main(argv: list[str] | None = None, *, hooks: Sequence[loop.Hook] = ()) -> int:
-    if not log.handlers:  # our own handler: libraries may already have configured the root logger
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+    console.setup()
     try:
         cfg, args = config_lib.parse_args(sys.argv[1:] if argv is None else argv)
     except ValueError as e:
@@ -40,6 +36,9 @@ def main(argv: list[str] | None = None, *, hooks: Sequence[loop.Hook] = ()) -> i
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

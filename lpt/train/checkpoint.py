@@ -20,6 +20,7 @@ position is not stored: step ``s`` consumed global batches ``0 … s − 1``, so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -33,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lpt.train import config as config_lib
+from lpt.train import console
 from lpt.train.state import TrainState
 
 log = logging.getLogger("lpt.train")
@@ -103,8 +105,24 @@ def verify(state, metadata: dict) -> bool:
     return True
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a lost mount): an I/O failure, not bad input."""
+
+
+def _verified(state: dict, metadata: dict, what: str) -> bool:
+    """:func:`verify`, with one warning when the checkpoint has no checksums (saved by an lpt without them)."""
+    if verify(state, metadata):
+        return True
+    log.warning("%s has no checksums (an older lpt saved it): its arrays are restored unverified", what)
+    return False
+
+
 class Checkpointer:
-    """Thin wrapper over ``ocp.CheckpointManager`` for the trainer's three items."""
+    """Thin wrapper over ``ocp.CheckpointManager`` for the trainer's three items.
+
+    A save that fails (also in orbax's background thread, reported at the next save, ``wait`` or ``close``) raises
+    :class:`CheckpointWriteError` naming the step; the steps saved before it stay complete.
+    """
 
     def __init__(self, workdir: str | Path, *, keep: int, async_save: bool = True):
         self.directory = Path(workdir).resolve() / "checkpoints"
@@ -112,6 +130,7 @@ class Checkpointer:
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
         )
         self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "data", "metadata"), options=options)
+        self._saving: int | None = None  # the step whose asynchronous save may still fail
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -121,7 +140,23 @@ class Checkpointer:
         are computed and the arrays copied, while the files are written."""
         metadata = {**metadata, "checksum": CHECKSUM, "checksums": checksums(state.to_dict())}
         items = {"state": ocp.args.StandardSave(state.to_dict()), "metadata": ocp.args.JsonSave(metadata)}
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        self.wait()  # the previous save's failure is its own (orbax waits for it before a new save anyway)
+        with self._writing(step):
+            started = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        self._saving = step
+        return started
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """Turn a failed write of ``step`` (or of the save still in flight) into one CheckpointWriteError line."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 -- orbax and tensorstore report write failures as several types
+            failed = self._saving if self._saving is not None else step
+            raise CheckpointWriteError(
+                f"could not write checkpoint step {failed} in {self.directory} ({_one_line(e)}); the steps saved "
+                f"before it are complete: free space or fix the file system, then run again to resume"
+            ) from None
 
     def restore_latest(self, abstract: TrainState, config=None) -> tuple[TrainState, dict] | None:
         """Restore the newest readable checkpoint onto ``abstract``'s shardings (None if there is none).
@@ -136,8 +171,15 @@ class Checkpointer:
         wanted = _layout(abstract.to_dict())
         moved = []
         for step in reversed(self.steps()):
-            saved = self._saved_config(step) if config is not None else None
-            conflicts = config_lib.resume_conflicts(saved, config) if saved else []
+            metadata = self._saved_metadata(step)
+            if metadata is not None and "step" not in metadata:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.directory} has metadata without lpt's keys (step, config, "
+                    f"checksums; it holds {sorted(metadata)}): lpt's trainer did not write it; move it out of "
+                    f"checkpoints/ or use a new --workdir"
+                )
+            saved = metadata.get("config") if config is not None and metadata else None
+            conflicts = config_lib.resume_conflicts(saved, config) if isinstance(saved, dict) and saved else []
             if conflicts:
                 raise ValueError(
                     f"checkpoint step {step} in {self.directory} was saved with another model, precision recipe or "
@@ -145,8 +187,7 @@ class Checkpointer:
                     f"--workdir (with --config.init_from.workdir={self.directory.parent} to start from its weights)"
                 )
             try:
-                meta = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state")
-                stored = _layout(meta.item_metadata)
+                stored = _layout(ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state"))
                 if not stored:
                     raise ValueError("its array metadata is empty")
             except Exception as e:  # noqa: BLE001 -- unreadable metadata: a damaged step
@@ -169,20 +210,21 @@ class Checkpointer:
             )
         return None
 
-    def _saved_config(self, step: int) -> dict | None:
-        """The config recorded in ``step``'s metadata, or None when it cannot be read (the restore then decides)."""
+    def _saved_metadata(self, step: int) -> dict | None:
+        """``step``'s JSON metadata, or None when it cannot be read (the restore then decides); a JSON value that is
+        not an object is returned as ``{}``."""
         try:
-            saved = json.loads((self.directory / str(step) / "metadata" / "metadata").read_text()).get("config")
-            return saved if isinstance(saved, dict) else None
-        except (OSError, ValueError, AttributeError):
+            saved = json.loads((self.directory / str(step) / "metadata" / "metadata").read_text())
+        except (OSError, ValueError):
             return None
+        return saved if isinstance(saved, dict) else {}
 
     def restore(self, step: int, abstract: TrainState) -> tuple[TrainState, dict]:
         """Restore ``step``; raises DamagedCheckpointError if its arrays do not match their recorded checksums."""
         items = {"state": ocp.args.StandardRestore(abstract.to_dict()), "metadata": ocp.args.JsonRestore()}
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         meta = dict(restored["metadata"])
-        meta["verified"] = verify(restored["state"], meta)
+        meta["verified"] = _verified(restored["state"], meta, f"checkpoint step {step} in {self.directory}")
         return TrainState.from_dict(restored["state"]), meta
 
     def move_aside(self, step: int, error: Exception) -> Path:
@@ -200,11 +242,15 @@ class Checkpointer:
         return target
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing(None):
+            self.manager.wait_until_finished()
+        self._saving = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def _layout(tree) -> list[tuple[tuple[int, ...], str]]:
@@ -214,9 +260,7 @@ def _layout(tree) -> list[tuple[tuple[int, ...], str]]:
 
 
 def _one_line(e: Exception) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    first = first.split(" See full TensorStore details")[0]  # drop the spec dump
-    return f"{type(e).__name__}: {first[:200]}"
+    return f"{type(e).__name__}: {console.one_line(str(e), 200)}"
 
 
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any]:
@@ -241,7 +285,7 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any
     restored = manager.restore(step, args=args)
     manager.close()
     meta = dict(restored["metadata"])
-    verify(restored["state"], meta)
+    _verified(restored["state"], meta, f"checkpoint step {step} in {directory}")
     params = jax.device_get(restored["state"]["params"])
     return params, run_config(workdir, meta.get("config"), params)
 

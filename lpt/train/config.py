@@ -72,6 +72,9 @@ class TrainConfig:
     keep_checkpoints: int = option(3, "newest checkpoints to keep")
     mesh: MeshConfig = option(MeshConfig(), "the device mesh")
 
+    def check(self):
+        options.check_seed("train.seed", self.seed)
+
 
 @section("init_from")
 class InitFromConfig:

@@ -94,12 +94,19 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
     The workdir is locked for the run (a second trainer on it fails at once, naming the holder); a run that already
     finished returns its summary without writing anything."""
     cfg = config_lib.resolve(cfg)  # model.vocab_size 0 -> the tokenizer's, so config.json records the size
-    with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
-        preempt = distributed.PreemptionFlag()  # from the start: a SIGTERM or Ctrl-C during start-up exits cleanly
-        try:
-            return _train(cfg, Path(workdir), hooks, preempt)
-        finally:
-            preempt.restore()
+    is_main = jax.process_index() == 0
+    created = workdir_lib.first_missing(workdir)  # the directory this run creates, if any
+    try:
+        with workdir_lib.WorkdirLock(workdir, enabled=is_main):
+            preempt = distributed.PreemptionFlag()  # from the start: a SIGTERM or Ctrl-C during start-up exits cleanly
+            try:
+                return _train(cfg, Path(workdir), hooks, preempt)
+            finally:
+                preempt.restore()
+    except BaseException:
+        if is_main and created is not None:
+            workdir_lib.remove_if_unused(created)  # a run that failed before writing anything leaves no workdir
+        raise
 
 
 def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.PreemptionFlag) -> dict:
@@ -128,13 +135,16 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
     else:
         state, meta = restored
         origin = meta.get("init_from")
-        log.info("resumed from step %d (saved on mesh %s, now %s)", meta["step"], meta["mesh"], dict(mesh.shape))
+        log.info("resumed from step %d (saved on mesh %s, now %s)", int(state.step), meta.get("mesh"), dict(mesh.shape))
     start = int(state.step)
     summary_path = workdir / "summary.json"
+    if summary_path.exists() and not summary_path.is_file():
+        ckpt.close()
+        raise ValueError(f"{summary_path} is not a file; the run writes its summary there: move it away")
     if start >= steps and summary_path.exists():  # finished (a smaller train.steps does not rewrite its results)
         ckpt.close()
         log.info("the run already finished at step %d (%s); nothing to do", start, summary_path)
-        return json.loads(summary_path.read_text())
+        return _read_summary(summary_path)
     if start > steps:
         ckpt.close()
         raise ValueError(
@@ -149,16 +159,17 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
     #    checkpoint is preceded by a finiteness check of all steps so far, so a NaN never reaches a checkpoint.
     #    Every diagnostics_every steps a forward pass on the step's batch and params adds the activation statistics
     #    (model/fp8/..., model/attn/...) to that step's metrics, which are then logged.
+    #    Nothing in the workdir is written before the train step compiles: a config that fails leaves it as it was.
     diag_every = cfg.train.diagnostics_every
+    t_compile = time.time()  # ahead of time, so that the first tokens/s excludes compilation
+    train_step = prog.train_step.lower(state, batch_structs(cfg, mesh)).compile()
+    compile_seconds = time.time() - t_compile
+    log.info("compiled the train step in %.1f s", compile_seconds)
     writer = metrics.MetricsWriter(workdir, enabled=is_main, drop_after=start)  # forget steps a crash re-runs
     if is_main:
         resolved = json.dumps(cfg.to_dict(), indent=2)
         (workdir / "config.json").write_text(resolved + "\n")
         writer.text("config", resolved, start)
-    t_compile = time.time()  # ahead of time, so that the first tokens/s excludes compilation
-    train_step = prog.train_step.lower(state, batch_structs(cfg, mesh)).compile()
-    compile_seconds = time.time() - t_compile
-    log.info("compiled the train step in %.1f s", compile_seconds)
     logger = _Logger(cfg, writer, ckpt, start, disable=not is_main)
     t_loop = time.time()
     eval_loss = None
@@ -231,6 +242,16 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
         summary_path.write_text(json.dumps(summary, indent=2))
         log.info("done: validation loss %.4f vs unigram baseline %.4f (%.0f s)", eval_loss, unigram, elapsed)
     return summary
+
+
+def _read_summary(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is not the run's JSON summary ({e}); delete it and run again to rewrite it from the final "
+            "checkpoint"
+        ) from None
 
 
 def batch_structs(cfg, mesh: Mesh) -> dict:

@@ -5,6 +5,9 @@ that is a file, one that cannot be created or written), then takes an exclusive 
 ``<workdir>/lpt.lock`` and writes the holder (host, pid, start time) into it. A second trainer on the same workdir
 fails at once with a ``ValueError`` naming the holder. The OS drops the lock when the holder exits or crashes, so a
 stale lock file never blocks a later run. On a multi-process run, process 0 holds the lock.
+
+A run that fails before it writes anything (a config that does not compile, bad data) removes the directories it
+created (:func:`first_missing`, :func:`remove_if_unused`), so a typo leaves no new workdir behind.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import datetime
 import fcntl
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -23,7 +27,7 @@ def prepare(workdir: str | Path) -> Path:
     """Create ``workdir`` if needed; ValueError (one line) if it is empty (an unset shell variable would train into
     the current directory), a file, cannot be created or is not writable."""
     path = _nonempty(workdir)
-    if path.exists() and not path.is_dir():
+    if _exists(path) and not path.is_dir():
         raise ValueError(f"--workdir {str(path)!r} is a file; give a directory (it is created if missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -32,6 +36,35 @@ def prepare(workdir: str | Path) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--workdir {str(path)!r} is not writable")
     return path
+
+
+def first_missing(workdir: str | Path) -> Path | None:
+    """The outermost directory of ``workdir``'s path that does not exist yet (what :func:`prepare` would create),
+    or None if ``workdir`` exists."""
+    path = Path(workdir).absolute()
+    if not str(workdir).strip() or _exists(path):
+        return None
+    while not _exists(path.parent):
+        path = path.parent
+    return path
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name the file system cannot hold (over 255 bytes): it does not exist
+        return False
+
+
+def remove_if_unused(directory: Path) -> None:
+    """Remove ``directory`` (one a failed run created) if it holds no file but the lock: nothing a user could
+    want."""
+    if not _exists(directory) or not directory.is_dir():
+        return
+    for _, _, files in os.walk(directory):
+        if any(f != LOCK_NAME for f in files):
+            return
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _nonempty(workdir: str | Path) -> Path:

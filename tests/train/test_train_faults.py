@@ -349,3 +349,115 @@ def test_an_unfinished_run_past_a_smaller_step_count_is_an_error(tmp_path, capsy
         and "is step 4, past train.steps=3" in err[-1]
     )
     assert _files(tmp_path) == before
+
+
+def _fail_to_compile(monkeypatch):
+    """The train step raises while it is traced: a config that does not compile."""
+    import jax
+
+    from lpt.train import loop
+
+    def broken(*args, **kwargs):
+        def step(state, batch):
+            raise ValueError("the train step does not compile")
+
+        return jax.jit(step)
+
+    monkeypatch.setattr(loop.step_lib, "make_train_step", broken)
+
+
+def test_a_run_that_fails_before_its_first_step_rewrites_nothing(tmp_path, monkeypatch, capsys):
+    """An unfinished run started again with a config that does not compile: config.json, metrics.jsonl, the
+    TensorBoard files and the checkpoints stay byte-identical. In a new workdir, the directories the run created
+    (its parent included) are removed again."""
+    assert run(tmp_path, crash_after=5) == -1
+    before = _files(tmp_path)
+    _fail_to_compile(monkeypatch)
+    rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6", "--config.train.log_every=2"])
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines()[-1] == "error: the train step does not compile"
+    assert _files(tmp_path) == before
+    new = tmp_path / "runs" / "new"
+    assert main([*ARGS, "--workdir", str(new)]) == 2
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config.train.seed=99999999999999999999"], "config key train.seed=99999999999999999999 must be a seed in"),
+        (["--config.data.shuffle_seed=-1"], "config key data.shuffle_seed=-1 must be a seed in [0, 2**63)"),
+        (["--workdir", "x" * 256], "cannot be created: File name too long"),
+    ],
+    ids=["seed", "shuffle_seed", "long_name"],
+)
+def test_bad_seeds_and_names_are_one_error_line_and_create_nothing(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    rc = main([*ARGS, "--workdir", str(tmp_path / "runs" / "w"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ") and message in err[-1], err[-3:]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["directory", "not_json"])
+def test_a_finished_runs_damaged_summary_is_named_and_left_alone(reference, tmp_path, capsys, damage):
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    summary = work / "summary.json"
+    summary.unlink()
+    if damage == "directory":
+        summary.mkdir()
+    else:
+        summary.write_text('{"final_step": 6, "eval_')
+    before = _files(work)
+    rc = main([*ARGS, "--workdir", str(work), "--config.train.steps=6"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"error: {summary} is not ") and "\n" not in err[-1], err[-3:]
+    assert _files(work) == before and summary.exists()
+
+
+def test_a_full_disk_mid_save_is_one_error_line_and_exit_3(tmp_path, capsys):
+    """The write of checkpoint 4 fails (orbax reports a full disk as a ValueError from TensorStore): an I/O failure,
+    exit 3 and not 2 (bad input), one line naming the step; checkpoint 2 stays complete and the run resumes."""
+
+    def full_disk(step, ckpt):
+        if step == 3:
+
+            def save(*args, **kwargs):
+                raise ValueError('RESOURCE_EXHAUSTED: Error writing local file "_sharding": No space left on device')
+
+            ckpt.manager.save = save
+
+    rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6"], hooks=[full_disk])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 3 and err[-1].startswith("error: could not write checkpoint step 4 in "), err[-3:]
+    assert "No space left on device" in err[-1] and "run again to resume" in err[-1]
+    steps = []
+    assert (
+        main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6"], hooks=[lambda s, c: steps.append(s)]) == 0
+    )
+    assert steps == [3, 4, 5, 6]
+
+
+def test_a_checkpoint_without_checksums_resumes_with_one_warning(reference, tmp_path, capsys):
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    (work / "summary.json").unlink()  # an unfinished run at step 6: resumes, evaluates, finishes
+    meta_file = work / "checkpoints" / "6" / "metadata" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["checksum"], meta["checksums"]  # what an lpt without checksums saved
+    meta_file.write_text(json.dumps(meta))
+    assert main([*ARGS, "--workdir", str(work), "--config.train.steps=6"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("has no checksums") == 1 and "restored unverified" in err
+    assert "_CHECKPOINT_METADATA" not in err  # orbax's warning on every resume is not printed
+
+
+def test_checkpoint_metadata_without_lpts_keys_is_one_error_line(reference, tmp_path, capsys):
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    (work / "checkpoints" / "6" / "metadata" / "metadata").write_text("{}")
+    before = _files(work)
+    rc = main([*ARGS, "--workdir", str(work), "--config.train.steps=8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: checkpoint step 6 in ") and "metadata without lpt's keys" in err[-1]
+    assert _files(work) == before and not (work / "checkpoints_damaged").exists()
