@@ -24,6 +24,22 @@ def one_line(text: str, limit: int = 300) -> str:
     return first.split(_TENSORSTORE_SPEC)[0][:limit]
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to ``sys.stderr`` as it is when a record is emitted (not when the handler was made),
+    so that a caller that redirects stderr later (a test, a notebook) still gets the lines."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 class _OneLine(logging.Filter):
     """Keeps a record, reduced to the first line of its message (no traceback)."""
 
@@ -76,7 +92,7 @@ def setup() -> None:
     """Install the ``lpt`` log handler and the one-line filters (idempotent)."""
     root = logging.getLogger("lpt")  # lpt.train, lpt.data, ...
     if not root.handlers:  # our own handler: libraries may already have configured the root logger
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
