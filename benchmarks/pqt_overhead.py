@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import lpt.pqt as pqt
+from lpt.pqt.gaussws import pqn_sample
 from lpt.train.machine import describe
 
 
@@ -54,7 +55,7 @@ def make_steps(method):
     def weight(w, bt, key):
         if method == "bf16":
             return w.astype(jnp.bfloat16)  # f32 -> bf16
-        return pqt.pqn_sample(w, bt, key, method=method)
+        return pqn_sample(w, bt, key, method=method)
 
     def fwd(x, w, bt, key):
         return linear(x, weight(w, bt, key))

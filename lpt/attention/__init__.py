@@ -5,8 +5,9 @@
 padding (``kv_mask``) and packing (``segment_ids``) masks. ``impl="xla"`` runs the blockwise XLA twin of the
 flash kernel, ``impl="pallas"`` the Pallas kernel, ``impl="softmax"`` plain f32 softmax attention (the truth).
 :class:`AttentionPolicy` says how the block loop rounds (shift rule, where ℓ comes from, P̃V dtype, accumulator,
-the O kept for the backward); ``stable=True`` picks the bias-free default, ``stable=False`` the standard FA2 kernel.
-See docs/attention.md for the measurements behind the defaults.
+the O kept for the backward); ``stable=True`` picks the bias-free :func:`default_policy`, ``stable=False`` the
+:func:`standard_policy` of FA2. Diagnostics: :func:`repeated_max_fraction`, :func:`delta_error`,
+:func:`residual_output`. See docs/attention.md for the measurements behind the defaults.
 """
 
 from lpt.attention.core import dot_product_attention

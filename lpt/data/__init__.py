@@ -12,9 +12,10 @@ split="validation")`` -> list of such dicts (deterministic; ``batch`` is the glo
 ``bytes_per_token(data_cfg, split="validation") -> float`` text bytes per token (1.0 for bytes): bits per byte =
 loss / ln 2 / bytes_per_token.
 ``load_tokenizer(spec)`` (:mod:`lpt.data.tokenizer`): ``vocab_size``, ``encode``, ``decode``, ``separator``.
+``token_dtype(vocab_size)``: the stream dtype of a vocabulary (uint8 / uint16 / uint32).
 ``load_corpus(source, paths, validation_fraction, cache_dir=None, tokenizer="bytes")`` -> ``Corpus`` (streams,
-counts, text_bytes); ``token_streams(...)``, ``streams_and_counts(...)`` (same arguments), ``load_documents(source,
-paths)``, ``data_options(cfg)``, ``Windows``, ``PreparedStream`` (a prepared directory's split, random access).
+counts, text_bytes); ``load_documents(source, paths)``, ``data_options(cfg)``, ``Windows``, ``PreparedStream`` (a
+prepared directory's split, random access).
 
 Command-line tools: ``python -m lpt.data.prepare`` (tokenize files into ArrayRecord shards for
 ``source="prepared"``) and ``python -m lpt.data.train_tokenizer`` (a byte-level BPE ``tokenizer.json``).
@@ -25,15 +26,7 @@ docs/models_and_data.md.
 """
 
 from lpt.data.cache import Corpus
-from lpt.data.corpus import (
-    SEPARATOR,
-    SOURCES,
-    VOCAB_SIZE,
-    load_corpus,
-    load_documents,
-    streams_and_counts,
-    token_streams,
-)
+from lpt.data.corpus import load_corpus, load_documents
 from lpt.data.pipeline import (
     DataConfig,
     Windows,
@@ -47,9 +40,6 @@ from lpt.data.prepared import PreparedStream
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
 __all__ = [
-    "SEPARATOR",
-    "SOURCES",
-    "VOCAB_SIZE",
     "Corpus",
     "DataConfig",
     "PreparedStream",
@@ -61,8 +51,6 @@ __all__ = [
     "load_tokenizer",
     "make_eval_batches",
     "make_train_iterator",
-    "streams_and_counts",
     "token_dtype",
-    "token_streams",
     "unigram_loss",
 ]

@@ -2,10 +2,10 @@
 
 Sources (``config.data.source``):
 
-* ``"embedded"``: the English help texts CPython ships as ``pydoc_data.topics`` (79 documents, no download), in
-  sorted topic order, with repeated paragraphs removed (:func:`dedupe_paragraphs`: 466 kB -> 374 kB). The topics
-  overlap heavily ("specialnames" contains "customization", "compound" contains "if", ...): without the dedupe
-  28% of the validation split's 64-byte chunks occur verbatim in the train split, with it 0.3%.
+* ``"embedded"``: the English help texts CPython ships as ``pydoc_data.topics`` (no download), in sorted topic
+  order, with repeated paragraphs removed (:func:`dedupe_paragraphs`). The topics overlap heavily ("specialnames"
+  contains "customization", "compound" contains "if", ...), so without the dedupe much of the validation split
+  occurs verbatim in the train split (sizes and overlap: docs/models_and_data.md).
 * ``"text"``: every file matching the glob ``config.data.paths`` (``**`` recursive), sorted by path; one file is
   one document (its raw bytes).
 * ``"arrayrecord"``: every record of every ArrayRecord file matching ``config.data.paths`` (sorted); one record is
@@ -68,12 +68,17 @@ def _embedded_documents() -> list[tuple[str, bytes]]:
     return dedupe_paragraphs(docs)
 
 
-def _glob(paths: str | None, source: str) -> list[str]:
-    if not paths or not isinstance(paths, str):
-        raise ValueError(f"config.data.paths={paths!r}: source={source!r} needs a glob string of input files")
-    files = sorted(f for f in globlib.glob(os.path.expanduser(paths), recursive=True) if os.path.isfile(f))
+def glob_files(pattern: str | None, source: str, option: str = "config.data.paths") -> list[str]:
+    """The files the glob ``pattern`` matches (``~`` expanded, ``**`` recursive, directories left out), sorted.
+
+    ValueError when ``pattern`` is not a non-empty string or matches no files, naming ``option``, where the pattern
+    came from: a config key (``config.data.paths='x/*.txt'``) or a command-line flag (``--input 'x/*.txt'``)."""
+    given = f"{option} {pattern!r}" if option.startswith("-") else f"{option}={pattern!r}"
+    if not pattern or not isinstance(pattern, str):
+        raise ValueError(f"{given}: source={source!r} needs a glob string of input files")
+    files = sorted(f for f in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
     if not files:
-        raise ValueError(f"config.data.paths={paths!r} matches no files (source={source!r})")
+        raise ValueError(f"{given} matches no files (source={source!r})")
     return files
 
 
@@ -105,7 +110,7 @@ def load_documents(source: str, paths: str | None = None) -> list[tuple[str, byt
     if source == "embedded":
         return _embedded_documents()
     if source in _FILE_SOURCES:
-        return list(_FILE_SOURCES[source](_glob(paths, source)))
+        return list(_FILE_SOURCES[source](glob_files(paths, source)))
     if source == "prepared":
         raise ValueError(f"source='prepared' (paths={paths!r}) holds token ids, not documents")
     raise ValueError(f"config.data.source={source!r} is not supported; allowed: {list(SOURCES)}")
@@ -180,7 +185,8 @@ def load_corpus(
     tokenizer: str = "bytes",
 ) -> Corpus:
     """The split corpus of one source and tokenizer: :class:`lpt.data.cache.Corpus` (streams, per-id counts, text
-    bytes), read-only.
+    bytes), read-only. ``streams`` is ``{"train": ids[N_train], "validation": ids[N_val]}``: uint8 for ``"bytes"``,
+    else uint16 / uint32; for ``"prepared"`` random-access :class:`lpt.data.prepared.PreparedStream` objects.
 
     The embedded corpus is built in memory (once per process and tokenizer); file sources go through the on-disk
     cache (:mod:`lpt.data.cache`), looked up by the files' current fingerprint and the tokenizer's identity on every
@@ -196,7 +202,7 @@ def load_corpus(
         else:
             corpus = _embedded_tokens(float(validation_fraction), str(tokenizer), tok.identity)
     elif source in _FILE_SOURCES:
-        files = tuple(_glob(paths, source))
+        files = tuple(glob_files(paths, source))
         key = cache.fingerprint(source, list(files), validation_fraction, tok.identity)
         corpus = _file_streams(source, files, key, float(validation_fraction), cache_dir, str(tokenizer))
     elif source == "prepared":
@@ -207,27 +213,3 @@ def load_corpus(
         raise ValueError(f"config.data.source={source!r} is not supported; allowed: {list(SOURCES)}")
     _check(corpus.streams, source, paths)
     return corpus
-
-
-def streams_and_counts(
-    source: str,
-    paths: str | None,
-    validation_fraction: float,
-    cache_dir: str | None = None,
-    tokenizer: str = "bytes",
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``({split: token stream}, {split: int64[vocab] token counts})`` of :func:`load_corpus`."""
-    corpus = load_corpus(source, paths, validation_fraction, cache_dir, tokenizer)
-    return corpus.streams, corpus.counts
-
-
-def token_streams(
-    source: str,
-    paths: str | None,
-    validation_fraction: float,
-    cache_dir: str | None = None,
-    tokenizer: str = "bytes",
-) -> dict[str, np.ndarray]:
-    """``{"train": ids[N_train], "validation": ids[N_val]}`` token streams (read-only, cached): uint8 for "bytes",
-    else uint16 / uint32; for ``"prepared"`` random-access :class:`lpt.data.prepared.PreparedStream` objects."""
-    return load_corpus(source, paths, validation_fraction, cache_dir, tokenizer).streams

@@ -134,15 +134,6 @@ _TEMPORARY = re.compile(
 )
 
 
-def input_files(input: str, source: str) -> list[str]:
-    """The files ``--input`` matches (:func:`lpt.data.corpus._glob`: sorted, ``**`` recursive); ValueError naming
-    the glob when it matches none."""
-    try:
-        return corpus._glob(input, source)
-    except ValueError:  # corpus words it for config.data.paths
-        raise ValueError(f"--input {input!r} matches no files (a glob of input files; quote it)") from None
-
-
 def _read_manifest(path: str) -> dict:
     """An existing ``manifest.json``; ValueError naming it when it is not a JSON object."""
     try:
@@ -206,7 +197,7 @@ def prepare(
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a file; give a directory (created if missing)")
     tok = load_tokenizer(tokenizer)
-    files = input_files(input, source)
+    files = corpus.glob_files(input, source, "--input")
     manifest = {
         "format": prepared.FORMAT,
         "tokenizer": {

@@ -49,7 +49,7 @@ def train_tokenizer(
     "train_bytes"}``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from lpt.data.prepare import input_files
+    from lpt.data.corpus import glob_files
 
     if not isinstance(vocab_size, int) or vocab_size < 257:
         raise ValueError(f"--vocab-size {vocab_size!r} must be an int >= 257 (256 bytes + {END_OF_TEXT})")
@@ -59,7 +59,7 @@ def train_tokenizer(
         raise ValueError(f"--out {out!r} must end in .json (data.tokenizer tells tokenizer files by their suffix)")
     if os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a directory; give the tokenizer.json file to write")
-    files = None if input is None else input_files(input, "text")
+    files = None if input is None else glob_files(input, "text", "--input")
     t0 = time.perf_counter()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

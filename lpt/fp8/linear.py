@@ -14,7 +14,7 @@ from flax import nnx
 
 from lpt.fp8.blockwise import IMPLS, blockwise_dot
 
-__all__ = ["Fp8Linear", "fp8_dot_general", "make_fp8_dot_general"]
+__all__ = ["Fp8Linear", "make_fp8_dot_general"]
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _default_bias_init = nnx.initializers.zeros_init()
@@ -112,6 +112,3 @@ def make_fp8_dot_general(
         return y
 
     return dot_general
-
-
-fp8_dot_general = make_fp8_dot_general()

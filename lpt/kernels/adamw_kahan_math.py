@@ -185,8 +185,8 @@ def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, inde
 
     Stochastic: the top 16 bits of :func:`moment_bits` round ``m`` (bit-identical to
     ``lpt.numerics.round_stochastic(m, bf16, key)``), the low 16 bits round ``v``. bf16 stochastic rounding uses 16
-    random bits, so one 32-bit hash serves both moments: half the hashing of two ``round_stochastic`` calls (the
-    hash, 4 u32 multiplies per word, dominated the stochastic step on XLA:CPU)."""
+    random bits, so one 32-bit hash serves both moments: half the hashing of two ``round_stochastic`` calls (what
+    the hash costs in the fused step: docs/results.md)."""
     if not stochastic:
         return round_nearest(m32, jnp.bfloat16, out_dtype=jnp.float32), round_nearest(
             v32, jnp.bfloat16, out_dtype=jnp.float32

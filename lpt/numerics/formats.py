@@ -105,11 +105,6 @@ def get_format(dtype) -> FloatFormat:
     return FORMATS[name]
 
 
-def is_low_precision(dtype) -> bool:
-    """True for the formats lpt rounds into (every supported float narrower than f32)."""
-    return np.dtype(dtype).name in FORMATS and np.dtype(dtype).name != "float32"
-
-
 def exponent_of(x_f32: jax.Array) -> jax.Array:
     """floor(log2|x|) of f32 values as int32, read from the bits (f32 subnormals and 0 report -126)."""
     bits = jax.lax.bitcast_convert_type(x_f32.astype(jnp.float32), jnp.uint32)  # f32 -> u32 bits

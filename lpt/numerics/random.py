@@ -1,10 +1,11 @@
 """Cheap counter-based random bits for stochastic rounding.
 
-``jax.random.bits`` (threefry-2x32) costs about 30x more than a rounding pass on XLA:CPU (133 ms vs 4.4 ms of CPU
-time for 4M u32 here), which would make every stochastically rounded update compute-bound. Stochastic rounding needs
-uniform, independent-looking bits, not cryptographic ones, so :func:`hash_bits` hashes the element's global index
-with the key: ``h((i ^ m1) + m0)`` with the ``lowbias32`` integer mixer ``h`` (Wellons' two xor-shift-multiply
-finalizer, avalanche bias ~1.7e-4), where ``(m0, m1)`` are the key words ``(k0, k1)`` run through the mixer first::
+``jax.random.bits`` runs threefry-2x32 (20 rounds per pair of words), which on XLA:CPU costs many times a rounding
+pass (measured in docs/results.md) and would make every stochastically rounded update compute-bound. Stochastic
+rounding needs uniform, independent-looking bits, not cryptographic ones, so :func:`hash_bits` hashes the element's
+global index with the key: ``h((i ^ m1) + m0)`` with the ``lowbias32`` integer mixer ``h`` (Wellons' two
+xor-shift-multiply finalizer, avalanche bias ~1.7e-4), where ``(m0, m1)`` are the key words ``(k0, k1)`` run through
+the mixer first::
 
     m1 = h(k1 ^ 0x9E3779B9)
     m0 = h(k0 + m1)

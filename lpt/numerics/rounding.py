@@ -120,9 +120,9 @@ def round_stochastic(x, dtype, key, *, saturate: bool | None = None, out_dtype=N
     Normal range: a uniform random integer of ``k = 23 - p`` bits is added below the kept mantissa bits and the
     result truncated (exactly unbiased). Subnormal range of the target: ``floor(|x|/s) + [u < frac(|x|/s)]`` with
     a 24-bit uniform u (bias below 2^-24 of one subnormal step). One u32 of randomness per element, from
-    :func:`lpt.numerics.random_bits` (``rng="hash"``: a keyed hash of the element index, ~30x cheaper than
-    threefry on CPU, with the key words mixed first, so a raw ``jax.random.key(seed)`` serves as well as a derived
-    key; ``rng="threefry"``: ``jax.random.bits``). Both are sharding-invariant.
+    :func:`lpt.numerics.random_bits` (``rng="hash"``: a keyed hash of the element index, one mixer call per
+    element instead of threefry's 20 rounds, with the key words mixed first, so a raw ``jax.random.key(seed)``
+    serves as well as a derived key; ``rng="threefry"``: ``jax.random.bits``). Both are sharding-invariant.
 
     Args: as :func:`round_nearest`, plus ``key``, a JAX PRNG key (typed or raw uint32), and ``rng``.
     """

@@ -12,37 +12,30 @@ For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit 
 
 Rules: :func:`kahan_summation` (Zamirai et al., Algorithm 1), :func:`stochastic_rounding` (Zamirai et al.),
 :func:`nearest_rounding` (the baseline), :func:`norm_preserving_update` (the norm-preserving update note); the papers
-are listed in docs/references.md. Helpers: diagnostics, f32-checkpoint conversion, and recipes (:func:`adamw`,
-:func:`kahan_adamw`: one fused transform with ``impl="xla" | "pallas"``, :func:`update_rule`).
+are listed in docs/references.md. Helpers: diagnostics (:func:`get_diagnostics`), f32-checkpoint conversion
+(:func:`compensation_from_f32`, :func:`to_f32`, :func:`find_compensation`, :func:`replace_compensation`), and recipes
+(:func:`scale_by_adam`, :func:`add_decayed_weights`, :func:`adamw`, :func:`kahan_adamw`: one fused transform with
+``impl="xla" | "pallas"`` and state :class:`KahanAdamWState`, :func:`update_rule` of a name in :data:`UPDATE_RULES`).
 
-Per-leaf steps and the rest stay importable from their modules: :mod:`lpt.optim.accumulation` (Kahan-compensated
-micro-batch gradient accumulation), :func:`lpt.optim.kahan.kahan_step`,
+Per-leaf steps, state classes and the rest stay importable from their modules: :mod:`lpt.optim.accumulation`
+(Kahan-compensated micro-batch gradient accumulation), :func:`lpt.optim.kahan.kahan_step`,
 :func:`lpt.optim.norm_preserving.norm_preserving_step`, :func:`lpt.optim.fused_adamw.kahan_adamw_moments`,
-:class:`lpt.optim.leaves.UpdateDiagnostics`.
+:class:`lpt.optim.leaves.UpdateDiagnostics`, :class:`lpt.optim.kahan.KahanSummationState` and the other rules'
+states.
 """
 
-from lpt.optim.adam import ScaleByAdamState, scale_by_adam
+from lpt.optim.adam import scale_by_adam
 from lpt.optim.apply import apply_updates
 from lpt.optim.diagnostics import find_compensation, get_diagnostics, replace_compensation
 from lpt.optim.fused_adamw import KahanAdamWState
-from lpt.optim.kahan import KahanSummationState, compensation_from_f32, kahan_summation, to_f32
-from lpt.optim.norm_preserving import NormPreservingState, norm_preserving_update
+from lpt.optim.kahan import compensation_from_f32, kahan_summation, to_f32
+from lpt.optim.norm_preserving import norm_preserving_update
 from lpt.optim.recipes import UPDATE_RULES, adamw, add_decayed_weights, kahan_adamw, update_rule
-from lpt.optim.rounding_rules import (
-    NearestRoundingState,
-    StochasticRoundingState,
-    nearest_rounding,
-    stochastic_rounding,
-)
+from lpt.optim.rounding_rules import nearest_rounding, stochastic_rounding
 
 __all__ = [
     "UPDATE_RULES",
     "KahanAdamWState",
-    "KahanSummationState",
-    "NearestRoundingState",
-    "NormPreservingState",
-    "StochasticRoundingState",
-    "ScaleByAdamState",
     "add_decayed_weights",
     "adamw",
     "apply_updates",

@@ -112,8 +112,8 @@ def _runtime_one(p32, dep):
 
 
 def _narrow_exact(x32, dtype):
-    """f32 values already on ``dtype``'s grid -> ``dtype``. For bf16 the top 16 bits (XLA:CPU's generic rounding
-    convert costs about twice as much as this shift); other dtypes use ``astype`` (exact here too)."""
+    """f32 values already on ``dtype``'s grid -> ``dtype``. For bf16 the top 16 bits (a shift: the values need no
+    rounding, which XLA's generic convert would still compute); other dtypes use ``astype`` (exact here too)."""
     if jnp.dtype(dtype) == jnp.bfloat16:
         bits = (lax.bitcast_convert_type(x32, jnp.uint32) >> jnp.uint32(16)).astype(jnp.uint16)  # f32 bits -> high half
         return lax.bitcast_convert_type(bits, jnp.bfloat16)  # u16 -> bf16

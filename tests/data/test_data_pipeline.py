@@ -9,6 +9,7 @@ import pytest
 
 import lpt.data as D
 from lpt.data import cache as data_cache
+from lpt.data import corpus
 
 CFG = {"source": "embedded", "validation_fraction": 0.1, "shuffle_seed": 0}
 
@@ -30,9 +31,9 @@ def test_train_batches_are_deterministic_and_seeded():
 
 
 def test_windows_pack_the_stream_with_separators():
-    stream = D.token_streams("embedded", None, 0.1)["train"]
+    stream = D.load_corpus("embedded", None, 0.1).streams["train"]
     n_pieces = sum(len(d) - round(0.1 * len(d)) > 0 for _, d in D.load_documents("embedded"))
-    assert int((stream == D.SEPARATOR).sum()) == n_pieces > 70  # one separator after every document piece
+    assert int((stream == corpus.SEPARATOR).sum()) == n_pieces > 70  # one separator after every document piece
     w = D.Windows(stream, 32)
     np.testing.assert_array_equal(w[3], stream[96:129])
     assert len(w) == (stream.size - 1) // 32
@@ -40,10 +41,10 @@ def test_windows_pack_the_stream_with_separators():
 
 def test_split_is_disjoint_and_proportional():
     docs = D.load_documents("embedded")
-    s = D.token_streams("embedded", None, 0.1)
+    s = D.load_corpus("embedded", None, 0.1).streams
     n_text = sum(len(d) for _, d in docs)
-    n_val = int((s["validation"] != D.SEPARATOR).sum())
-    n_train = int((s["train"] != D.SEPARATOR).sum())
+    n_val = int((s["validation"] != corpus.SEPARATOR).sum())
+    n_train = int((s["train"] != corpus.SEPARATOR).sum())
     assert n_val + n_train == n_text
     assert abs(n_val / n_text - 0.1) < 0.002
     # every validation document piece is the tail of its document and not in train
@@ -106,7 +107,7 @@ def test_iterator_state_round_trip_resumes_exactly():
 def test_eval_batches_deterministic_from_validation_split():
     a = D.make_eval_batches(CFG, seq_len=32, batch=4, num_batches=2)
     b = D.make_eval_batches(CFG, seq_len=32, batch=4, num_batches=2, process_index=1, process_count=2)
-    val = D.token_streams("embedded", None, 0.1)["validation"]
+    val = D.load_corpus("embedded", None, 0.1).streams["validation"]
     np.testing.assert_array_equal(a[0]["inputs"][0], val[:32])
     np.testing.assert_array_equal(b[1]["inputs"], a[1]["inputs"][2:])
     with pytest.raises(ValueError, match="has only"):
@@ -145,7 +146,7 @@ def test_text_files_by_glob_through_the_disk_cache(tmp_path, monkeypatch):
     cfg = {"source": "text", "paths": str(tmp_path / "**" / "*.txt"), "validation_fraction": 0.2, "cache_dir": cache}
     loaded = D.load_documents("text", cfg["paths"])
     assert [d for _, d in loaded] == [docs["a.txt"], docs["sub/b.txt"]]
-    s = D.token_streams("text", cfg["paths"], 0.2, cache)
+    s = D.load_corpus("text", cfg["paths"], 0.2, cache).streams
     assert isinstance(s["train"], np.memmap)
     assert s["train"].tobytes() == docs["a.txt"][:960] + b"\0" + docs["sub/b.txt"][:1200] + b"\0"
     assert s["validation"].tobytes() == docs["a.txt"][960:] + b"\0" + docs["sub/b.txt"][1200:] + b"\0"
@@ -160,7 +161,7 @@ def test_text_files_by_glob_through_the_disk_cache(tmp_path, monkeypatch):
     np.testing.assert_array_equal(pickle.loads(pickle.dumps(D.Windows(train, 16)))[5], D.Windows(train, 16)[5])
     # editing a file builds a new cache entry, with the new text
     (tmp_path / "a.txt").write_bytes(b"gamma " * 200)
-    s2 = D.token_streams("text", cfg["paths"], 0.2, cache)
+    s2 = D.load_corpus("text", cfg["paths"], 0.2, cache).streams
     assert s2["train"].tobytes().startswith(b"gamma")
     assert len([d for d in os.listdir(cache) if ".tmp-" not in d]) == 2
 

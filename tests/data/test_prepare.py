@@ -85,8 +85,8 @@ def test_prepare_with_bytes_from_arrayrecord_equals_the_byte_path(tmp_path):
     glob = str(tmp_path / "*.array_record")
     m = _run("bytes", glob, tmp_path / "prep", source="arrayrecord", shard_mb=1e-6)
     assert m["dtype"] == "uint8" and len(m["shards"]) == 2
-    fly = D.token_streams("arrayrecord", glob, 0.1, str(tmp_path / "cache"))
-    pre = D.token_streams("prepared", str(tmp_path / "prep"), 0.1)
+    fly = D.load_corpus("arrayrecord", glob, 0.1, str(tmp_path / "cache")).streams
+    pre = D.load_corpus("prepared", str(tmp_path / "prep"), 0.1).streams
     for split in ("train", "validation"):
         assert pre[split][0 : pre[split].size].tobytes() == fly[split].tobytes()
     assert D.bytes_per_token({"source": "prepared", "paths": str(tmp_path / "prep")}) == 1.0
@@ -111,7 +111,7 @@ def test_resume_after_an_interruption_gives_identical_files(bpe512, tmp_path, mo
     half = json.loads((tmp_path / "resumed" / prepared.MANIFEST).read_text())
     assert sorted(half["finished"]) == ["0", "1", "2"] and not half["complete"]
     with pytest.raises(ValueError, match=r"is unfinished \(3 of \d+ shards\); rerun python -m lpt.data.prepare"):
-        D.token_streams("prepared", str(tmp_path / "resumed"), 0.1, tokenizer=bpe512)
+        D.load_corpus("prepared", str(tmp_path / "resumed"), 0.1, tokenizer=bpe512)
     assert any(".tmp-" in f for f in os.listdir(tmp_path / "resumed"))  # the half-written shard's files
     os.remove(tmp_path / "resumed" / prepared.shard_file("train", 1))  # a finished shard's file went missing
     monkeypatch.undo()

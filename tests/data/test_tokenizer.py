@@ -63,7 +63,7 @@ def test_train_tokenizer_never_sees_the_validation_text(tmp_path):
 def test_embedded_corpus_with_bpe(bpe512):
     tok = D.load_tokenizer(bpe512)
     cfg = {"source": "embedded", "tokenizer": bpe512}
-    streams = D.token_streams("embedded", None, 0.1, tokenizer=bpe512)
+    streams = D.load_corpus("embedded", None, 0.1, tokenizer=bpe512).streams
     docs = D.load_documents("embedded")
     for i, split in enumerate(("train", "validation")):
         s = streams[split]
@@ -91,12 +91,12 @@ def test_embedded_corpus_with_bpe(bpe512):
 def test_bytes_path_is_unchanged(tmp_path):
     docs = D.load_documents("embedded")
     old = _old_byte_streams(docs, 0.1)
-    new = D.token_streams("embedded", None, 0.1)
+    new = D.load_corpus("embedded", None, 0.1).streams
     assert {k: v.tobytes() for k, v in new.items()} == old and new["train"].dtype == np.uint8
     for i, (_, d) in enumerate(docs[:12]):
         (tmp_path / f"{i:02d}.txt").write_bytes(d + "é\n".encode())
     glob = str(tmp_path / "*.txt")
-    s = D.token_streams("text", glob, 0.1, str(tmp_path / "cache"))
+    s = D.load_corpus("text", glob, 0.1, str(tmp_path / "cache")).streams
     assert {k: v.tobytes() for k, v in s.items()} == _old_byte_streams(D.load_documents("text", glob), 0.1)
     meta = json.loads(next((tmp_path / "cache").glob("*/meta.json")).read_text())
     assert set(meta) == {"version", "tokens", "counts", "digest"}  # the bytes cache keeps its format and its key
@@ -114,7 +114,7 @@ def test_file_sources_with_a_tokenizer_and_the_cache_key(bpe512, tmp_path, monke
         w.write(d.encode())
     w.close()
     cache = str(tmp_path / "cache")
-    s = D.token_streams("arrayrecord", str(tmp_path / "*.array_record"), 0.2, cache, tokenizer=bpe512)
+    s = D.load_corpus("arrayrecord", str(tmp_path / "*.array_record"), 0.2, cache, tokenizer=bpe512).streams
     expected = [_char_split(d.encode(), 0.2) for d in docs]
     for i, split in enumerate(("train", "validation")):
         want = np.concatenate([tok.encode(p[i]) + [0] for p in expected]).astype(np.uint16)
@@ -123,11 +123,11 @@ def test_file_sources_with_a_tokenizer_and_the_cache_key(bpe512, tmp_path, monke
     # a different tokenizer at the same path never reuses the cached ids
     other = tmp_path / "tok.json"
     other.write_bytes(open(bpe512, "rb").read())
-    s1 = D.token_streams("arrayrecord", str(tmp_path / "*.array_record"), 0.2, cache, tokenizer=str(other))
+    s1 = D.load_corpus("arrayrecord", str(tmp_path / "*.array_record"), 0.2, cache, tokenizer=str(other)).streams
     np.testing.assert_array_equal(s1["train"], s["train"])  # same content: the same cache
     assert len([d for d in os.listdir(cache) if ".tmp-" not in d]) == 1
     train_tokenizer.train_tokenizer(300, str(other), progress=False)
-    s2 = D.token_streams("arrayrecord", str(tmp_path / "*.array_record"), 0.2, cache, tokenizer=str(other))
+    s2 = D.load_corpus("arrayrecord", str(tmp_path / "*.array_record"), 0.2, cache, tokenizer=str(other)).streams
     assert len([d for d in os.listdir(cache) if ".tmp-" not in d]) == 2
     assert s2["train"].max() < 300 < s["train"].max()
     assert D.load_tokenizer(str(other)).decode(s2["train"]) == "".join(p[0] + "<|endoftext|>" for p in expected)
@@ -144,7 +144,7 @@ def test_long_documents_are_encoded_in_line_pieces(bpe512, tmp_path, monkeypatch
     assert list(data_cache._line_pieces([raw[i : i + 5] for i in range(0, len(raw), 5)], 40)) == pieces
     (tmp_path / "big.txt").write_bytes(raw)
     tok = D.load_tokenizer(bpe512)
-    s = D.token_streams("text", str(tmp_path / "*.txt"), 0.1, str(tmp_path / "cache"), tokenizer=bpe512)
+    s = D.load_corpus("text", str(tmp_path / "*.txt"), 0.1, str(tmp_path / "cache"), tokenizer=bpe512).streams
     train, val = _char_split(raw, 0.1)
     assert tok.decode(s["train"]) == train + "<|endoftext|>" and tok.decode(s["validation"]) == val + "<|endoftext|>"
     pieces = list(data_cache._line_pieces([train.encode()], 40))
@@ -162,7 +162,7 @@ def test_vocab_over_65536_is_stored_as_uint32(tmp_path):
     path = tmp_path / "words.json"
     tok.save(str(path))
     assert D.token_dtype(65_536) == np.uint16 and D.token_dtype(65_537) == np.uint32
-    s = D.token_streams("embedded", None, 0.1, tokenizer=str(path))
+    s = D.load_corpus("embedded", None, 0.1, tokenizer=str(path)).streams
     assert s["train"].dtype == np.uint32 and s["train"].max() >= 70_002
     assert D.load_tokenizer(str(path)).vocab_size == len(vocab)
     batch = D.make_eval_batches({"source": "embedded", "tokenizer": str(path)}, seq_len=16, batch=2, num_batches=1)
@@ -181,7 +181,7 @@ def test_sentencepiece_model(tmp_path):
     )
     sp = D.load_tokenizer(str(tmp_path / "sp.model"))
     assert sp.vocab_size == 400 and sp.separator == 2  # eos </s>
-    s = D.token_streams("embedded", None, 0.1, tokenizer=str(tmp_path / "sp.model"))
+    s = D.load_corpus("embedded", None, 0.1, tokenizer=str(tmp_path / "sp.model")).streams
     n_parts = sum(bool(_char_split(d, 0.1)[1]) for _, d in D.load_documents("embedded"))
     assert s["validation"].dtype == np.uint16 and int((s["validation"] == 2).sum()) == n_parts
     assert s["train"].max() >= 256
@@ -190,8 +190,8 @@ def test_sentencepiece_model(tmp_path):
 def test_tokenizer_errors(bpe512, tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 20)
     with pytest.raises(ValueError, match=r"latin1.txt' is not UTF-8 text .*only data.tokenizer='bytes'"):
-        D.token_streams("text", str(tmp_path / "*.txt"), 0.1, str(tmp_path / "c"), tokenizer=bpe512)
-    D.token_streams("text", str(tmp_path / "*.txt"), 0.1, str(tmp_path / "c"))  # bytes takes any bytes
+        D.load_corpus("text", str(tmp_path / "*.txt"), 0.1, str(tmp_path / "c"), tokenizer=bpe512)
+    D.load_corpus("text", str(tmp_path / "*.txt"), 0.1, str(tmp_path / "c"))  # bytes takes any bytes
     with pytest.raises(ValueError, match="not 'bytes' and not an existing file"):
         D.make_eval_batches({"tokenizer": str(tmp_path / "nope.json")}, seq_len=8, batch=1, num_batches=1)
     with pytest.raises(ValueError, match="config.data.tokenizer='' must be"):

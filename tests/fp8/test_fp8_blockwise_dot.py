@@ -16,8 +16,8 @@ from lpt.fp8 import (
     quantize_blocks,
     quantize_tensor,
     quantize_tiles,
-    snr_db,
 )
+from lpt.fp8.diagnostics import snr_db
 
 E4M3 = jnp.float8_e4m3fn
 

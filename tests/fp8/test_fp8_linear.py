@@ -16,8 +16,8 @@ from lpt.fp8 import (
     make_fp8_dot_general,
     quantize_blocks,
     quantize_tiles,
-    snr_db,
 )
+from lpt.fp8.diagnostics import snr_db
 
 
 def _x(seed, shape):

@@ -8,11 +8,11 @@ import pytest
 from lpt.fp8 import (
     dequantize_blocks,
     dequantize_tiles,
-    quantization_stats,
     quantize_blocks,
     quantize_tensor,
     quantize_tiles,
 )
+from lpt.fp8.quantize import quantization_stats
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from float_bounds import assert_within, gamma
 
-from lpt.fp8 import blockwise_dot, compute_scale, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
+from lpt.fp8 import blockwise_dot, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
+from lpt.fp8.quantize import compute_scale
 from lpt.numerics import exponent_of, pow2, round_nearest
 
 E4M3 = jnp.float8_e4m3fn

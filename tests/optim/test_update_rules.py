@@ -90,7 +90,7 @@ def _kahan_ref(p, c, u, dtype, cdt):
     independent of lpt.
 
     The error is measured as ``s - t`` with ``t = p + y`` (the paper writes ``(s - p) - y``; equal up to the f32
-    rounding of ``p + y``, see ``lpt.optim.kahan_step``)."""
+    rounding of ``p + y``, see ``lpt.optim.kahan.kahan_step``)."""
     p32 = np.asarray(p).astype(np.float32)
     y = np.asarray(u, np.float32) - np.asarray(c).astype(np.float32)
     t = p32 + y

@@ -14,6 +14,7 @@ import pytest
 from float_bounds import assert_within, gamma
 
 import lpt.pqt as pqt
+from lpt.pqt.gaussws import pqn_noise, pqn_sample
 
 BF16 = jnp.bfloat16
 
@@ -55,15 +56,15 @@ def test_forward_and_gradients_match_reference(method):
 
     @jax.jit
     def run(w, bt, c, amax):
-        r = pqt.pqn_noise(key, (2, 64, 96), method)[..., :40, :70]  # R as drawn: at the padded shape
+        r = pqn_noise(key, (2, 64, 96), method)[..., :40, :70]  # R as drawn: at the padded shape
 
         def loss_op(w, bt):
-            return jnp.sum(pqt.pqn_sample(w, bt, key, method=method).astype(jnp.float32) * c)  # bf16 -> f32
+            return jnp.sum(pqn_sample(w, bt, key, method=method).astype(jnp.float32) * c)  # bf16 -> f32
 
         def loss_ref(w, bt):
             return jnp.sum(reference(w, bt, r, amax) * c)
 
-        w_hat = pqt.pqn_sample(w, bt, key, method=method)
+        w_hat = pqn_sample(w, bt, key, method=method)
         return w_hat, reference(w, bt, r, amax), r, jax.grad(loss_op, (0, 1))(w, bt), jax.grad(loss_ref, (0, 1))(w, bt)
 
     w_hat, ref, r, (gw, gb), (gw_ref, gb_ref) = run(w, bt, c, amax)
@@ -176,8 +177,8 @@ def test_lemma1_no_underflow_for_bt_le_8_in_bf16():
     @jax.jit
     def run(w, bt):
         def count(bt, method):  # (# non-zero R whose noise vanished in ŵ, # non-zero R)
-            w_hat = pqt.pqn_sample(w, bt, key, method=method)
-            r = pqt.pqn_noise(key, shape, method)  # 256×256: no padding
+            w_hat = pqn_sample(w, bt, key, method=method)
+            r = pqn_noise(key, shape, method)  # 256×256: no padding
             return jnp.sum((r != 0) & (w_hat == w)), jnp.sum(r != 0)
 
         return count(bt, "gaussws"), count(jnp.full(grid, 10.0), "gaussws"), count(jnp.full(grid, 4.0), "diffq")
@@ -211,7 +212,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match=r"bitwidth shape \(2, 1\).*\(2, 2\)"):
         pqt.gaussws(w, np.ones((2, 1)), key)
     with pytest.raises(ValueError, match="unknown PQT method"):
-        pqt.pqn_sample(w, 4.0, key, method="nipq")
+        pqn_sample(w, 4.0, key, method="nipq")
     with pytest.raises(ValueError, match="at least 2 axes"):
         pqt.gaussws(np.ones((64,), np.float32), 4.0, key)
     with pytest.raises(ValueError, match="float"):

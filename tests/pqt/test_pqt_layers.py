@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import lpt.pqt as pqt
+from lpt.pqt.bitwidth import tile_sizes
 
 
 class TwoLayers(nnx.Module):
@@ -48,7 +49,7 @@ def test_bitwidth_stats_are_parameter_weighted():
     model.out.bitwidth[...] = jnp.asarray((bt - 4.0) / 2.0)  # invert Eq. 11
     stats = jax.jit(pqt.bitwidth_stats)(model)
     sizes = np.array([[1024, 1024, 192], [256, 256, 48]], np.float64)  # 40×70 kernel: partial edge tiles
-    assert np.asarray(pqt.tile_sizes((40, 70), 32)).tolist() == sizes.tolist()
+    assert np.asarray(tile_sizes((40, 70), 32)).tolist() == sizes.tolist()
     n = sizes.sum()
     assert n == 40 * 70
     s = {k: float(v) for k, v in stats.items()}

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 import lpt.pqt as pqt
+from lpt.pqt.noise import rounded_normal_from_bits
 
 VALUES = (-2, -1, 0, 1, 2)
 
@@ -20,7 +21,7 @@ def eq10_pmf():
 
 def test_eq10_exact_over_all_16bit_words():
     words = jnp.arange(65536, dtype=jnp.uint32).astype(jnp.uint16)  # uint32 -> uint16, exact (< 2^16)
-    r = jax.jit(pqt.rounded_normal_from_bits)(words)
+    r = jax.jit(rounded_normal_from_bits)(words)
     assert r.dtype == jnp.bfloat16
     r32 = np.asarray(r.astype(jnp.float32))  # bf16 -> f32 exact
     counts = {v: int(np.sum(r32 == v)) for v in VALUES}
@@ -78,4 +79,4 @@ def test_shape_validation():
     with pytest.raises(ValueError, match="shape"):
         pqt.rounded_normal(jax.random.key(0), (3, -1))
     with pytest.raises(ValueError, match="uint16"):
-        pqt.rounded_normal_from_bits(jnp.zeros((3,), jnp.uint32))
+        rounded_normal_from_bits(jnp.zeros((3,), jnp.uint32))
