@@ -15,7 +15,7 @@ bytes), 8 rows per batch (rounded up to a multiple of the mesh's data × fsdp) a
 data keys as the trainer does (:func:`lpt.train.config.parse_overrides`), e.g. another corpus or ``seq_len``;
 ``--batches N``, ``--batch-size B``, ``--split validation|train`` and ``--dtype float32|bfloat16`` (compute dtype;
 default the run's own, float32 for ``--hf``) change the rest. Exit codes: 0 done, 2 bad input (one line on stderr).
-Devices: every device of the machine, sharded as :func:`lpt.generate.inference_mesh` says (the JSON line names the
+Devices: every device of the machine, sharded as :func:`lpt.inference.inference_mesh` says (the JSON line names the
 ``mesh``).
 
 From Python: :func:`evaluate` on any :class:`lpt.models.Transformer`.
@@ -120,7 +120,7 @@ def _newest_step(workdir: str | Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lpt.generate import DTYPES, inference_mesh, load_model
+    from lpt.inference import DTYPES, inference_mesh, load_model
     from lpt.train import config as config_lib
 
     parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.splitlines()[0])

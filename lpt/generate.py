@@ -18,7 +18,7 @@ stderr. Exit codes: 0 done, 2 bad input (one line on stderr).
 
 Devices: every device of the machine, on the run's own ``train.mesh`` (FSDP over all devices for ``--hf``, or when
 the run's mesh needs more devices than there are), the parameters and the KV cache split as the trainer splits them
-(:func:`inference_mesh`).
+(:func:`lpt.inference.inference_mesh`); the model is loaded by :func:`lpt.inference.load_model`.
 
 From Python: :func:`generate` (text in, text out) and :func:`generate_tokens` (token ids); both prefill the
 left-padded prompts once and then run one jitted decode step per token with the KV cache
@@ -35,7 +35,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +42,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from lpt.inference import DTYPES, inference_mesh, load_model
 from lpt.models.decode import decode_step, init_cache, left_pad
 from lpt.models.partitioning import place
-
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,71 +283,6 @@ def generate(
         if on_text is not None and rest:
             on_text(row, rest)
     return [s.text() for s in streams]
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# loading a model (shared with lpt.eval)
-
-
-def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | None = None):
-    """``(model, tokenizer, config)`` from a run (``workdir``; ``config`` is the run's) or a Hugging Face directory
-    (``hf``; ``config`` is None). ``dtype`` (float32 | bfloat16): the compute dtype for a run (default its own), the
-    ``param_dtype`` of :func:`lpt.models.from_pretrained` for ``hf`` (default float32)."""
-    from lpt.data.tokenizer import ByteTokenizer, load_tokenizer
-    from lpt.models import from_pretrained
-    from lpt.models.hf import model_from_params
-    from lpt.train import load_params
-
-    if (workdir is None) == (hf is None):
-        raise ValueError("give exactly one of --workdir RUN and --hf PATH")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {list(DTYPES)}")
-    if hf is not None:
-        if step is not None:
-            raise ValueError("--step applies to --workdir runs only")
-        model, _ = from_pretrained(hf, param_dtype=dtype or "float32")
-        tok_file = Path(hf) / "tokenizer.json"
-        return model, load_tokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(), None
-    params, cfg = load_params(workdir, step)
-    precision = cfg.precision.to_dict()
-    if dtype is not None:
-        precision["compute_dtype"] = dtype
-    model = model_from_params(cfg.model, precision, params)
-    return model, load_tokenizer(cfg.data.tokenizer), cfg
-
-
-def inference_mesh(cfg=None):
-    """The device mesh for evaluating or sampling a model over all devices of this process: a run's own
-    ``train.mesh`` (``cfg``, a run's config) when this machine has the devices it names, else (a run trained on
-    more devices than there are here, or a Hugging Face model, ``cfg=None``) FSDP over every device, so the
-    parameters are split across them; a run's own mesh that does not fit is said on stderr. The numbers do not
-    depend on the mesh beyond float32 summation order. ValueError when the run's attention heads do not split over
-    its tensor axis, or when jax runs several processes (the batches are built on one host)."""
-    import ml_collections
-
-    from lpt.train import config as config_lib
-    from lpt.train import mesh as mesh_lib
-
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"evaluation and generation run in one process, not {jax.process_count()}; run them on one host (its "
-            "devices form the mesh)"
-        )
-    fsdp = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
-    if cfg is None:
-        return mesh_lib.make_mesh(fsdp)
-    try:
-        mesh = mesh_lib.make_mesh(cfg.train.mesh)
-    except ValueError:  # the run's mesh names more devices than this machine has
-        sizes = {k: int(cfg.train.mesh[k]) for k in ("data", "fsdp", "tensor")}
-        n = jax.device_count()
-        print(
-            f"note: the run's train.mesh {sizes} does not fit the {n} device(s) here; using FSDP over them",
-            file=sys.stderr,
-        )
-        return mesh_lib.make_mesh(fsdp)
-    config_lib.check_heads(cfg, mesh.shape["tensor"])
-    return mesh
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ def _loss_tolerance(workdir, batches, batch):
     logsumexp adds V + 8 roundings (exp, log: 2 ulps each) and its sum with the shift; the mean of the positive
     cross entropies rounds by <= γ_n relative, n = tokens per batch."""
     from lpt import data as data_lib
-    from lpt.generate import load_model
+    from lpt.inference import load_model
 
     model, _, cfg = load_model(workdir)
     kw = dict(seq_len=int(cfg.data.seq_len), batch=batch, num_batches=batches, split="validation")

@@ -16,6 +16,7 @@ import lpt.models as M
 from lpt import eval as E
 from lpt import generate as G
 from lpt.data.tokenizer import ByteTokenizer
+from lpt.inference import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = dict(kind="gpt2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=24, init_std=0.3)
@@ -160,7 +161,7 @@ def run(tmp_path_factory):
 def test_cli_workdir(run, capsys):
     assert G.main(["--workdir", str(run), "--prompt", "The ", "--max-new-tokens", "12", "--temperature", "0"]) == 0
     out = capsys.readouterr()
-    model, tok, cfg = G.load_model(run)
+    model, tok, cfg = load_model(run)
     assert cfg.model.d_model == 32 and isinstance(model, M.Transformer)
     want = G.generate(model, tok, ["The "], max_new_tokens=12, temperature=0.0)[0]
     assert out.out == "The " + want + "\n"

@@ -17,7 +17,7 @@ SCRIPT = """
 import jax, ml_collections, numpy as np
 from flax import nnx
 import lpt.models as M
-from lpt import eval as E, generate as G
+from lpt import eval as E, generate as G, inference
 from lpt.models.partitioning import place
 from lpt.train import config as config_lib, mesh as mesh_lib
 
@@ -25,12 +25,12 @@ spec = dict(kind="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_k
 model = M.build_model(spec, {}, rngs=nnx.Rngs(0))
 data = config_lib.load_config_file("tiny_cpu").data
 data.seq_len = 32
-assert dict(G.inference_mesh(None).shape) == {"data": 1, "fsdp": 4, "tensor": 1}  # a Hugging Face model: FSDP
+assert dict(inference.inference_mesh(None).shape) == {"data": 1, "fsdp": 4, "tensor": 1}  # a Hugging Face model: FSDP
 run = config_lib.load_config_file("tiny_cpu")
 run.train.mesh.data, run.train.mesh.tensor = 2, 2
-assert dict(G.inference_mesh(run).shape) == {"data": 2, "fsdp": 1, "tensor": 2}  # a run's own mesh
+assert dict(inference.inference_mesh(run).shape) == {"data": 2, "fsdp": 1, "tensor": 2}  # a run's own mesh
 run.train.mesh.data, run.train.mesh.fsdp, run.train.mesh.tensor = 1, 8, 1  # trained on 8 devices, 4 here
-assert dict(G.inference_mesh(run).shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+assert dict(inference.inference_mesh(run).shape) == {"data": 1, "fsdp": 4, "tensor": 1}
 ref = E.evaluate(model, data, batch=8, num_batches=2)["loss"]
 prompts = [[84, 104, 101], [65], [100, 101, 102, 32, 120]]
 want = G.generate_tokens(model, prompts, max_new_tokens=12)
@@ -100,7 +100,7 @@ def test_decode_compiles_for_tpu_and_h100_with_params_and_cache_split(topology, 
 
     mesh = targets.mesh(topology, sizes, ("data", "fsdp", "tensor"))
     spec = dict(kind="llama", vocab_size=8192, d_model=1024, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=2816)
-    prec = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "update_rule": "kahan"}
+    prec = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "storage": "param_dtype"}
     model = nnx.eval_shape(lambda: M.build_model({**spec, "max_seq_len": 1024}, prec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     shardings = partitioning.param_shardings(state, mesh, partitioning.RULES)

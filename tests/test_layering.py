@@ -1,4 +1,5 @@
-"""The layering of docs/design.md holds at import time: what a user imports pulls in nothing above it.
+"""The layering of docs/design.md holds: every import in lpt/ follows its dependency table, and what a user imports
+pulls in nothing above it at import time.
 
 ``import lpt.optim`` (optax transforms) and ``import lpt.numerics`` must not load Pallas or Flax; the Pallas kernels
 are imported only by the code paths that run them.
@@ -28,3 +29,55 @@ def test_the_check_can_see_pallas():
         [sys.executable, "-c", CHECK.format(mod="lpt.kernels.adamw_kahan")], capture_output=True, text=True, timeout=120
     )
     assert "pallas" in out.stdout, out.stdout + out.stderr[-500:]
+
+
+def _imports_of_lpt() -> dict[str, dict[str, set[str]]]:
+    """{package: {imported lpt package: files}} of every ``import`` statement in lpt/ (also inside functions)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "lpt"
+    graph: dict[str, dict[str, set[str]]] = {}
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root)
+        src = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "lpt"
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "lpt" else [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "lpt" and len(parts) > 1 and parts[1] != src:
+                    graph.setdefault(src, {}).setdefault(parts[1], set()).add(str(rel))
+    return graph
+
+
+def _design_table() -> dict[str, set[str] | None]:
+    """{package: packages it may import (None: everything)} from the table in docs/design.md's Dependencies."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    table = text.split("| package | imports |", 1)[1].split("\n\n", 1)[0]
+    allowed: dict[str, set[str] | None] = {}
+    for row in table.strip().splitlines()[1:]:
+        left, right = row.strip("|").split("|")
+        targets = None if "everything" in right else set(re.findall(r"`(\w+)`", right))
+        for pkg in re.findall(r"`(\w+)`", left):
+            allowed[pkg] = targets
+    return allowed
+
+
+def test_every_import_follows_the_dependency_table_of_the_design():
+    allowed, graph = _design_table(), _imports_of_lpt()
+    assert {"models", "train", "optim", "numerics"} <= allowed.keys() and "optim" not in allowed["models"]
+    bad = [
+        f"{src} -> {dst} ({', '.join(sorted(files))})"
+        for src, deps in graph.items()
+        for dst, files in deps.items()
+        if src != "lpt" and (src not in allowed or (allowed[src] is not None and dst not in allowed[src]))
+    ]
+    assert not bad, "imports that docs/design.md's dependency table does not allow: " + "; ".join(bad)
+    assert "optim" in graph["train"] and "kernels" in graph["optim"]  # the scan sees real edges

@@ -26,9 +26,11 @@ Public API
 ``partitioning``: ``axis_rules(mesh, rules)``, ``constrain(x, axes)``, ``logical_to_mesh(axes, rules)``,
     ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``RULES`` (from
     :mod:`lpt.sharding`).
-``ModelSpec`` / ``PrecisionSpec``: the typed ``model`` and ``precision`` sections (type, default, allowed values and doc
-    of every key); ``model_spec(cfg)`` / ``precision_spec(cfg)`` build them from a ConfigDict or a partial mapping
-    (ValueError naming a bad key).
+``ModelSpec`` / ``PrecisionSpec``: the typed ``model`` section and the model's precision (dtypes, storage,
+    per-layer matmuls, attention, PQT; type, default, allowed values and doc of every key); ``model_spec(cfg)`` /
+    ``precision_spec(cfg)`` build them from a ConfigDict or a partial mapping (ValueError naming a bad key). The
+    trainer's ``precision`` section adds the optimizer's update rule and derives ``storage`` from it
+    (:mod:`lpt.train.recipe`).
 ``from_pretrained(path, *, param_dtype="float32") -> (model, model_cfg)``
     a Hugging Face GPT-2 / Llama directory (config.json + safetensors) as an lpt model (f32 params and compute, or
     bf16 params and compute) and its ``config.model``; lower-level pieces in :mod:`lpt.models.hf`.

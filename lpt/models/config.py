@@ -6,19 +6,18 @@ come from these definitions. :func:`model_spec` and :func:`precision_spec` build
 (partial) mapping; the checks that only the model knows (divisible heads, an even RoPE head dim) run on
 construction, so users who build models without the trainer get the same one-line errors.
 
-Storage rule. ``update_rule == "f32_master"`` stores every parameter in float32 and each layer views it through
-``param_dtype`` (round-to-nearest-even, straight-through gradient) and then ``compute_dtype``; with any other update
-rule the parameters are stored in ``param_dtype`` itself (the optimizer's last transform keeps them there). GaussWS
-bitwidth parameters are always float32.
+The model's precision (:class:`PrecisionSpec`) is dtypes and per-layer kinds only: ``storage="float32"`` stores
+every parameter in float32 and each layer views it through ``param_dtype`` (round-to-nearest-even, straight-through
+gradient) and then ``compute_dtype``; ``storage="param_dtype"`` stores the parameters in ``param_dtype`` itself
+(an optimizer that rounds into them keeps them there). GaussWS bitwidth parameters are always float32. The trainer's
+``precision`` section adds the optimizer's knobs to the same fields and derives ``storage`` from its update rule
+(:mod:`lpt.train.recipe`); the model knows nothing of optimizers.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from lpt.optim.adam import MOMENT_ROUNDINGS
-from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
-from lpt.optim.recipes import UPDATE_RULES as ROUNDING_RULES
 from lpt.options import build, option, section
 
 PARAM_DTYPES = {
@@ -29,7 +28,7 @@ PARAM_DTYPES = {
     "float8_e5m2": jnp.float8_e5m2,
 }
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-UPDATE_RULES = ("f32_master", *ROUNDING_RULES)  # f32 master weights, or a rule of lpt.optim that rounds into params
+STORAGES = ("float32", "param_dtype")  # float32 masters viewed through param_dtype, or param_dtype itself
 KINDS = ("llama", "gpt2")
 LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
 MATMULS = ("bf16", "fp8")
@@ -137,28 +136,19 @@ class Pqt:
 
 
 @section("precision")
-class PrecisionSpec:
-    """The ``precision`` section: storage, view and compute dtypes, the update rule, and the per-layer recipe."""
+class Numerics:
+    """The numerics of the layers that every precision recipe sets: view and compute dtypes, the per-layer matmuls,
+    attention and PQT (the fields :class:`PrecisionSpec` and the trainer's ``precision`` section share)."""
 
     param_dtype: str = option(
-        "float32", "dtype params are stored in (f32_master: the dtype layers view them in)", tuple(PARAM_DTYPES)
+        "float32", "dtype the layers see the weights in (and store them in, unless stored as f32)", tuple(PARAM_DTYPES)
     )
     compute_dtype: str = option(
         "float32", "dtype of matmul inputs/activations (loss, softmax, norms: always f32)", tuple(COMPUTE_DTYPES)
     )
-    update_rule: str = option("f32_master", "f32_master | nearest | kahan | stochastic | norm_preserving", UPDATE_RULES)
-    moment_rounding: str = option(
-        "stochastic", '16-bit Adam moments: "stochastic" (unbiased) | "nearest"', MOMENT_ROUNDINGS
-    )
-    update_impl: str = option("xla", 'kahan only: the fused step in "xla" or the "pallas" kernel', UPDATE_IMPLS)
     matmul: Matmul = option(Matmul(), "per-layer matmuls")
     attention: Attention = option(Attention(), "attention")
     pqt: Pqt = option(Pqt(), "pseudo-quantization training")
-
-    @property
-    def store_dtype(self):
-        """dtype the parameters are stored in (float32 under f32_master)."""
-        return jnp.float32 if self.update_rule == "f32_master" else PARAM_DTYPES[self.param_dtype]
 
     @property
     def view_dtype(self):
@@ -174,6 +164,20 @@ class PrecisionSpec:
 
     def pqt_for(self, layer_kind: str) -> str:
         return self.pqt.method if layer_kind in self.pqt.layers else "none"
+
+
+@section("precision")
+class PrecisionSpec(Numerics):
+    """The model's precision: :class:`Numerics` and the storage of the parameters."""
+
+    storage: str = option(
+        "float32", '"float32": float32 master weights, viewed through param_dtype | "param_dtype"', STORAGES
+    )
+
+    @property
+    def store_dtype(self):
+        """dtype the parameters are stored in."""
+        return jnp.float32 if self.storage == "float32" else PARAM_DTYPES[self.param_dtype]
 
 
 def model_spec(model_cfg=None) -> ModelSpec:

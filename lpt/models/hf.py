@@ -69,8 +69,8 @@ _SAVE_DTYPES = {
 # from_pretrained's precision recipes: f32 params and compute, or bf16 params (stored in bf16) and bf16 compute;
 # both with the XLA attention and Qiu & Yao's stable row-max shift
 _PRECISIONS = {
-    "float32": {"param_dtype": "float32", "compute_dtype": "float32", "update_rule": "f32_master"},
-    "bfloat16": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "update_rule": "nearest"},
+    "float32": {"param_dtype": "float32", "compute_dtype": "float32"},
+    "bfloat16": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "storage": "param_dtype"},
 }
 
 # non-weight tensors some checkpoints carry: skipped on load

@@ -26,8 +26,9 @@ import ml_collections
 import lpt.configs
 from lpt import options
 from lpt.data.pipeline import DataConfig
-from lpt.models.config import ModelSpec, PrecisionSpec
+from lpt.models.config import ModelSpec
 from lpt.options import option, section
+from lpt.train.recipe import PrecisionConfig
 
 _CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
 
@@ -90,7 +91,7 @@ class Config:
     """The whole config of a run."""
 
     model: ModelSpec = option(ModelSpec(), "architecture and size")
-    precision: PrecisionSpec = option(PrecisionSpec(), "the precision recipe")
+    precision: PrecisionConfig = option(PrecisionConfig(), "the precision recipe")
     data: DataConfig = option(DataConfig(), "the data")
     optim: OptimConfig = option(OptimConfig(), "the optimizer")
     train: TrainConfig = option(TrainConfig(), "the training run")

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from lpt import models
 from lpt.models.partitioning import logical_axes_of
 from lpt.train import mesh as mesh_lib
+from lpt.train import recipe
 
 
 @struct.dataclass
@@ -60,7 +61,7 @@ class ModelDef:
 
 def _build(cfg, seed) -> nnx.Module:
     with nnx.use_eager_sharding(False):
-        return models.build_model(cfg.model, cfg.precision, rngs=nnx.Rngs(seed))
+        return models.build_model(cfg.model, recipe.model_precision(cfg.precision), rngs=nnx.Rngs(seed))
 
 
 def make_model_def(cfg) -> ModelDef:

@@ -41,12 +41,12 @@ def test_bf16_storage_equals_f32_master_viewed_in_bf16():
     ISA): the logits agree within 12σ of tests/float_bounds.py's rounding error model and, through the
     straight-through view, the gradients up to the bf16 rounding of the stored-bf16 gradient; the view rounding is
     real: an f32-viewed model differs by more than that."""
-    view, st_view, g_view = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "update_rule": "f32_master"})
-    stored, st_stored, g_stored = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "update_rule": "kahan"})
+    view, st_view, g_view = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "storage": "float32"})
+    stored, st_stored, g_stored = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "storage": "param_dtype"})
     plain, _ = _forward(CFG, {"param_dtype": "float32"})
     assert {x.dtype for x in jax.tree.leaves(st_stored)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(st_view)} == {jnp.dtype(jnp.float32)}
-    model = M.build_model(CFG, {"param_dtype": "bfloat16", "update_rule": "kahan"}, rngs=nnx.Rngs(0))
+    model = M.build_model(CFG, {"param_dtype": "bfloat16", "storage": "param_dtype"}, rngs=nnx.Rngs(0))
     _, sigma = transformer_logits_sigma(model, TOKENS)
     assert_within(view, stored, 12 * sigma, "logits")
     assert np.abs(view - plain).max() > 1e-5 and np.any(np.abs(view - plain) > 12 * sigma)  # bf16 weights show
@@ -61,7 +61,7 @@ def test_bf16_storage_equals_f32_master_viewed_in_bf16():
 
 
 def test_fp8_storage_dtypes_and_saturation_diagnostics():
-    prec = {"param_dtype": "float8_e4m3fn", "update_rule": "stochastic", "compute_dtype": "bfloat16"}
+    prec = {"param_dtype": "float8_e4m3fn", "storage": "param_dtype", "compute_dtype": "bfloat16"}
     model = M.build_model(CFG, prec, rngs=nnx.Rngs(0))
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     assert dtypes == {jnp.dtype(jnp.float8_e4m3fn)}
