@@ -9,7 +9,7 @@ and mlp over tensor (FSDP + Megatron-style tensor parallelism).
 
 * :data:`RULES`: the rules for the trainer's ``("data", "fsdp", "tensor")`` mesh (``lpt.train.mesh``), and the
   default of every lookup below.
-* :func:`axis_rules`: context ``(mesh, rules)``; ``lpt.models.partitioning.constrain`` and the kernel wrappers
+* :func:`axis_rules`: context ``(mesh, rules)``; :func:`constrain` and the kernel wrappers
   (``lpt.attention``, ``lpt.fp8``) read it at trace time.
 * :func:`logical_to_mesh`: names -> ``PartitionSpec`` with the given rules.
 * :func:`kernel_spec`: names -> ``PartitionSpec`` on a kernel's mesh, with the rules in context (else

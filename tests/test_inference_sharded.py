@@ -94,7 +94,7 @@ def test_decode_compiles_for_tpu_and_h100_with_params_and_cache_split(topology, 
 
     import lpt.models as M
     from lpt import generate as G
-    from lpt import targets
+    from lpt import sharding, targets
     from lpt.models import partitioning
     from lpt.models.decode import init_cache
 
@@ -103,7 +103,7 @@ def test_decode_compiles_for_tpu_and_h100_with_params_and_cache_split(topology, 
     prec = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "storage": "param_dtype"}
     model = nnx.eval_shape(lambda: M.build_model({**spec, "max_seq_len": 1024}, prec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    shardings = partitioning.param_shardings(state, mesh, partitioning.RULES)
+    shardings = partitioning.param_shardings(state, mesh, sharding.RULES)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     rep = NamedSharding(mesh, PartitionSpec())
     B, P, S = 8, 64, 512

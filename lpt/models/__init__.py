@@ -23,9 +23,9 @@ Public API
     ``x_subnormal_frac``, ``w_underflow_frac``, ``w_subnormal_frac``, ``x_scale_range_log2``, ``snr_db``. The
     trainer runs it every ``train.diagnostics_every`` steps; without it the layers add no operation.
 ``flops_per_token(model_cfg, seq_len) -> float``, ``param_count(model_cfg)``, ``matmul_params(model_cfg)``
-``partitioning``: ``axis_rules(mesh, rules)``, ``constrain(x, axes)``, ``logical_to_mesh(axes, rules)``,
-    ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``, ``RULES`` (from
-    :mod:`lpt.sharding`).
+``partitioning``: ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``,
+    ``place(model, mesh)``: the NNX side of sharding; the rules table, ``axis_rules`` and ``constrain`` are in
+    :mod:`lpt.sharding`.
 ``ModelSpec`` / ``PrecisionSpec``: the typed ``model`` section and the model's precision (dtypes, storage,
     per-layer matmuls, attention, PQT; type, default, allowed values and doc of every key); ``model_spec(cfg)`` /
     ``precision_spec(cfg)`` build them from a ConfigDict or a partial mapping (ValueError naming a bad key). The

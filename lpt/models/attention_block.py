@@ -17,7 +17,7 @@ from lpt.models import probes
 from lpt.models.config import ModelSpec, PrecisionSpec
 from lpt.models.decode import cached_attention
 from lpt.models.layers import Linear, rope, rope_inv_freq
-from lpt.models.partitioning import constrain
+from lpt.sharding import constrain
 
 
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: PrecisionSpec) -> jax.Array:

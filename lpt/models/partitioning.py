@@ -1,16 +1,10 @@
 """Logical-axis sharding for NNX models: parameter specs from the logical names stored on ``nnx.Variable``.
 
 Every parameter carries a tuple of logical axis names (``nnx.Param`` metadata ``out_sharding``), every large
-activation passes through :func:`constrain` with its logical names. The rules table, the rules context and the
-name -> ``PartitionSpec`` mapping live in :mod:`lpt.sharding` (no Flax there, so the kernel wrappers in
-``lpt.attention`` and ``lpt.fp8`` use them too) and are re-exported here.
-
-Usage (the trainer)::
-
-    with partitioning.axis_rules(mesh, RULES):
-        logits = jax.jit(step, in_shardings=..., out_shardings=...)(...)
-
-Outside that context :func:`constrain` is the identity, so the model runs unchanged on one device.
+activation passes through :func:`lpt.sharding.constrain` with its logical names. The rules table, the rules context,
+``constrain`` and the name -> ``PartitionSpec`` mapping live in :mod:`lpt.sharding` (no Flax there, so the kernel
+wrappers in ``lpt.attention`` and ``lpt.fp8`` use them too); this module adds what needs NNX: the specs and
+shardings of a model's variables, and :func:`place`.
 """
 
 from __future__ import annotations
@@ -21,20 +15,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lpt.sharding import LOGICAL_AXES, RULES, axis_rules, constrain, current_rules, logical_to_mesh
+from lpt.sharding import RULES, logical_to_mesh
 
-__all__ = [
-    "LOGICAL_AXES",
-    "RULES",
-    "axis_rules",
-    "constrain",
-    "current_rules",
-    "logical_axes_of",
-    "logical_to_mesh",
-    "param_partition_specs",
-    "param_shardings",
-    "place",
-]
+__all__ = ["logical_axes_of", "param_partition_specs", "param_shardings", "place"]
 
 
 def logical_axes_of(variable: nnx.Variable) -> tuple | None:

@@ -18,7 +18,7 @@ from lpt.models.attention_block import Attention
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
 from lpt.models.decode import KVCache
 from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, init_state, matmul, view_weight
-from lpt.models.partitioning import constrain
+from lpt.sharding import constrain
 
 _BTD = ("batch", "length", "embed")
 _BTF = ("batch", "length", "mlp")

@@ -2,8 +2,8 @@
 
 The mesh has three axes, ``("data", "fsdp", "tensor")``; their sizes come from ``config.train.mesh``, and one of them
 may be -1 to take all remaining devices. Parameters and activations carry *logical* axis names ("batch", "embed",
-"mlp", ...); ``RULES`` maps each logical name to mesh axes: the first rule whose mesh axes are all still unused in
-that array wins, otherwise the dim stays replicated (``lpt.sharding.logical_to_mesh``). So activations
+"mlp", ...); ``lpt.sharding.RULES`` maps each logical name to mesh axes: the first rule whose mesh axes are all still
+unused in that array wins, otherwise the dim stays replicated (``lpt.sharding.logical_to_mesh``). So activations
 ``("batch", "length", "embed")`` is sharded over data*fsdp on its first dim and replicated on its last, while a weight
 ``("embed", "mlp")`` is split over fsdp on rows and tensor on columns (FSDP + Megatron-style tensor parallelism).
 """
@@ -21,8 +21,6 @@ from lpt.sharding import logical_to_mesh
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # mesh axes the global batch is split over
-
-RULES = sharding.RULES  # logical name -> mesh axes: the one table, in lpt.sharding
 
 
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
@@ -64,7 +62,7 @@ def _check_divisible(path: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
             )
 
 
-def tree_shardings(logical_tree, shape_tree, mesh: Mesh, rules=RULES):
+def tree_shardings(logical_tree, shape_tree, mesh: Mesh, rules=sharding.RULES):
     """Map a tree of logical-axis tuples (None = replicated) and a matching tree of shapes to NamedShardings."""
 
     def one(path, axes, x):

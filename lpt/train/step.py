@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh
 
 import lpt.optim
-from lpt.models import partitioning
+from lpt import sharding
 from lpt.train import mesh as mesh_lib
 from lpt.train.optimizer import optimizer_diagnostics
 from lpt.train.state import ModelDef, TrainState
@@ -39,7 +39,7 @@ from lpt.train.state import ModelDef, TrainState
 @contextlib.contextmanager
 def on_mesh(mesh: Mesh) -> Iterator[None]:
     """Trace-time context of a step body: the logical-axis rules on ``mesh`` and ``mesh`` as the abstract mesh."""
-    with partitioning.axis_rules(mesh, mesh_lib.RULES), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with sharding.axis_rules(mesh, sharding.RULES), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         yield
 
 

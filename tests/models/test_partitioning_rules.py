@@ -7,28 +7,29 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 import lpt.models as M
+from lpt import sharding as S
 from lpt.models import partitioning as P
 
-RULES = P.RULES
+RULES = S.RULES
 
 
 def test_logical_to_mesh_first_unused_rule_wins():
-    assert P.logical_to_mesh(("batch", "length", "embed"), RULES) == PartitionSpec(("data", "fsdp"), None, None)
-    assert P.logical_to_mesh(("embed", "mlp"), RULES) == PartitionSpec("fsdp", "tensor")
-    assert P.logical_to_mesh(("heads", "kv_heads"), RULES) == PartitionSpec("tensor", None)  # tensor used once
-    assert P.logical_to_mesh((None, "unknown"), RULES) == PartitionSpec(None, None)
+    assert S.logical_to_mesh(("batch", "length", "embed"), RULES) == PartitionSpec(("data", "fsdp"), None, None)
+    assert S.logical_to_mesh(("embed", "mlp"), RULES) == PartitionSpec("fsdp", "tensor")
+    assert S.logical_to_mesh(("heads", "kv_heads"), RULES) == PartitionSpec("tensor", None)  # tensor used once
+    assert S.logical_to_mesh((None, "unknown"), RULES) == PartitionSpec(None, None)
     two = (("embed", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"))
-    assert P.logical_to_mesh(("mlp", "embed"), two) == PartitionSpec("tensor", "fsdp")
+    assert S.logical_to_mesh(("mlp", "embed"), two) == PartitionSpec("tensor", "fsdp")
 
 
 def test_constrain_is_identity_outside_and_annotates_inside():
     x = jnp.ones((4, 8, 16))
-    assert P.constrain(x, ("batch", "length", "embed")) is x
+    assert S.constrain(x, ("batch", "length", "embed")) is x
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     # a fresh function per trace: jax caches traces per function, and the rules are read at trace time
-    with P.axis_rules(mesh, RULES):
-        inside = jax.jit(lambda x: P.constrain(x * 2, ("batch", "length", "embed"))).lower(x).as_text()
-    outside = jax.jit(lambda x: P.constrain(x * 2, ("batch", "length", "embed"))).lower(x).as_text()
+    with S.axis_rules(mesh, RULES):
+        inside = jax.jit(lambda x: S.constrain(x * 2, ("batch", "length", "embed"))).lower(x).as_text()
+    outside = jax.jit(lambda x: S.constrain(x * 2, ("batch", "length", "embed"))).lower(x).as_text()
     assert 'sharding_constraint %1 <@mesh, [{"data", "fsdp"}, {}, {}]>' in inside
     assert "sharding_constraint" not in outside
 

@@ -11,6 +11,7 @@ from float_bounds import assert_within, attention_f32_bound, transformer_logits_
 
 import lpt.models as M
 from lpt.models.attention_block import attend
+from lpt.sharding import LOGICAL_AXES
 
 LLAMA = dict(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=16)
 GPT2 = dict(kind="gpt2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=16)
@@ -151,7 +152,7 @@ def test_every_param_has_logical_axes_matching_its_rank():
         params = nnx.state(model, nnx.Param)
         leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
         assert len(leaves) > 10
-        allowed = set(M.partitioning.LOGICAL_AXES) | {None}
+        allowed = set(LOGICAL_AXES) | {None}
         for v in leaves:
             axes = M.partitioning.logical_axes_of(v)
             assert axes is not None and len(axes) == len(v.shape), v

@@ -94,11 +94,11 @@ def test_batch_not_divisible_by_mesh():
 
 
 def test_logical_rules_shard_params_and_batch():
-    from lpt.models.partitioning import logical_to_mesh
+    from lpt.sharding import RULES, logical_to_mesh
 
-    spec = logical_to_mesh(("embed", "mlp"), mesh_lib.RULES)
+    spec = logical_to_mesh(("embed", "mlp"), RULES)
     assert tuple(spec) == ("fsdp", "tensor")
-    spec = logical_to_mesh(("batch", "length", "embed"), mesh_lib.RULES)
+    spec = logical_to_mesh(("batch", "length", "embed"), RULES)
     assert tuple(spec) == (("data", "fsdp"), None, None)  # embed replicated: fsdp already used by batch
 
 
