@@ -114,13 +114,9 @@ def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
     return data
 
 
-def _newest_step(workdir: str | Path) -> int | None:
-    steps = [int(p.name) for p in (Path(workdir) / "checkpoints").glob("*") if p.name.isdigit()]
-    return max(steps) if steps else None
-
-
 def main(argv: list[str] | None = None) -> int:
     from lpt.inference import DTYPES, inference_mesh, load_model
+    from lpt.train import checkpoint
     from lpt.train import config as config_lib
 
     parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.splitlines()[0])
@@ -158,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.workdir is not None:
-        result["step"] = args.step if args.step is not None else _newest_step(args.workdir)
+        result["step"] = args.step if args.step is not None else checkpoint.steps(args.workdir)[-1]
     result["mesh"] = dict(mesh.shape)
     print(json.dumps(result), flush=True)
     return 0

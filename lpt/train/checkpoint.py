@@ -263,6 +263,15 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {console.one_line(str(e), 200)}"
 
 
+def steps(workdir: str | Path) -> list[int]:
+    """The checkpoint steps of the run ``workdir`` (its ``checkpoints/<step>`` directories; orbax renames a step
+    into that name only once it is complete), sorted; ``[]`` when there are none. Reads only: creates nothing."""
+    directory = Path(workdir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any]:
     """The params of a run's checkpoint (the newest if ``step`` is None) as a nested dict of numpy arrays, and the
     run's config (an ``ml_collections.ConfigDict``). The arrays are verified against their saved checksums.
@@ -274,13 +283,13 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any
     if not directory.is_dir():  # read-only: create nothing (CheckpointManager would make the directory)
         what = "does not exist" if not Path(workdir).exists() else "holds no checkpoints/ directory"
         raise ValueError(f"--workdir {str(workdir)!r} {what}; give the directory of an lpt run")
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
-    steps = sorted(manager.all_steps())
-    if not steps:
+    found = steps(workdir)
+    if not found:
         raise ValueError(f"{directory} holds no checkpoint")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise ValueError(f"step={step} is not a checkpoint in {directory}; available: {steps}")
+    step = found[-1] if step is None else step
+    if step not in found:
+        raise ValueError(f"step={step} is not a checkpoint in {directory}; available: {found}")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     args = ocp.args.Composite(state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore())
     restored = manager.restore(step, args=args)
     manager.close()

@@ -101,10 +101,11 @@ def load_source(cfg) -> tuple[dict, dict]:
 
 def _source_step(workdir: Path, step: int) -> int:
     """The checkpoint step ``init_from.step`` names in ``workdir`` (-1: the newest)."""
-    directory = workdir / "checkpoints"
-    steps = sorted(int(d.name) for d in directory.iterdir() if d.name.isdigit()) if directory.is_dir() else []
+    steps = ckpt_lib.steps(workdir)
     if not steps:
-        raise ValueError(f"init_from.workdir={str(workdir)!r} holds no checkpoint (expected {directory}/<step>/)")
+        raise ValueError(
+            f"init_from.workdir={str(workdir)!r} holds no checkpoint (expected {workdir / 'checkpoints'}/<step>/)"
+        )
     if step == -1:
         return steps[-1]
     if step not in steps:
