@@ -42,11 +42,17 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> jnp.uint32(16))
 
 
-def _key_words(key) -> tuple[jax.Array, jax.Array]:
+def key_words(key) -> jax.Array:
+    """The raw words of a JAX PRNG key (typed, or raw key data) as uint32[n >= 2]: what the hash mixes."""
     kd = jax.random.key_data(key) if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key) else key
     kd = jnp.asarray(kd).astype(jnp.uint32).reshape(-1)  # key data -> u32 words
     if kd.shape[0] < 2:
         raise ValueError(f"expected a JAX PRNG key (typed, or raw uint32[2]); got key data of shape {kd.shape}")
+    return kd
+
+
+def _key_words(key) -> tuple[jax.Array, jax.Array]:
+    kd = key_words(key)
     return kd[0], kd[1]
 
 

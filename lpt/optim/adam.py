@@ -17,6 +17,7 @@ import optax
 
 from lpt.kernels.adamw_kahan_math import f32, moment_update, round_moments, runtime_zero
 from lpt.numerics import round_nearest, round_stochastic
+from lpt.numerics.random import key_words
 from lpt.optim.leaves import leaf_id, leaf_name
 
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
@@ -88,8 +89,7 @@ def scale_by_adam(
             m32, v32 = moment_update(g32, m.astype(jnp.float32), v.astype(jnp.float32), zero, b1=b1, b2=b2)
             km, kv = jax.random.split(key)
             if m.dtype == v.dtype == jnp.bfloat16:  # both from one hash word per element (see round_moments)
-                words = jax.random.key_data(km).astype(jnp.uint32).reshape(-1)  # typed key -> raw u32[2]
-                mq32, vq32 = round_moments(m32, v32, stochastic=rounding == "stochastic", key_words=words)
+                mq32, vq32 = round_moments(m32, v32, stochastic=rounding == "stochastic", key_words=key_words(km))
                 m_q, v_q = mq32.astype(jnp.bfloat16), vq32.astype(jnp.bfloat16)  # f32 -> bf16 (exact: on the grid)
             else:
                 m_q, v_q = store(m32, m, km), store(v32, v, kv)

@@ -33,6 +33,7 @@ from jax import lax
 
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
+from lpt.numerics.random import key_words
 from lpt.optim.adam import MOMENT_ROUNDINGS
 from lpt.optim.leaves import (
     UpdateDiagnostics,
@@ -128,10 +129,6 @@ def _leaf_keys(step_key, names):
     ids = jnp.asarray([leaf_id(n) for n in names], jnp.uint32)
     pairs = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(step_key, i)))(ids)  # [n, 2] keys
     return [(pairs[i, 0], pairs[i, 1]) for i in range(len(names))]
-
-
-def _key_words(key):
-    return jax.random.key_data(key).astype(jnp.uint32).reshape(-1)  # typed key -> raw u32[2]
 
 
 def fused_kahan_adamw(
@@ -277,7 +274,7 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, 
     """One bf16 leaf through the fused kernel: ``(delta_f32, moments', compensation', intended update thunk)``."""
     from lpt.kernels import adamw_kahan_sharded as sharded  # Pallas: imported only when used
 
-    words = _key_words(key)
+    words = key_words(key)
     scalars = jnp.stack([sc.inv_c1, sc.inv_c2, sc.neg_lr, lax.bitcast_convert_type(sc.zero, jnp.float32)])
     kw = dict(stochastic=stochastic, interpret=interpret, **hp)
     if spec is None:
@@ -308,7 +305,7 @@ def _xla_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, cdt, dep, stochast
     p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
     m_new, v_new = K.moment_update(g32, *unpack_moments(mv, mdt), sc.zero, b1=hp["b1"], b2=hp["b2"])
     if mdt == jnp.bfloat16:  # one hash word per element for both moments (K.round_moments)
-        mq, vq = K.round_moments(m_new, v_new, stochastic=stochastic, key_words=_key_words(km))
+        mq, vq = K.round_moments(m_new, v_new, stochastic=stochastic, key_words=key_words(km))
     else:
         mq, vq = _round_moment(m_new, mdt, km, stochastic), _round_moment(v_new, mdt, kv, stochastic)
     mv_new = pack_moments(mq, vq, mdt)
