@@ -13,6 +13,7 @@ import math
 import jax
 from flax import nnx
 
+import lpt.attention
 from lpt.models import probes
 from lpt.models.config import ModelSpec, PrecisionSpec
 from lpt.models.decode import cached_attention
@@ -25,8 +26,6 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: Precis
 
     ``q[B, T, H, Dh]``, ``k, v[B, T, K, Dh]`` (query head h uses kv head ``h // (H / K)``); returns q's dtype.
     """
-    import lpt.attention  # looked up per call so tests can substitute it
-
     return lpt.attention.dot_product_attention(
         q_BTHD,
         k_BSKD,

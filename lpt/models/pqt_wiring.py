@@ -15,22 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lpt import pqt
 from lpt.models.config import PrecisionSpec
 
 BLOCK = 32
 
 
-def _pqt():
-    try:
-        import lpt.pqt as pqt
-    except ImportError as e:  # pragma: no cover - lpt.pqt ships with lpt
-        raise NotImplementedError("precision.pqt needs lpt.pqt, which is not importable") from e
-    return pqt
-
-
 def make_bitwidth(shape: tuple[int, int], prec: PrecisionSpec):
     """A ``PQTBitwidth`` (b_i = 1 per tile, f32, replicated logical axes) for a kernel of ``shape``."""
-    pqt = _pqt()
     grid = pqt.block_grid(shape, BLOCK)
     return pqt.PQTBitwidth(
         jnp.ones(grid, jnp.float32),
@@ -46,14 +38,14 @@ def make_bitwidth(shape: tuple[int, int], prec: PrecisionSpec):
 
 def sample(w_view: jax.Array, bitwidth, key: jax.Array, *, method: str, path: str, prec: PrecisionSpec) -> jax.Array:
     """ŵ of Ahn & Yoo (GaussWS), Eq. 3 in the compute dtype (:func:`lpt.pqt.apply_pqt`)."""
-    return _pqt().apply_pqt(w_view, bitwidth, key, method=method, path=path, compute_dtype=prec.compute)
+    return pqt.apply_pqt(w_view, bitwidth, key, method=method, path=path, compute_dtype=prec.compute)
 
 
 def aux_loss(model) -> jax.Array:
     """``λ Σ_layers mean_tiles |b_t − b_target|`` (Ahn & Yoo (GaussWS), Eq. 12), float32; 0 without PQT layers."""
     if model.prec.pqt.method == "none":
         return jnp.zeros((), jnp.float32)
-    return _pqt().bitwidth_loss(model, model.prec.pqt.loss_weight)
+    return pqt.bitwidth_loss(model, model.prec.pqt.loss_weight)
 
 
 _KIND_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "out", "up": "up", "gate": "up", "down": "down"}
@@ -64,7 +56,6 @@ def pqt_diagnostics(model) -> dict[str, jax.Array]:
     ``pqt/bt_max`` and ``pqt/bt_mean/<kind>`` (unweighted tile mean per layer kind)."""
     if model.prec.pqt.method == "none":
         return {}
-    pqt = _pqt()
     out = {k: v for k, v in pqt.bitwidth_stats(model).items() if k.startswith("pqt/all/")}
     per_kind: dict[str, list] = {}
     all_bt = []

@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh
 
 import lpt.optim
-from lpt import sharding
+from lpt import models, sharding
 from lpt.train import mesh as mesh_lib
 from lpt.train.optimizer import optimizer_diagnostics
 from lpt.train.state import ModelDef, TrainState
@@ -53,11 +53,7 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 def _model_diagnostics(model) -> dict:
-    import lpt.models
-
-    if not hasattr(lpt.models, "diagnostics"):
-        return {}
-    return {f"model/{k}": jnp.asarray(v, jnp.float32) for k, v in lpt.models.diagnostics(model).items()}
+    return {f"model/{k}": jnp.asarray(v, jnp.float32) for k, v in models.diagnostics(model).items()}
 
 
 def grad_view(params):
