@@ -18,7 +18,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
@@ -31,12 +30,12 @@ from lpt.train import optimizer
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
 from lpt.train.machine import describe
+from lpt.train.recipe import model_precision
 
 
 def plain_step_fn(cfg):
     """A minimal Flax NNX + optax float32 train step of the same architecture."""
-    f32 = ml_collections.ConfigDict(cfg.precision.to_dict())
-    f32.param_dtype, f32.compute_dtype, f32.update_rule = "float32", "float32", "f32_master"
+    f32 = model_precision(cfg.precision, param_dtype="float32", compute_dtype="float32", storage="float32")
     with nnx.use_eager_sharding(False):
         model = models.build_model(cfg.model, f32, rngs=nnx.Rngs(cfg.train.seed))
     graphdef, params = nnx.split(model, nnx.Param)

@@ -37,6 +37,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from lpt import data as data_lib
+from lpt.inference import DTYPES, inference_mesh, load_model
+from lpt.models.partitioning import place
+from lpt.train import checkpoint
+from lpt.train import config as config_lib
+from lpt.train import mesh as mesh_lib
+from lpt.train.step import cross_entropy, on_mesh
+
 SPLITS = ("validation", "train")
 
 
@@ -52,11 +60,6 @@ def evaluate(
     (:func:`lpt.models.partitioning.place`), each batch is split over its data and fsdp axes and the forward is
     traced under the trainer's rules (:func:`lpt.train.step.on_mesh`), so the kernels run per shard; None: the
     default device."""
-    from lpt import data as data_lib
-    from lpt.models.partitioning import place
-    from lpt.train import mesh as mesh_lib
-    from lpt.train.step import cross_entropy, on_mesh
-
     seq_len = int(data_cfg.seq_len)
     if seq_len > model.spec.max_seq_len:
         raise ValueError(f"data.seq_len={seq_len} exceeds the model's max_seq_len={model.spec.max_seq_len}")
@@ -101,8 +104,6 @@ def evaluate(
 
 def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
     """``base`` (a ``config.data``) with ``--config.data.KEY=VALUE`` overrides parsed by the trainer's schema."""
-    from lpt.train import config as config_lib
-
     data = ml_collections.ConfigDict(base.to_dict())
     for key, text in config_lib.parse_overrides(overrides).items():
         if not key.startswith("data."):
@@ -115,10 +116,6 @@ def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lpt.inference import DTYPES, inference_mesh, load_model
-    from lpt.train import checkpoint
-    from lpt.train import config as config_lib
-
     parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.splitlines()[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")

@@ -31,13 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from lpt.models import hf
+from lpt.train import load_params
+
 
 def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict, str | None]:
     """``(params, model_cfg, tokenizer_file)`` of the run ``workdir``'s checkpoint ``step`` (None: the newest):
     verified params and ``config.model`` as a dict (:func:`lpt.train.load_params`), and the run's tokenizer.json
     (None for other tokenizers)."""
-    from lpt.train import load_params
-
     params, cfg = load_params(workdir, step)
     tokenizer = str(cfg.get("data", {}).get("tokenizer", "bytes"))
     tokenizer_file = tokenizer if tokenizer.endswith(".json") else None
@@ -60,8 +61,6 @@ def check_out(out: str | Path, overwrite: bool = False) -> Path:
 def write(out: str | Path, params: dict, model_cfg, tokenizer_file: str | None, *, overwrite: bool = False) -> Path:
     """Write ``params`` as a Hugging Face directory (:func:`lpt.models.hf.save_params`) to a new sibling of ``out``,
     then swap it in for ``out`` (see the module docstring); ``out`` as :func:`check_out` allows it."""
-    from lpt.models import hf
-
     out = check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -101,8 +100,6 @@ def check(out: str | Path, params: dict, model_cfg, *, rows: int = 2, max_len: i
         ) from None
     import jax
     from flax import nnx
-
-    from lpt.models import hf
 
     f32 = {"attention": {"impl": "xla", "stable": True}}  # float32 params and compute (the defaults)
     model = hf.model_from_params(model_cfg, f32, params)

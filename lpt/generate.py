@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from lpt.inference import DTYPES, inference_mesh, load_model
 from lpt.models.decode import decode_step, init_cache, left_pad
 from lpt.models.partitioning import place
+from lpt.train.step import on_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +95,6 @@ def sample(logits_BV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
 
 def _rules(mesh):
     """The trainer's trace-time sharding rules on ``mesh`` (:func:`lpt.train.step.on_mesh`); none without a mesh."""
-    from lpt.train.step import on_mesh
-
     return contextlib.nullcontext() if mesh is None else on_mesh(mesh)
 
 

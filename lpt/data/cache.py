@@ -41,6 +41,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lpt.data.tokenizer import token_dtype
+
 CACHE_VERSION = 1
 SPLITS = ("train", "validation")
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # the digest reads at most 64 blocks of 4 KiB of each stream
@@ -340,8 +342,6 @@ def build_or_open_tokens(
     """Memory-mapped token streams of ``tokenizer`` (uint16 / uint32, :func:`lpt.data.tokenizer.token_dtype`), their
     counts (``counts.npy``) and text bytes for the fingerprint ``key``. ``documents()`` yields ``(name, bytes or file
     path)`` in order; it is only called when the cache does not exist yet."""
-    from lpt.data.tokenizer import token_dtype
-
     dtype = token_dtype(tokenizer.vocab_size)
     suffix = _suffix(dtype)
 

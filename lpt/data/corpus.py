@@ -36,7 +36,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from lpt.data import cache
+from lpt.data import cache, prepared
 from lpt.data.cache import SPLITS, Corpus
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
@@ -206,8 +206,6 @@ def load_corpus(
         key = cache.fingerprint(source, list(files), validation_fraction, tok.identity)
         corpus = _file_streams(source, files, key, float(validation_fraction), cache_dir, str(tokenizer))
     elif source == "prepared":
-        from lpt.data import prepared
-
         corpus = prepared.open_corpus(paths, tok, float(validation_fraction))
     else:
         raise ValueError(f"config.data.source={source!r} is not supported; allowed: {list(SOURCES)}")

@@ -17,12 +17,12 @@ import sys
 import time
 from collections.abc import Iterator
 
+from lpt.data import cache, corpus
+
 END_OF_TEXT = "<|endoftext|>"
 
 
 def _train_texts(files: list[str] | None, validation_fraction: float) -> Iterator[str]:
-    from lpt.data import cache, corpus
-
     if files is None:
         docs = corpus.load_documents("embedded")
     else:
@@ -49,8 +49,6 @@ def train_tokenizer(
     "train_bytes"}``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from lpt.data.corpus import glob_files
-
     if not isinstance(vocab_size, int) or vocab_size < 257:
         raise ValueError(f"--vocab-size {vocab_size!r} must be an int >= 257 (256 bytes + {END_OF_TEXT})")
     if not 0.0 < validation_fraction < 1.0:
@@ -59,7 +57,7 @@ def train_tokenizer(
         raise ValueError(f"--out {out!r} must end in .json (data.tokenizer tells tokenizer files by their suffix)")
     if os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a directory; give the tokenizer.json file to write")
-    files = None if input is None else glob_files(input, "text", "--input")
+    files = None if input is None else corpus.glob_files(input, "text", "--input")
     t0 = time.perf_counter()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -22,7 +22,10 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
+from lpt import data as data_lib
 from lpt.train import config as config_lib
+from lpt.train import init_from, loop
+from lpt.train import mesh as mesh_lib
 from lpt.train.machine import describe
 
 # recipe -> (overrides of configs/finetune_cpu.py, description)
@@ -88,10 +91,6 @@ def recipe_config(name: str, overrides: dict[str, str], start: Path):
 def start_loss(cfg) -> float:
     """Validation loss of ``cfg``'s step-0 state (its ``init_from`` params in its storage and compute dtypes) on the
     validation batches the trainer evaluates."""
-    from lpt import data as data_lib
-    from lpt.train import init_from, loop
-    from lpt.train import mesh as mesh_lib
-
     cfg = config_lib.resolve(cfg)
     mesh = loop.make_mesh(cfg)
     prog = loop.program(cfg, mesh)
@@ -106,15 +105,13 @@ def start_loss(cfg) -> float:
 def run(report, quick: bool) -> dict:
     """Pretrain (or reuse) the start, fine-tune it with every recipe, add the table and plot to ``report``, write
     ``DIR/finetune.json``; return the numbers (``{recipe: {...}}`` plus the start's)."""
-    from lpt.train.loop import train
-
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     size = "quick" if quick else "full"
     root = Path(report.out_dir) / "finetune_runs" / size
     pre_cfg = config_lib.apply_overrides(
         config_lib.load_config_file("tiny_cpu"), QUICK_PRETRAIN if quick else FULL_PRETRAIN
     )
-    pre = train(pre_cfg, root / "pretrain")
+    pre = loop.train(pre_cfg, root / "pretrain")
     overrides = QUICK if quick else FULL
     cfgs = {n: recipe_config(n, overrides, root / "pretrain") for n in RECIPES}
     starts: dict[tuple, float] = {}  # the bf16 recipes share their start (same params, same compute)
@@ -124,7 +121,7 @@ def run(report, quick: bool) -> dict:
         key = (cfg.precision.param_dtype, cfg.precision.compute_dtype)
         if key not in starts:
             starts[key] = start_loss(cfg)
-        summary = train(cfg, root / n)
+        summary = loop.train(cfg, root / n)
         tr, ev = read_metrics(root / n / "metrics.jsonl")
         results[n] = {"start": starts[key], "final": summary["eval_loss"], "unigram": summary["unigram_loss"]}
         results[n]["train"], results[n]["eval"] = tr, ev

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lpt.lab import cost, runs
+from lpt.train import loop
 from lpt.train.machine import describe
 
 LR = "1e-3"
@@ -55,13 +56,11 @@ def _read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
 
 def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, dict]:
     """Train each recipe in ``workdir/<name>``; return ``{name: {"eval_loss", "unigram", "train", "eval"}}``."""
-    from lpt.train.loop import train  # the trainer (imported here: it pulls in the whole training stack)
-
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     out = {}
     for name in names:
         cfg = runs.recipe_config(name, overrides)
-        summary = train(cfg, workdir / name)
+        summary = loop.train(cfg, workdir / name)
         tr, ev = _read_metrics(workdir / name / "metrics.jsonl")
         out[name] = {"eval_loss": summary["eval_loss"], "unigram": summary["unigram_loss"], "train": tr, "eval": ev}
     return out

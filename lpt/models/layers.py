@@ -130,6 +130,7 @@ def matmul(
         y_f32 = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
         return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype (RNE)
     if kind == "fp8":
+        # in-function: lpt.fp8 loads the Mosaic GPU Pallas kernels, which only models with "fp8" matmuls use
         from lpt.fp8 import blockwise_dot
 
         # blockwise_dot returns x's dtype: hand it f32 (exact widening; it quantizes to e4m3 anyway) to get the

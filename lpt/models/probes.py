@@ -41,6 +41,8 @@ import threading
 import jax
 import jax.numpy as jnp
 
+import lpt.attention
+
 RATIO, DB, MAX = "ratio", "db", "max"
 ATTENTION_LOGITS_BUDGET = 2**26  # f32 logits materialised per attention layer by the repeated-max probe (256 MiB)
 
@@ -117,6 +119,7 @@ def record_fp8(name: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
     """Record the statistics of one FP8 GEMM ``y_f32 = blockwise_dot(x, w)`` of layer kind ``name``: the operands
     quantized as the GEMM does (:func:`lpt.fp8.diagnostics.quantize_operands`), their underflow and subnormal
     fractions, the range of the x tile scales, and the SNR against the compute-dtype GEMM."""
+    # in-function: lpt.fp8 loads the Mosaic GPU Pallas kernels, which only models with "fp8" matmuls use
     from lpt.fp8 import BlockwiseConfig
     from lpt.fp8.diagnostics import quantize_operands
 
@@ -137,8 +140,6 @@ def record_fp8(name: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
 
 def record_attention(q_BTHD: jax.Array, k_BTKD: jax.Array) -> None:
     """Record the causal repeated-max fraction of one attention layer (GQA: k has K ≤ H heads)."""
-    import lpt.attention
-
     B, T, H, _ = q_BTHD.shape
     n = max(1, min(B, ATTENTION_LOGITS_BUDGET // (H * T * T)))
     frac = lpt.attention.repeated_max_fraction(q_BTHD[:n], k_BTKD[:n], causal=True)  # GQA-aware, over n·H·T rows

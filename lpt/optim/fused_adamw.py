@@ -272,7 +272,8 @@ def _round_moment(x32, mdt, key, stochastic: bool):
 
 def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, interpret, spec):
     """One bf16 leaf through the fused kernel: ``(delta_f32, moments', compensation', intended update thunk)``."""
-    from lpt.kernels import adamw_kahan_sharded as sharded  # Pallas: imported only when used
+    # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
+    from lpt.kernels import adamw_kahan_sharded as sharded
 
     words = key_words(key)
     scalars = jnp.stack([sc.inv_c1, sc.inv_c2, sc.neg_lr, lax.bitcast_convert_type(sc.zero, jnp.float32)])

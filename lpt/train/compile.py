@@ -28,6 +28,12 @@ import re
 import sys
 import time
 
+from lpt import models, targets
+from lpt.targets import hlo
+from lpt.train import config as config_lib
+from lpt.train import loop
+from lpt.train import state as state_lib
+
 GIB = 1 << 30
 USAGE = "python -m lpt.train.compile --config CFG --topology TOPO [--config.key=value ...]"
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)", re.S)
@@ -56,11 +62,6 @@ def parse_tpu_oom(message: str) -> tuple[int, int] | None:
 def _build(cfg, topology: str):
     """(mesh, jitted train step, sharded abstract state, batch structs): the trainer's own program
     (:func:`lpt.train.loop.program`) on a mesh of the topology's devices; ValueError on bad input."""
-    from lpt import targets
-    from lpt.train import config as config_lib
-    from lpt.train import loop
-    from lpt.train import state as state_lib
-
     cfg = config_lib.resolve(cfg)
     mesh = loop.make_mesh(cfg, targets.devices(topology))
     prog = loop.program(cfg, mesh)
@@ -83,10 +84,6 @@ def compile_step(cfg, topology: str) -> dict:
     and :class:`DoesNotCompile` when the compiler rejects the step (except libtpu's HBM out-of-memory, which is
     reported with ``fits: false``)."""
     import jax
-
-    from lpt import models, targets
-    from lpt.targets import hlo
-    from lpt.train import config as config_lib
 
     cfg = config_lib.resolve(cfg)
     facts = targets.device_facts(topology)
@@ -255,13 +252,11 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI (see module docstring); returns the exit status."""
-    from lpt import targets
-
+    # before any backend starts: importing lpt starts none; libtpu reads its flags in targets.devices (compile_step)
     targets.compile_only_environment()
     flag = "--xla_tpu_no_crash_on_oom=true"
     if flag not in os.environ.get("LIBTPU_INIT_ARGS", ""):
         os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
-    from lpt.train import config as config_lib
 
     parser = _Parser(prog="python -m lpt.train.compile", usage=USAGE)
     parser.add_argument("--config", required=True, help="config file, e.g. configs/llama_1b.py")

@@ -26,6 +26,7 @@ import ml_collections
 import lpt.configs
 from lpt import options
 from lpt.data.pipeline import DataConfig
+from lpt.data.tokenizer import load_tokenizer
 from lpt.models.config import ModelSpec
 from lpt.options import option, section
 from lpt.train.recipe import PrecisionConfig
@@ -216,8 +217,6 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     A nonzero ``model.vocab_size`` may exceed the tokenizer's (padding, e.g. to a multiple of 128 for FP8 heads)
     but not fall below it."""
-    from lpt.data.tokenizer import load_tokenizer
-
     n = load_tokenizer(cfg.data.tokenizer).vocab_size
     if cfg.model.vocab_size == n:
         return cfg

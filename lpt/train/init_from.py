@@ -44,6 +44,7 @@ import numpy as np
 
 import lpt.optim
 from lpt import numerics
+from lpt.models import hf
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import state as state_lib
 
@@ -89,8 +90,6 @@ def load_source(cfg) -> tuple[dict, dict]:
             raise ValueError(f"{where}: the checkpoint's metadata holds no config.model to compare with")
         check_model(run_cfg.model.to_dict(), cfg.model.to_dict(), where, scan=True)
         return params, {"workdir": str(workdir), "step": step}
-    from lpt.models import hf
-
     path = Path(cfg.init_from.hf).expanduser().resolve()
     where = f"init_from.hf={cfg.init_from.hf!r}"
     if not path.is_dir():

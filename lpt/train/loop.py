@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import lpt
 from lpt import data as data_lib
+from lpt import models
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import config as config_lib
 from lpt.train import distributed, init_from, machine, metrics, optimizer
@@ -348,8 +349,6 @@ class _Logger:
 
 
 def _flops_per_token(cfg) -> float:
-    from lpt import models
-
     return float(models.flops_per_token(cfg.model, cfg.data.seq_len))
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import jax
 
+from lpt import targets
+
 log = logging.getLogger("lpt.train")
 
 
 def device_peak_flops(device: jax.Device | None = None) -> float | None:
     """Peak bf16 FLOP/s of one device, or None if unknown (e.g. CPU): :func:`lpt.targets.peak_flops`."""
-    from lpt import targets
-
     return targets.peak_flops((device or jax.devices()[0]).device_kind)
 
 

@@ -153,15 +153,13 @@ def make_diagnostics_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: Train
     """``diag_step(params, rest, batch, step) -> {"model/<name>": f32 scalar}`` from
     ``lpt.models.activation_diagnostics`` on ``batch["inputs"]`` with the key ``fold_in(PRNGKey(seed), step)``
     (the train step's key for step ``step``; with microbatches the train step folds in the microbatch index too)."""
-    import lpt.models
-
     seed_key = jax.random.PRNGKey(cfg.train.seed)
 
     def step(params, rest, batch, step):
         with on_mesh(mesh):
             model = model_def.merge(params, rest)
             key = jax.random.fold_in(seed_key, step)
-            stats = lpt.models.activation_diagnostics(model, batch["inputs"], key=key)
+            stats = models.activation_diagnostics(model, batch["inputs"], key=key)
             return {f"model/{k}": v for k, v in stats.items()}
 
     repl = mesh_lib.replicated(mesh)
