@@ -248,7 +248,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
 def _read_summary(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not UTF-8, or not JSON
         raise ValueError(
             f"{path} is not the run's JSON summary ({e}); delete it and run again to rewrite it from the final "
             "checkpoint"
