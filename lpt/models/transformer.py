@@ -3,6 +3,8 @@ positions, GELU, biases), pre-norm residual blocks, float32 logits.
 
 ``x_0 = E[tokens] (+ P[positions])``; per block ``x += Attn(Norm(x))``, ``x += MLP(Norm(x))``;
 ``logits = Norm(x) @ W_head`` (``W_head = Eᵀ`` if tied). The residual stream is in the compute dtype.
+The blocks run through one function, :func:`run_blocks` (a scan over stacked blocks or a loop; remat and the
+diagnostics collectors there); the forward pass and KV-cache decoding are two per-layer functions of it.
 """
 
 from __future__ import annotations
@@ -95,50 +97,57 @@ def _stacked_blocks(spec: ModelSpec, prec: PrecisionSpec, rngs: nnx.Rngs) -> Blo
     return make(rngs)
 
 
-def _scan_blocks(blocks: Block, x_BTD: jax.Array, key: jax.Array | None, spec: ModelSpec) -> jax.Array:
-    """``x ← block_i(x)`` for i < n_layers with ``nnx.scan``; layer i's PQT key is ``fold_in(key, i)``.
+def run_blocks(blocks, x, layer, xs=(), *, key: jax.Array | None, spec: ModelSpec, remat: bool = False):
+    """``x, y_i = layer(block_i, x, key_i, xs_i)`` for i < n_layers; returns ``(x, ys)``, ``ys`` (a pytree, may be
+    empty) stacked on a leading layer axis, ``xs`` sliced along one.
 
-    In a diagnostics pass (:func:`lpt.models.probes.active`) each layer collects its statistics into its own
-    collector, returned as a scan output and reduced over the layers into the caller's; no remat (no backward)."""
-    layer_ids = jnp.arange(spec.n_layers, dtype=jnp.int32)
-    if probes.active():
-        hows: dict[str, str] = {}
+    With ``spec.scan_layers`` the blocks are one stacked :class:`Block` run by ``nnx.scan`` (one traced body); else
+    an ``nnx.List`` run by a Python loop. Layer i's weight-noise key ``key_i`` is ``fold_in(key, i)`` in a scan (its
+    layers share one layer path) and ``key`` itself in a loop (each layer folds in its own path); ``None`` stays
+    ``None``. ``remat`` recomputes each layer's activations in the backward pass (``nnx.remat`` around ``layer``).
 
-        def probed_body(x, block, i):
-            with probes.collecting() as c:
-                x = block(x, key=None if key is None else jax.random.fold_in(key, i))
-            layer_hows, raw = c.raw()
-            hows.update(layer_hows)  # static: the same names and rules for every layer
-            return x, raw
+    In a diagnostics pass (:func:`lpt.models.probes.active`) there is no remat (no backward). In a scan each layer
+    collects its statistics into its own collector, returned as a scan output and reduced over the layers into the
+    caller's (no tracer leaves the scan); in a loop the layers record into the caller's collector directly.
+    """
+    probed = probes.active()
+    remat = remat and not probed
+    if not spec.scan_layers:
+        step = nnx.remat(layer) if remat else layer
+        ys = []
+        for i, block in enumerate(blocks):
+            x, y = step(block, x, key, jax.tree.map(lambda a, i=i: a[i], xs))
+            ys.append(y)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
-        scan = nnx.scan(
-            probed_body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata=_layers_metadata(spec)
-        )
-        x_BTD, stacked = scan(x_BTD, blocks, layer_ids)
-        probes.current().add_stacked(hows, stacked)
-        return x_BTD
+    hows: dict[str, str] = {}
 
-    def body(x, block, i):
+    def body(x, block, i, xs_i):
         k = None if key is None else jax.random.fold_in(key, i)
-        return block(x, key=k)
-
-    if spec.remat:  # recompute each layer's activations in the backward pass
-        body = nnx.remat(body)
-    scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata=_layers_metadata(spec))
-    return scan(x_BTD, blocks, layer_ids)
-
-
-def _scan_decode(blocks: Block, x_BTD: jax.Array, cache: KVCache, spec: ModelSpec, **kw):
-    """``x ← block_i.decode(x, k_i, v_i)`` for i < n_layers with ``nnx.scan``: layer i's cache slices ``k[i]``,
-    ``v[i]`` are scan inputs and the updated slices scan outputs. Returns ``(x_BTD, k_LBSKD, v_LBSKD)``."""
-
-    def body(x, block, k_BSKD, v_BSKD):
-        return block.decode(x, k_BSKD, v_BSKD, **kw)
+        if not probed:
+            return layer(block, x, k, xs_i)
+        with probes.collecting() as c:
+            x, y = layer(block, x, k, xs_i)
+        layer_hows, raw = c.raw()
+        hows.update(layer_hows)  # static: the same names and rules for every layer
+        return x, (y, raw)
 
     scan = nnx.scan(
-        body, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0), transform_metadata=_layers_metadata(spec)
+        nnx.remat(body) if remat else body,
+        in_axes=(nnx.Carry, 0, 0, 0),
+        out_axes=(nnx.Carry, 0),
+        transform_metadata=_layers_metadata(spec),
     )
-    return scan(x_BTD, blocks, cache.k, cache.v)
+    layer_ids = None if key is None else jnp.arange(spec.n_layers, dtype=jnp.int32)
+    x, ys = scan(x, blocks, layer_ids, xs)
+    if probed:
+        ys, stacked = ys
+        probes.current().add_stacked(hows, stacked)
+    return x, ys
+
+
+def _forward_layer(block: Block, x_BTD: jax.Array, key: jax.Array | None, _) -> tuple[jax.Array, tuple]:
+    return block(x_BTD, key=key), ()
 
 
 class Transformer(nnx.Module):
@@ -194,14 +203,7 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:
             x_BTD = x_BTD + self.pos_embed(jnp.arange(T))[None]
         x_BTD = constrain(x_BTD, _BTD)
-        if self.spec.scan_layers:
-            x_BTD = _scan_blocks(self.blocks, x_BTD, key, self.spec)
-        else:
-            for block in self.blocks:
-                if self.spec.remat and not probes.active():  # recompute the block's activations in the backward pass
-                    x_BTD = nnx.remat(lambda blk, x, k: blk(x, key=k))(block, x_BTD, key)
-                else:
-                    x_BTD = block(x_BTD, key=key)
+        x_BTD, _ = run_blocks(self.blocks, x_BTD, _forward_layer, key=key, spec=self.spec, remat=self.spec.remat)
         return self._logits(self.final_norm(x_BTD), key)
 
     def _logits(self, h_BTD: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -229,16 +231,17 @@ class Transformer(nnx.Module):
         x_BTD = self.embed(tokens_BT)
         if self.pos_embed is not None:
             x_BTD = x_BTD + self.pos_embed(positions_BT)
-        kw = dict(index=cache.index, positions_BT=positions_BT, mask_BTS=cache.mask(T))
-        if self.spec.scan_layers:
-            x_BTD, k_LBSKD, v_LBSKD = _scan_decode(self.blocks, x_BTD, cache, self.spec, **kw)
-        else:
-            ks, vs = [], []
-            for i, block in enumerate(self.blocks):
-                x_BTD, k_BSKD, v_BSKD = block.decode(x_BTD, cache.k[i], cache.v[i], **kw)
-                ks.append(k_BSKD)
-                vs.append(v_BSKD)
-            k_LBSKD, v_LBSKD = jnp.stack(ks), jnp.stack(vs)
+        mask_BTS = cache.mask(T)
+
+        def decode_layer(block: Block, x_BTD, _, kv):
+            x_BTD, k_BSKD, v_BSKD = block.decode(
+                x_BTD, *kv, index=cache.index, positions_BT=positions_BT, mask_BTS=mask_BTS
+            )
+            return x_BTD, (k_BSKD, v_BSKD)
+
+        x_BTD, (k_LBSKD, v_LBSKD) = run_blocks(
+            self.blocks, x_BTD, decode_layer, (cache.k, cache.v), key=None, spec=self.spec
+        )
         if last_only:
             x_BTD = x_BTD[:, -1:]
         logits_BTV = self._logits(self.final_norm(x_BTD), None)

@@ -189,16 +189,44 @@ def test_bad_configs_raise_clear_errors():
         model(jnp.zeros((1, 17), jnp.int32))
 
 
-def test_remat_wraps_each_block_in_a_checkpoint():
-    def n_checkpoints(remat):
-        cfg = {**LLAMA, "remat": remat}
-        model = nnx.eval_shape(lambda: M.build_model(cfg, {}, rngs=nnx.Rngs(0)))
-        g, st = nnx.split(model)
-        jaxpr = jax.make_jaxpr(jax.grad(lambda s: nnx.merge(g, s)(TOKENS).sum()))(st)
-        return str(jaxpr).count("remat2[")  # jax.checkpoint's primitive
+def _reference_forward(model, tokens, key):
+    """The training forward spelled out per layout: a Python loop over the blocks with the step key (each layer folds
+    in its own path), or ``nnx.scan`` over the stacked block with ``fold_in(key, i)``; ``nnx.remat`` per layer."""
+    spec = model.spec
+    x = model.embed(tokens)
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(jnp.arange(tokens.shape[1]))[None]
+    x = M.transformer.constrain(x, ("batch", "length", "embed"))
+    if spec.scan_layers:
 
-    assert n_checkpoints(False) == 0
-    assert n_checkpoints(True) == LLAMA["n_layers"]
+        def body(x, block, i):
+            return block(x, key=jax.random.fold_in(key, i))
+
+        body = nnx.remat(body) if spec.remat else body
+        meta = {nnx.PARTITION_NAME: "layers", "kernel_shape": spec.n_layers}
+        scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata=meta)
+        x = scan(x, model.blocks, jnp.arange(spec.n_layers, dtype=jnp.int32))
+    else:
+        for block in model.blocks:
+            x = nnx.remat(lambda b, x, k: b(x, key=k))(block, x, key) if spec.remat else block(x, key=key)
+    return model._logits(model.final_norm(x), key)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_block_runner_traces_the_reference_training_forward(scan, remat):
+    """Model.__call__ runs its blocks through one runner (lpt.models.transformer.run_blocks); the gradient of its
+    training forward (GaussWS weight noise, so the per-layer keys matter) is the same jaxpr, equation for equation,
+    as the layout written out directly, and remat puts one checkpoint around each layer (n_layers unrolled, one
+    inside the scan)."""
+    cfg = {**LLAMA, "scan_layers": scan, "remat": remat}
+    prec = {"pqt": {"method": "gaussws", "layers": ("qkv", "up", "down")}}
+    g, st = nnx.split(nnx.eval_shape(lambda: M.build_model(cfg, prec, rngs=nnx.Rngs(0))))
+    key = jax.random.key(3)
+    got = str(jax.make_jaxpr(jax.grad(lambda s: nnx.merge(g, s)(TOKENS, key=key).sum()))(st))
+    want = str(jax.make_jaxpr(jax.grad(lambda s: _reference_forward(nnx.merge(g, s), TOKENS, key).sum()))(st))
+    assert got == want
+    assert got.count("remat2[") == (0 if not remat else 1 if scan else LLAMA["n_layers"])  # jax.checkpoint's primitive
 
 
 def test_scanned_layers_equal_the_unrolled_model(llama_built):
