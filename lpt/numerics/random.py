@@ -26,9 +26,11 @@ Arrays with more than 2^32 elements would repeat their pattern every 2^32 elemen
 from __future__ import annotations
 
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 RNGS = ("hash", "threefry")
@@ -92,9 +94,20 @@ def random_bits(key, shape, rng: str = "hash") -> jax.Array:
     raise ValueError(f"unknown rng {rng!r}; choose one of {RNGS}")
 
 
-def path_id(text: str) -> int:
-    """A stable 32-bit id of a path string (crc32 of its UTF-8 bytes): the same in every process and Python run
-    (unlike ``hash``); what lpt folds into a PRNG key per parameter leaf or layer."""
-    import zlib
+def path_id(path, *, bits: int = 32) -> np.uint32:
+    """A stable id of a leaf or layer path: the low ``bits`` bits of the crc32 of its UTF-8 text, the same in every
+    process and Python run (unlike ``hash``); what lpt folds into a PRNG key per parameter leaf or layer.
 
-    return zlib.crc32(text.encode("utf-8"))
+    ``path`` is a str or a sequence of str / int (joined by "/"). PQT layer keys use all 32 bits; the optimizer's
+    per-leaf keys use 31 (``bits=31``). Both are fixed: every stochastic rounding and weight-noise stream depends on
+    them."""
+    if isinstance(path, str):
+        text = path
+    else:
+        try:
+            text = "/".join(str(p) for p in path)
+        except TypeError as e:
+            raise ValueError(f"path must be a str or a sequence of str/int, got {path!r}") from e
+    if bits not in (31, 32):
+        raise ValueError(f"bits={bits!r} is not allowed; choose 31 or 32")
+    return np.uint32(zlib.crc32(text.encode("utf-8")) & ((1 << bits) - 1))

@@ -17,8 +17,8 @@ import optax
 
 from lpt.kernels.adamw_kahan_math import f32, moment_update, round_moments, runtime_zero
 from lpt.numerics import round_nearest, round_stochastic
-from lpt.numerics.random import key_words
-from lpt.optim.leaves import leaf_id, leaf_name
+from lpt.numerics.random import key_words, path_id
+from lpt.optim.leaves import leaf_name
 
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
 
@@ -84,7 +84,7 @@ def scale_by_adam(
         flat_m, flat_v = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         out_u, out_m, out_v = [], [], []
         for (path, g), m, v in zip(flat_g, flat_m, flat_v, strict=True):
-            key = jax.random.fold_in(step_key, leaf_id(leaf_name(path)))
+            key = jax.random.fold_in(step_key, path_id(leaf_name(path), bits=31))
             g32 = jnp.asarray(g).astype(jnp.float32)  # grad dtype -> f32
             m32, v32 = moment_update(g32, m.astype(jnp.float32), v.astype(jnp.float32), zero, b1=b1, b2=b2)
             km, kv = jax.random.split(key)

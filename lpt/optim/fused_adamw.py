@@ -33,15 +33,14 @@ from jax import lax
 
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
-from lpt.numerics.random import key_words
+from lpt.numerics.random import key_words, path_id
 from lpt.optim.adam import MOMENT_ROUNDINGS
 from lpt.optim.leaves import (
     UpdateDiagnostics,
     check_trees,
-    leaf_id,
     leaf_name,
+    map_leaves,
     needs_rounding,
-    summarize,
     zeros_like_rounded,
 )
 
@@ -122,11 +121,11 @@ def _narrow_exact(x32, dtype):
 
 
 def _leaf_keys(step_key, names):
-    """``split(fold_in(step_key, leaf_id(name)))`` for every leaf, computed as one batched (vmapped) threefry call
-    instead of one small call per leaf: the same keys, fewer tiny ops for XLA to run every step."""
+    """``split(fold_in(step_key, path_id(name, bits=31)))`` for every leaf, computed as one batched (vmapped)
+    threefry call instead of one small call per leaf: the same keys, fewer tiny ops for XLA to run every step."""
     if not names:
         return []
-    ids = jnp.asarray([leaf_id(n) for n in names], jnp.uint32)
+    ids = jnp.asarray([path_id(n, bits=31) for n in names], jnp.uint32)
     pairs = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(step_key, i)))(ids)  # [n, 2] keys
     return [(pairs[i, 0], pairs[i, 1]) for i in range(len(names))]
 
@@ -209,24 +208,14 @@ def fused_kahan_adamw(
         )
         step_key = jax.random.fold_in(jax.random.key(seed), count)
         flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
-        flat_specs = [None] * len(flat_p) if param_specs is None else treedef.flatten_up_to(param_specs)
-        flat_g = treedef.flatten_up_to(updates)
-        flat_mv = treedef.flatten_up_to(state.moments)
-        flat_c = treedef.flatten_up_to(state.compensation)
-        decays = _decay_flags(weight_decay_mask, params, treedef)
-        leaf_keys = _leaf_keys(step_key, [leaf_name(path) for path, _ in flat_p])
-        out_d, out_mv, out_c, stats = [], [], [], []
+        specs = treedef.unflatten([None] * len(flat_p)) if param_specs is None else param_specs
+        decays = treedef.unflatten(_decay_flags(weight_decay_mask, params, treedef))
+        keys = treedef.unflatten(_leaf_keys(step_key, [leaf_name(path) for path, _ in flat_p]))
         dep = jnp.uint32(0)
-        for i, ((path, p), g, mv, c, decay, spec) in enumerate(
-            zip(flat_p, flat_g, flat_mv, flat_c, decays, flat_specs, strict=True)
-        ):
+
+        def leaf(name, p, g, mv, c, decay, spec, leaf_keys):
+            nonlocal dep
             hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if decay else 0.0)
-            name = leaf_name(path)
-            p, g = jnp.asarray(p), jnp.asarray(g)
-            if p.shape != g.shape:
-                raise ValueError(f"kahan_adamw: update at {name} has shape {g.shape} but the param has {p.shape}")
-            if not jnp.issubdtype(g.dtype, jnp.floating):
-                raise ValueError(f"kahan_adamw: update at {name} has dtype {g.dtype}; updates must be floating point")
             mdt, cdt = mdt_of(p.dtype), cdt_of(p.dtype)
             if impl == "pallas" and needs_rounding(p.dtype):
                 if not (p.dtype == mdt == cdt == jnp.bfloat16):
@@ -235,20 +224,25 @@ def fused_kahan_adamw(
                         f"{p.dtype}, moments {mdt}, compensation {cdt} (use impl='xla')"
                     )
                 delta, new_mv, new_c, u = _pallas_leaf(
-                    g, p, c, mv, sc, leaf_keys[i][0], hp, stochastic=stochastic, interpret=interpret, spec=spec
+                    g, p, c, mv, sc, leaf_keys[0], hp, stochastic=stochastic, interpret=interpret, spec=spec
                 )
             else:
                 delta, new_mv, new_c, u, dep = _xla_leaf(
-                    g, p, c, mv, sc, leaf_keys[i], hp, mdt, cdt, dep, stochastic, sequential_leaves
+                    g, p, c, mv, sc, leaf_keys, hp, mdt, cdt, dep, stochastic, sequential_leaves
                 )
-            out_d.append(delta)
-            out_mv.append(new_mv)
-            out_c.append(new_c)
-            if diagnostics:
-                stats.append((u(), delta))
-        diag = summarize(stats) if diagnostics else None
-        unf = treedef.unflatten
-        return unf(out_d), KahanAdamWState(count, unf(out_mv), unf(out_c), diag)
+            return delta, (new_mv, new_c), u
+
+        deltas, (moments, compensation), diag = map_leaves(
+            "kahan_adamw",
+            leaf,
+            updates,
+            params,
+            state.moments,
+            state.compensation,
+            inputs=(decays, specs, keys),
+            diagnostics=diagnostics,
+        )
+        return deltas, KahanAdamWState(count, moments, compensation, diag)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

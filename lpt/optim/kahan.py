@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import optax
 
 from lpt.numerics import round_nearest
-from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, map_leaves, needs_rounding, zeros_like_rounded
+from lpt.optim.leaves import (
+    UpdateDiagnostics,
+    empty_diagnostics,
+    map_leaves,
+    needs_rounding,
+    rounded_leaves,
+    zeros_like_rounded,
+)
 
 
 class KahanSummationState(NamedTuple):
@@ -78,7 +85,7 @@ def kahan_summation(compensation_dtype=None, *, diagnostics: bool = False) -> op
             return kahan_step(p, u32, c, comp_dtype(p.dtype))
 
         deltas, (comp,), diag = map_leaves(
-            "kahan_summation", leaf, updates, params, state.compensation, diagnostics=diagnostics
+            "kahan_summation", rounded_leaves(leaf), updates, params, state.compensation, diagnostics=diagnostics
         )
         return deltas, KahanSummationState(compensation=comp, diagnostics=diag)
 

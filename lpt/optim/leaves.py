@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lpt.numerics import FORMATS
-from lpt.numerics.random import path_id
 
 # Leaf dtypes an update rule rounds into; wider floats (f32, f64) pass through unchanged.
 ROUNDED_DTYPES = tuple(sorted(n for n, f in FORMATS.items() if n != "float32" and f.xla_storable))
@@ -64,12 +63,6 @@ def leaf_name(path) -> str:
     return jax.tree_util.keystr(tuple(path))
 
 
-def leaf_id(path: str) -> int:
-    """A stable 31-bit id of a leaf path (:func:`lpt.numerics.random.path_id`, top bit cleared; used with
-    ``jax.random.fold_in``)."""
-    return path_id(path) & 0x7FFFFFFF
-
-
 def needs_rounding(dtype) -> bool:
     """True if ``dtype`` is a low-precision float an update rule rounds into; raises for unsupported dtypes."""
     name = np.dtype(dtype).name
@@ -98,19 +91,23 @@ def map_leaves(
     updates: Any,
     params: Any,
     *states: Any,
+    inputs: tuple = (),
     diagnostics: bool = False,
 ) -> tuple[Any, tuple[Any, ...], UpdateDiagnostics | None]:
-    """Apply ``fn(path, p, u_f32, *state_leaves) -> (new_p_f32, *new_state_leaves)`` to every leaf.
+    """The one walk over the leaves of every lpt update rule and of the fused AdamW.
 
-    ``fn`` is only called for leaves whose dtype needs rounding; f32/f64 leaves get ``delta = u`` and keep their
-    state leaves. Returns ``(deltas, new_states, diagnostics_or_None)`` where deltas are f32
-    ``new_p - p`` (the pass-through leaves keep their update dtype).
+    For every leaf, in tree order: ``fn(name, p, u, *state_leaves, *input_leaves) -> (delta_f32, new_state_leaves,
+    intended)`` with ``name`` the leaf's :func:`leaf_name`, ``p`` and ``u`` as arrays (checked: floating point, equal
+    shapes), one leaf of each tree of ``states`` and of ``inputs`` (trees with the params' structure down to their
+    leaves; an input's leaf may be any object), and ``new_state_leaves`` one new leaf per state tree. ``intended``
+    is the f32 update the rule meant to apply, or a zero-argument function computing it (called only with
+    ``diagnostics``). Returns ``(deltas, new_states, diagnostics_or_None)``, ``new_states`` a tree per state.
     """
     check_trees(rule, updates, params)
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat_u = treedef.flatten_up_to(updates)
-    flat_s = [treedef.flatten_up_to(s) for s in states]
-    deltas, new_states, pairs = [], [[] for _ in states], []
+    flat_t = [treedef.flatten_up_to(t) for t in (*states, *inputs)]
+    deltas, new_states, pairs = [], [], []
     for i, ((path, p), u) in enumerate(zip(flat_p, flat_u, strict=True)):
         name = leaf_name(path)
         p, u = jnp.asarray(p), jnp.asarray(u)
@@ -120,23 +117,34 @@ def map_leaves(
             raise ValueError(f"{rule}: update at {name} has shape {u.shape} but the param has shape {p.shape}")
         if not jnp.issubdtype(p.dtype, jnp.floating):
             raise ValueError(f"{rule}: param at {name} has dtype {p.dtype}; only floating-point params are supported")
-        leaf_states = [fs[i] for fs in flat_s]
-        if needs_rounding(p.dtype):
-            u32 = u.astype(jnp.float32)  # update dtype -> f32
-            p32 = p.astype(jnp.float32)  # low precision -> f32 (exact)
-            new_p32, *new_leaf_states = fn(name, p, u32, *leaf_states)
-            delta = new_p32 - p32  # exact in f32: both on p's grid
-        else:
-            u32 = delta = u
-            new_leaf_states = leaf_states
+        delta, leaf_states, intended = fn(name, p, u, *(ft[i] for ft in flat_t))
         deltas.append(delta)
-        for j, s in enumerate(new_leaf_states):
-            new_states[j].append(s)
-        if diagnostics:  # (pass-through leaves) any float -> f32 for the statistics
+        if len(leaf_states) != len(states):
+            raise ValueError(f"{rule}: {len(leaf_states)} new state leaves at {name}, expected {len(states)}")
+        new_states.append(tuple(leaf_states))
+        if diagnostics:  # any float -> f32 for the statistics
+            u32 = intended() if callable(intended) else intended
             pairs.append((u32.astype(jnp.float32), delta.astype(jnp.float32)))
-    out = treedef.unflatten(deltas)
-    outs = tuple(treedef.unflatten(s) for s in new_states)
-    return out, outs, summarize(pairs) if diagnostics else None
+    outs = tuple(treedef.unflatten([leaf[j] for leaf in new_states]) for j in range(len(states)))
+    return treedef.unflatten(deltas), outs, summarize(pairs) if diagnostics else None
+
+
+def rounded_leaves(fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """An update rule's leaf function for :func:`map_leaves`, from ``fn(name, p, u_f32, *state_leaves) ->
+    (new_p_f32, *new_state_leaves)`` that says how one low-precision leaf is rounded.
+
+    ``fn`` is only called for leaves whose dtype needs rounding, with ``delta = new_p − p`` exact in f32 (both on
+    p's grid); f32/f64 leaves get ``delta = u`` (in the update's dtype) and keep their state leaves."""
+
+    def leaf(name, p, u, *state_leaves):
+        if not needs_rounding(p.dtype):
+            return u, state_leaves, u
+        u32 = u.astype(jnp.float32)  # update dtype -> f32
+        p32 = p.astype(jnp.float32)  # low precision -> f32 (exact)
+        new_p32, *new_state_leaves = fn(name, p, u32, *state_leaves)
+        return new_p32 - p32, new_state_leaves, u32  # exact in f32: both on p's grid
+
+    return leaf
 
 
 def zeros_like_rounded(params: Any, dtype_fn: Callable[[jnp.dtype], Any]) -> Any:

@@ -26,7 +26,7 @@ import optax
 from jax import lax
 
 from lpt.numerics import round_nearest
-from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, map_leaves
+from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, map_leaves, rounded_leaves
 
 
 class NormPreservingState(NamedTuple):
@@ -94,7 +94,9 @@ def norm_preserving_update(
             new_p, _ = norm_preserving_step(p, u32, iterations=iterations, min_scale=min_scale, max_scale=max_scale)
             return (new_p,)
 
-        deltas, _, diag = map_leaves("norm_preserving_update", leaf, updates, params, diagnostics=diagnostics)
+        deltas, _, diag = map_leaves(
+            "norm_preserving_update", rounded_leaves(leaf), updates, params, diagnostics=diagnostics
+        )
         del state
         return deltas, NormPreservingState(diag)
 

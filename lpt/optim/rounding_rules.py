@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from lpt.numerics import round_nearest, round_stochastic
-from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, leaf_id, map_leaves
+from lpt.numerics.random import path_id
+from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, map_leaves, rounded_leaves
 
 
 class NearestRoundingState(NamedTuple):
@@ -40,7 +41,7 @@ def nearest_rounding(*, diagnostics: bool = False) -> optax.GradientTransformati
             p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
             return (round_nearest(p32 + u32, p.dtype, out_dtype=jnp.float32),)
 
-        deltas, _, diag = map_leaves("nearest_rounding", leaf, updates, params, diagnostics=diagnostics)
+        deltas, _, diag = map_leaves("nearest_rounding", rounded_leaves(leaf), updates, params, diagnostics=diagnostics)
         del state
         return deltas, NearestRoundingState(diag)
 
@@ -70,11 +71,13 @@ def stochastic_rounding(seed: int = 0, *, diagnostics: bool = False) -> optax.Gr
         step_key = jax.random.fold_in(jax.random.key(seed), state.count)
 
         def leaf(path, p, u32):
-            key = jax.random.fold_in(step_key, leaf_id(path))
+            key = jax.random.fold_in(step_key, path_id(path, bits=31))
             p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
             return (round_stochastic(p32 + u32, p.dtype, key, out_dtype=jnp.float32),)
 
-        deltas, _, diag = map_leaves("stochastic_rounding", leaf, updates, params, diagnostics=diagnostics)
+        deltas, _, diag = map_leaves(
+            "stochastic_rounding", rounded_leaves(leaf), updates, params, diagnostics=diagnostics
+        )
         return deltas, StochasticRoundingState(optax.safe_increment(state.count), diag)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -10,23 +10,8 @@ Python runs (unlike ``hash``). Nothing depends on the process count or the shard
 """
 
 import jax
-import numpy as np
 
-from lpt.numerics.random import path_id as numerics_path_id
-
-
-def path_id(path) -> np.uint32:
-    """Stable 32-bit id of a layer path: crc32 of the path joined by "/" (str, or a sequence of str / int)."""
-    if isinstance(path, str):
-        text = path
-    else:
-        try:
-            text = "/".join(str(p) for p in path)
-        except TypeError as e:
-            raise ValueError(f"layer path must be a str or a sequence of str/int, got {path!r}") from e
-    if not text:
-        raise ValueError("layer path must be non-empty (two layers with the same path would share their noise)")
-    return np.uint32(numerics_path_id(text))
+from lpt.numerics.random import path_id
 
 
 def step_key(key: jax.Array, step) -> jax.Array:
@@ -35,7 +20,9 @@ def step_key(key: jax.Array, step) -> jax.Array:
 
 
 def layer_key(key: jax.Array, path) -> jax.Array:
-    """Key of one layer within a step: ``fold_in(key, crc32(path))``."""
+    """Key of one layer within a step: ``fold_in(key, crc32(path))`` (:func:`lpt.numerics.random.path_id`)."""
+    if not path:
+        raise ValueError("layer path must be non-empty (two layers with the same path would share their noise)")
     return jax.random.fold_in(key, path_id(path))
 
 
@@ -44,4 +31,4 @@ def pqt_key(key: jax.Array, path, step) -> jax.Array:
     return layer_key(step_key(key, step), path)
 
 
-__all__ = ["layer_key", "path_id", "pqt_key", "step_key"]
+__all__ = ["layer_key", "pqt_key", "step_key"]
