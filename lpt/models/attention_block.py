@@ -8,8 +8,6 @@ masked float32 softmax over the cached keys, whatever the recipe's attention imp
 
 from __future__ import annotations
 
-import math
-
 import jax
 from flax import nnx
 
@@ -17,7 +15,7 @@ import lpt.attention
 from lpt.models import probes
 from lpt.models.config import ModelSpec, PrecisionSpec
 from lpt.models.decode import cached_attention
-from lpt.models.layers import Linear, rope, rope_inv_freq
+from lpt.models.layers import block_linears, rope, rope_inv_freq
 from lpt.sharding import constrain
 
 
@@ -42,24 +40,12 @@ class Attention(nnx.Module):
 
     def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
         D, H, K, Dh = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
-        bias = spec.kind == "gpt2"
-        std, out_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
         self.spec, self.prec = spec, prec
-        mk = lambda n_in, n_out, axes, kind, s, j: Linear(
-            n_in,
-            n_out,
-            axes=axes,
-            layer_kind=kind,
-            std=s,
-            prec=prec,
-            path=f"blocks/{block}/attn/{j}",
-            use_bias=bias,
-            rngs=rngs,
-        )
-        self.q = mk(D, H * Dh, ("embed", "heads"), "qkv", std, "q")
-        self.k = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", std, "k")
-        self.v = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", std, "v")
-        self.o = mk(H * Dh, D, ("heads", "embed"), "out", out_std, "o")
+        mk = block_linears(spec, prec, path=f"blocks/{block}/attn", rngs=rngs)
+        self.q = mk(D, H * Dh, ("embed", "heads"), "qkv", "q")
+        self.k = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", "k")
+        self.v = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", "v")
+        self.o = mk(H * Dh, D, ("heads", "embed"), "out", "o", residual=True)
 
     def _qkv(self, x_BTD: jax.Array, key: jax.Array | None, positions_BT: jax.Array | None = None):
         """q[B, T, H, Dh], k, v[B, T, K, Dh] in the compute dtype; Llama's q and k rotated at ``positions_BT``

@@ -21,7 +21,7 @@ from flax import nnx
 
 from lpt import numerics
 from lpt.models import pqt_wiring, probes
-from lpt.models.config import PrecisionSpec
+from lpt.models.config import ModelSpec, PrecisionSpec
 
 
 def make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtype, *, const: float | None = None):
@@ -181,6 +181,29 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)
         return y
+
+
+def block_linears(spec: ModelSpec, prec: PrecisionSpec, *, path: str, rngs: nnx.Rngs):
+    """The maker of one block's projections: ``make(d_in, d_out, axes, layer_kind, name, residual=False)`` is the
+    :class:`Linear` at layer path ``f"{path}/{name}"``, with biases for GPT-2, init std ``spec.init_std``, or
+    ``init_std / sqrt(2 n_layers)`` for a ``residual`` projection (one that writes the residual stream: "out" and
+    "down", as GPT-2)."""
+    std, residual_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
+
+    def make(d_in: int, d_out: int, axes: tuple, layer_kind: str, name: str, *, residual: bool = False) -> Linear:
+        return Linear(
+            d_in,
+            d_out,
+            axes=axes,
+            layer_kind=layer_kind,
+            std=residual_std if residual else std,
+            prec=prec,
+            path=f"{path}/{name}",
+            use_bias=spec.kind == "gpt2",
+            rngs=rngs,
+        )
+
+    return make
 
 
 class Embed(nnx.Module):

@@ -9,8 +9,6 @@ diagnostics collectors there); the forward pass and KV-cache decoding are two pe
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,7 +17,7 @@ from lpt.models import pqt_wiring, probes
 from lpt.models.attention_block import Attention
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
 from lpt.models.decode import KVCache
-from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, init_state, matmul, view_weight
+from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, block_linears, init_state, matmul, view_weight
 from lpt.sharding import constrain
 
 _BTD = ("batch", "length", "embed")
@@ -31,23 +29,11 @@ class MLP(nnx.Module):
 
     def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
         D, F = spec.d_model, spec.d_ff
-        bias = spec.kind == "gpt2"
-        std, out_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
         self.kind, self.prec = spec.kind, prec
-        mk = lambda n_in, n_out, axes, kind, s, j: Linear(
-            n_in,
-            n_out,
-            axes=axes,
-            layer_kind=kind,
-            std=s,
-            prec=prec,
-            path=f"blocks/{block}/mlp/{j}",
-            use_bias=bias,
-            rngs=rngs,
-        )
-        self.up = mk(D, F, ("embed", "mlp"), "up", std, "up")
-        self.gate = mk(D, F, ("embed", "mlp"), "up", std, "gate") if spec.kind == "llama" else None
-        self.down = mk(F, D, ("mlp", "embed"), "down", out_std, "down")
+        mk = block_linears(spec, prec, path=f"blocks/{block}/mlp", rngs=rngs)
+        self.up = mk(D, F, ("embed", "mlp"), "up", "up")
+        self.gate = mk(D, F, ("embed", "mlp"), "up", "gate") if spec.kind == "llama" else None
+        self.down = mk(F, D, ("mlp", "embed"), "down", "down", residual=True)
 
     def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
         up_f32 = self.up(x_BTD, key=key).astype(jnp.float32)  # compute -> f32
