@@ -35,7 +35,28 @@ _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float3
 
 
 @dataclasses.dataclass(frozen=True)
+class _Options:
+    """The options of one public call as given. :func:`_canonical` resolves them: a None policy from stable and beta,
+    a None scale from D, None blocks from T; interpret and mesh pass on as given (None: by platform / the
+    ``jax.set_mesh`` mesh)."""
+
+    causal: bool = True
+    stable: bool = True
+    beta: float = 7.0
+    policy: fm.AttentionPolicy | None = None  # overrides stable and beta
+    impl: str = "xla"
+    scale: float | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    interpret: bool | None = None
+    mesh: object = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Config:
+    """The static config of the canonical operands (resolved from :class:`_Options`; the custom VJP's static
+    argument)."""
+
     policy: fm.AttentionPolicy
     causal: bool
     scale: float
@@ -47,7 +68,7 @@ class _Config:
     specs: tuple | None = None  # PartitionSpecs (q, kv, segments, lse) on ``mesh``
 
 
-def kernel_specs(b: int, h: int, hkv: int, mesh) -> tuple | None:
+def _kernel_specs(b: int, h: int, hkv: int, mesh) -> tuple | None:
     """PartitionSpecs ``(q, kv, segments, lse)`` of the kernel operands on ``mesh``; None without a multi-device mesh.
 
     Raises ValueError if B, H or Hkv does not divide by the mesh axes it is split over, or if the query and kv heads
@@ -65,12 +86,12 @@ def kernel_specs(b: int, h: int, hkv: int, mesh) -> tuple | None:
     return q_spec, kv_spec, seg_spec, lse_spec
 
 
-def forward(q, k, v, q_seg, kv_seg, cfg: _Config):
+def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
     """(f32 O, lse) of the canonical operands by ``cfg.impl``: the flash kernel (per shard under a mesh) or the XLA
     twin."""
     kw = dict(policy=cfg.policy, causal=cfg.causal, scale=cfg.scale, block_k=cfg.block_k)
     if cfg.impl == "pallas":
-        run = functools.partial(fk.flash_forward, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
+        run = functools.partial(fk.forward, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
         if cfg.specs is not None:
             qs, kvs, segs, lses = cfg.specs
             run = dispatch.shard_map(run, cfg.mesh, (qs, kvs, kvs, segs, segs), (qs, lses))
@@ -81,9 +102,7 @@ def forward(q, k, v, q_seg, kv_seg, cfg: _Config):
 def _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg: _Config):
     kw = dict(causal=cfg.causal, scale=cfg.scale)
     if cfg.impl == "pallas":
-        run = functools.partial(
-            fk.flash_backward, block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret, **kw
-        )
+        run = functools.partial(fk.backward, block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret, **kw)
         if cfg.specs is not None:
             qs, kvs, segs, lses = cfg.specs
             run = dispatch.shard_map(run, cfg.mesh, (qs, kvs, kvs, segs, segs, lses, qs, lses), (qs, kvs, kvs))
@@ -97,7 +116,7 @@ def _flash(q, k, v, q_seg, kv_seg, key, cfg: _Config):
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, key, cfg: _Config):
-    o32, lse = forward(q, k, v, q_seg, kv_seg, cfg)
+    o32, lse = _forward(q, k, v, q_seg, kv_seg, cfg)
     out, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
     return out, (q, k, v, q_seg, kv_seg, o_res, lse)
 
@@ -141,12 +160,11 @@ def _pad_to(x, length: int, axis: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def canonical(
-    q, k, v, *, causal, stable, beta, impl, kv_mask, segment_ids, scale, policy, block_q, block_k, interpret, mesh=None
-):
-    """Validate the public arguments; return padded [B, H, T, D] tensors, segments and the static config."""
-    if impl not in _IMPLS:
-        raise ValueError(f"impl={impl!r} is not allowed; choose one of {_IMPLS}")
+def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
+    """Validate a public call's arrays and options; return padded [B, H, T, D] tensors, segments and the static
+    config."""
+    if opts.impl not in _IMPLS:
+        raise ValueError(f"impl={opts.impl!r} is not allowed; choose one of {_IMPLS}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
     b, tq, h, d = q.shape
@@ -157,13 +175,14 @@ def canonical(
         raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
     if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in _FLOATS:
         raise ValueError(f"q, k, v must share one dtype among {_FLOATS}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if causal and tq != tk:
+    if opts.causal and tq != tk:
         raise ValueError(f"causal attention needs Tq == Tk, got Tq={tq}, Tk={tk}")
+    policy = opts.policy
     if policy is None:
-        policy = fm.default_policy(beta=beta) if stable else fm.standard_policy()
+        policy = fm.default_policy(beta=opts.beta) if opts.stable else fm.standard_policy()
     if not isinstance(policy, fm.AttentionPolicy):
         raise ValueError(f"policy must be an AttentionPolicy, got {type(policy).__name__}")
-    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+    scale = float(1.0 / math.sqrt(d) if opts.scale is None else opts.scale)
 
     q_seg = jnp.zeros((b, tq), jnp.int32)
     kv_seg = jnp.zeros((b, tk), jnp.int32)
@@ -176,10 +195,10 @@ def canonical(
             raise ValueError(f"kv_mask must be bool [B, Tk] = {(b, tk)}, got {kv_mask.dtype}{kv_mask.shape}")
         kv_seg = jnp.where(kv_mask, kv_seg, -1)
 
-    bq = block_q or _default_block(tq)
-    bk = block_k or _default_block(tk)
+    bq = opts.block_q or _default_block(tq)
+    bk = opts.block_k or _default_block(tk)
     tq_pad, tk_pad = -(-tq // bq) * bq, -(-tk // bk) * bk
-    if causal:  # keep query and key positions aligned
+    if opts.causal:  # keep query and key positions aligned
         tq_pad = tk_pad = max(tq_pad, tk_pad, -(-tq // math.lcm(bq, bk)) * math.lcm(bq, bk))
     q_t = _pad_to(q, tq_pad, 1, 0).transpose(0, 2, 1, 3)  # [B, H, Tq, D]
     k_t = _pad_to(k, tk_pad, 1, 0).transpose(0, 2, 1, 3)
@@ -187,9 +206,9 @@ def canonical(
     q_seg = _pad_to(q_seg, tq_pad, 1, -2)  # padded queries match no key
     kv_seg = _pad_to(kv_seg, tk_pad, 1, -1)  # padded keys match no query
 
-    mesh = dispatch.kernel_mesh(mesh) if impl == "pallas" else None
-    specs = kernel_specs(b, h, hkv, mesh)
-    cfg = _Config(policy, bool(causal), scale, bq, bk, impl, interpret, mesh if specs else None, specs)
+    mesh = dispatch.kernel_mesh(opts.mesh) if opts.impl == "pallas" else None
+    specs = _kernel_specs(b, h, hkv, mesh)
+    cfg = _Config(policy, bool(opts.causal), scale, bq, bk, opts.impl, opts.interpret, mesh if specs else None, specs)
     return q_t, k_t, v_t, q_seg, kv_seg, cfg
 
 
@@ -237,27 +256,23 @@ def dot_product_attention(
       mesh: Pallas only: the mesh the kernels run on, one shard per device (see the module doc). None: the mesh of
         ``jax.set_mesh`` if one is set, else the kernels see whole arrays.
     """
-    q_t, k_t, v_t, q_seg, kv_seg, cfg = canonical(
-        q,
-        k,
-        v,
+    opts = _Options(
         causal=causal,
         stable=stable,
         beta=beta,
-        impl=impl,
-        kv_mask=kv_mask,
-        segment_ids=segment_ids,
-        scale=scale,
         policy=policy,
+        impl=impl,
+        scale=scale,
         block_q=block_q,
         block_k=block_k,
         interpret=interpret,
         mesh=mesh,
     )
+    q_t, k_t, v_t, q_seg, kv_seg, cfg = _canonical(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     tq = q.shape[1]
-    if impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:
+    if cfg.impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:
         raise ValueError("AttentionPolicy.residual='stochastic' needs a PRNG key: pass key=...")
-    if impl == "softmax":
+    if cfg.impl == "softmax":
         o = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, scale=cfg.scale)
         o = o.astype(q.dtype)  # f32 -> input dtype (RNE; differentiable, unlike the bit-exact rounding)
     else:

@@ -23,22 +23,8 @@ def repeated_max_fraction(
 
     Shapes as :func:`lpt.attention.dot_product_attention`; rows without any visible key are not counted.
     """
-    q_t, k_t, _, q_seg, kv_seg, cfg = core.canonical(
-        q,
-        k,
-        k,
-        causal=causal,
-        stable=False,
-        beta=7.0,
-        impl="xla",
-        kv_mask=kv_mask,
-        segment_ids=segment_ids,
-        scale=scale,
-        policy=None,
-        block_q=None,
-        block_k=None,
-        interpret=None,
-    )
+    opts = core._Options(causal=causal, scale=scale)  # the logits need only the masks and the scale
+    q_t, k_t, _, q_seg, kv_seg, cfg = core._canonical(q, k, k, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     b, h, tq, d = q_t.shape
     hkv, tk = k_t.shape[1], k_t.shape[2]
     qg = q_t.reshape(b, hkv, h // hkv, tq, d)
@@ -69,23 +55,9 @@ def residual_output(
     block_k=None,
 ):
     """The O that the backward of :func:`dot_product_attention` (impl="xla") uses for δ, as f32 [B, Tq, H, D]."""
-    q_t, k_t, v_t, q_seg, kv_seg, cfg = core.canonical(
-        q,
-        k,
-        v,
-        causal=causal,
-        stable=stable,
-        beta=beta,
-        impl="xla",
-        kv_mask=kv_mask,
-        segment_ids=segment_ids,
-        scale=scale,
-        policy=policy,
-        block_q=None,
-        block_k=block_k,
-        interpret=None,
-    )
-    o32, _ = core.forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
+    opts = core._Options(causal=causal, stable=stable, beta=beta, policy=policy, scale=scale, block_k=block_k)
+    q_t, k_t, v_t, q_seg, kv_seg, cfg = core._canonical(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
+    o32, _ = core._forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
     _, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
     return o_res.astype(jnp.float32).transpose(0, 2, 1, 3)[:, : q.shape[1]]  # residual dtype -> f32 (exact)
 

@@ -38,7 +38,9 @@ def _module(mode: str, structure: str | None):
 
 
 def forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, interpret=None, structure=None):
-    """:func:`flash_forward` with the interpreter's structure chosen by ``structure`` ("grid" or "loop")."""
+    """Forward kernel. Returns (O [B, H, Tq, D], lse f32 [B, H, Tq]); O is f32, or already rounded to nearest in
+    q's dtype when ``policy.residual == "input"`` (the wrapper's rounding is then exact). ``structure`` ("grid" or
+    "loop"; None: "grid") is the structure the interpreter runs."""
     g = check(q, k, block_q, block_k)
     structure_of("interpret", structure)  # validate
     b, h, tq, d = q.shape
@@ -58,7 +60,8 @@ def forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, 
 def backward(
     q, k, v, q_seg, kv_seg, lse, do, delta, *, causal, scale, block_q, block_k, interpret=None, structure=None
 ):
-    """:func:`flash_backward` with the interpreter's structure chosen by ``structure`` ("grid" or "loop")."""
+    """Backward kernels given lse, δ [B, H, Tq] f32. Returns f32 (dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]).
+    ``structure`` ("grid" or "loop"; None: "grid") is the structure the interpreter runs."""
     g = check(q, k, block_q, block_k)
     structure_of("interpret", structure)  # validate
     b, h, tq, d = q.shape
@@ -84,21 +87,4 @@ def backward(
     return dq, dk, dv
 
 
-def flash_forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, interpret=None):
-    """Forward kernel. Returns (O [B, H, Tq, D], lse f32 [B, H, Tq]); O is f32, or already rounded to nearest in
-    q's dtype when ``policy.residual == "input"`` (the wrapper's rounding is then exact)."""
-    return forward(
-        q, k, v, q_seg, kv_seg, policy=policy, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret,
-    )  # fmt: skip
-
-
-def flash_backward(q, k, v, q_seg, kv_seg, lse, do, delta, *, causal, scale, block_q, block_k, interpret=None):
-    """Backward kernels given lse, δ [B, H, Tq] f32. Returns f32 (dq [B,H,Tq,D], dk, dv [B,Hkv,Tk,D])."""
-    return backward(
-        q, k, v, q_seg, kv_seg, lse, do, delta, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret,
-    )  # fmt: skip
-
-
-__all__ = ["backward", "flash_backward", "flash_forward", "forward"]
+__all__ = ["backward", "forward"]

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from lpt.kernels import dispatch
 from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import NT, TN, dot, valid_mask
+from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, dot, valid_mask
 
 
 def _n_keys(i, bq: int, bk: int, nk: int, causal: bool):
@@ -141,16 +141,9 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0))
     full_kv = pl.BlockSpec((None, None, tk, d), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
-    in_specs = [
-        q_spec,
-        full_kv,
-        full_kv,
-        q_spec,
-        row_spec,
-        row_spec,
-        pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0)),
-        pl.BlockSpec((None, 1, tk), lambda bi, hi, i: (bi, 0, 0)),
-    ]
+    qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0))
+    kvseg_spec = pl.BlockSpec((None, 1, tk), lambda bi, hi, i: (bi, 0, 0))
+    in_specs = backward_in_specs(q_spec, full_kv, row_spec, qseg_spec, kvseg_spec)
     kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, bq=bq, bk=bk, native=False)
     return pl.pallas_call(
         kernel,
@@ -171,16 +164,9 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     full_q = pl.BlockSpec((None, None, gtq, d), lambda bi, hk, j: (bi, hk, 0, 0))
     full_row = pl.BlockSpec((None, None, gtq, 1), lambda bi, hk, j: (bi, hk, 0, 0))
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hk, j: (bi, hk, j, 0))
-    in_specs = [
-        full_q,
-        kv_spec,
-        kv_spec,
-        full_q,
-        full_row,
-        full_row,
-        pl.BlockSpec((None, tq, 1), lambda bi, hk, j: (bi, 0, 0)),
-        pl.BlockSpec((None, 1, bk), lambda bi, hk, j: (bi, 0, j)),
-    ]
+    qseg_spec = pl.BlockSpec((None, tq, 1), lambda bi, hk, j: (bi, 0, 0))
+    kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j: (bi, 0, j))
+    in_specs = backward_in_specs(full_q, kv_spec, full_row, qseg_spec, kvseg_spec)
     kernel = functools.partial(_dkdv_kernel, causal=causal, scale=scale, bq=bq, bk=bk, tq=tq, g=g, native=False)
     out = jax.ShapeDtypeStruct((b, hkv, tk, d), jnp.float32)
     return pl.pallas_call(

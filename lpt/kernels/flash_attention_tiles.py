@@ -40,6 +40,12 @@ def valid_mask(q_seg, kv_seg, q_start, k_start, shape, causal: bool):
     return ok
 
 
+def backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec) -> list:
+    """The in_specs of a backward kernel (dQ or dK/dV) in its operand order (q, k, v, dO, lse, δ, q_seg, kv_seg):
+    ``q_spec`` blocks q and dO, ``kv_spec`` k and v, ``row_spec`` lse and δ."""
+    return [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, qseg_spec, kvseg_spec]
+
+
 def check(q, k, block_q: int, block_k: int) -> int:
     """Validate the kernel layout; return the GQA group size G = H / Hkv."""
     tq, tk, h, hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]

@@ -27,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
 from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import NT, TN, dot, valid_mask
+from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, dot, valid_mask
 
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
@@ -178,16 +178,9 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_blk(i, j), 0))
-    in_specs = [
-        q_spec,
-        kv_spec,
-        kv_spec,
-        q_spec,
-        row_spec,
-        row_spec,
-        pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
-        pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_blk(i, j))),
-    ]
+    qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0))
+    kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_blk(i, j)))
+    in_specs = backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec)
     kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, bq=bq, bk=bk, nk=nk, native=mode == "mosaic")
     return pl.pallas_call(
         kernel,
@@ -218,16 +211,9 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     q_spec = pl.BlockSpec((None, None, bq, d), grouped)
     row_spec = pl.BlockSpec((None, None, bq, 1), grouped)
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hk, j, r: (bi, hk, j, 0))
-    in_specs = [
-        q_spec,
-        kv_spec,
-        kv_spec,
-        q_spec,
-        row_spec,
-        row_spec,
-        pl.BlockSpec((None, bq, 1), lambda bi, hk, j, r: (bi, q_blk(j, r), 0)),
-        pl.BlockSpec((None, 1, bk), lambda bi, hk, j, r: (bi, 0, j)),
-    ]
+    qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hk, j, r: (bi, q_blk(j, r), 0))
+    kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j, r: (bi, 0, j))
+    in_specs = backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec)
     kernel = functools.partial(
         _dkdv_kernel, causal=causal, scale=scale, bq=bq, bk=bk, nq=nq, g=g, native=mode == "mosaic"
     )

@@ -93,7 +93,7 @@ def test_interpret_kernel_split_accumulation_matches_reference_f32():
     seg = jnp.zeros(q.shape[:1] + q.shape[2:3], jnp.int32)
     policy = fm.default_policy()
     kw = dict(policy=policy, causal=False, scale=0.25, block_k=16)
-    kernel = lambda q, k, v: fk.flash_forward(q, k, v, seg, seg, block_q=32, interpret=True, **kw)
+    kernel = lambda q, k, v: fk.forward(q, k, v, seg, seg, block_q=32, interpret=True, **kw)
     twin = lambda q, k, v: fr.reference_forward(q, k, v, seg, seg, **kw)
     for f in (kernel, twin):  # S = QKᵀ, (P̃ ∘ big) V, (P̃ ∘ ¬big) V
         assert str(jax.make_jaxpr(f)(q, k, v)).count("dot_general") == 3

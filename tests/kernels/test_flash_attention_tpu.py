@@ -18,7 +18,7 @@ def test_dkdv_kernel_is_gqa_native():
 
     def bwd(q, k, v, do):
         kw = dict(causal=True, scale=0.25, block_q=BQ, block_k=BK, interpret=True)
-        return fk.flash_backward(q, k, v, q_seg, kv_seg, lse, do, delta, **kw)
+        return fk.backward(q, k, v, q_seg, kv_seg, lse, do, delta, **kw)
 
     eqns = [e for e in jax.make_jaxpr(bwd)(q, k, v, do).jaxpr.eqns if e.primitive.name == "pallas_call"]
     by_name = {e.params["name"]: e for e in eqns}
