@@ -7,7 +7,7 @@ flash kernel, ``impl="pallas"`` the Pallas kernel, ``impl="softmax"`` plain f32 
 :class:`AttentionPolicy` says how the block loop rounds (shift rule, where ℓ comes from, P̃V dtype, accumulator,
 the O kept for the backward); ``stable=True`` picks the bias-free :func:`default_policy`, ``stable=False`` the
 :func:`standard_policy` of FA2. Diagnostics: :func:`repeated_max_fraction`, :func:`delta_error`,
-:func:`residual_output`. See docs/attention.md for the measurements behind the defaults.
+:func:`residual_output`. docs/attention.md explains the defaults; docs/results.md holds their measurements.
 """
 
 from lpt.attention.core import dot_product_attention

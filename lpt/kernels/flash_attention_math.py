@@ -29,8 +29,7 @@ Shift rules. ``"max"``: ``c = M`` (standard). ``"beta"`` (Qiu & Yao, Algorithm 1
 rounding to bf16 even when ``|M|`` is tiny (the paper leaves ``M = 0`` rows unchanged). Both guards keep the offset
 dynamic (a function of M) instead of clipping it to a constant: with a constant, every guarded row shares one bf16
 rounding of ``exp(−o)`` (``exp(−64)`` rounds down by 0.15%), which is the fixed offset that Qiu & Yao's Appendix C
-rules out; with ℓ summed from f32 P̄ that gave the β = 8 all-bf16 sweep point t = +12.5 (256 draws; see
-docs/attention.md).
+rules out (measured at β = 8 with ℓ summed from f32 P̄: docs/results.md).
 
 Deviations from the paper's Algorithm 1: it detects repeats only inside one block and its line 10 overwrites the
 shifted maximum; here the count runs over all blocks seen so far, so a block maximum equal to the running maximum
@@ -39,7 +38,7 @@ counts as a repeat.
 Split accumulation (``accumulator="split"``). Inside one f32 matmul a dominant product (a maximum's P̃ times its
 v) swamps the tiny same-signed products of the far logits: each is rounded against the ulp of the large partial sum,
 and the ones below half an ulp are lost, so the sum is biased towards zero (Qiu & Yao's mechanism one level down,
-in f32; measured in docs/attention.md). The split sums the weights within ``2**-split_bits`` of the row's largest
+in f32; measured in docs/results.md). The split sums the weights within ``2**-split_bits`` of the row's largest
 weight and the others in two matmuls and adds the two f32 results once::
 
     big = s >= M' − split_bits·ln 2;   P̃V = (P̃ ∘ big) V + (P̃ ∘ ¬big) V

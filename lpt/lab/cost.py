@@ -116,7 +116,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
             f"bf16 + Kahan holds {kahan['bytes_per_param']:.1f} bytes/param against the f32 recipe's "
             f"{base['bytes_per_param']:.1f} ({kahan['bytes_per_param'] / base['bytes_per_param']:.2f}x). The "
             "optimizer step alone at ~50M parameters is benchmarked by `benchmarks/optim_step.py` (see "
-            "docs/optim.md)."
+            "docs/results.md)."
         )
     out["headline"] = {n: float(np.round(r["bytes_per_param"], 2)) for n, r in out[sizes[-1]].items()}
     return out

@@ -49,7 +49,7 @@ def init_state(abstract_state, key: jax.Array):
     Parameters with ``init_std`` metadata take consecutive slices (in the state's flattening order) of
     ``z ~ N(0, I)`` of their total size, times their std; ``init_const`` ones are constant; then RNE into their
     storage dtype. One draw instead of one per parameter keeps the init program small (one threefry draw to compile,
-    not one per parameter; compile times in docs/models_and_data.md). Every variable must carry one of the two
+    not one per parameter; compile times in docs/results.md). Every variable must carry one of the two
     metadata keys (PQT bitwidths have ``init_const=1``); a variable without them raises ValueError.
     """
     is_var = lambda x: isinstance(x, nnx.Variable)

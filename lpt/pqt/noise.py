@@ -22,7 +22,7 @@ Reading of Eq. 10: the paper's "(1 − Pr(±2))" is the probability of *not* dra
 The sign–magnitude code is turned into bf16 directly from bits (sign << 15 | exponent/mantissa of 1.0 or 2.0), so
 no float arithmetic is involved. Ahn & Yoo additionally pack 8 such 4-bit codes per uint32 between their separate
 Triton kernels; under XLA the generation fuses into its consumer and the backward regenerates R from the key, so
-R is never stored (``benchmarks/pqt_overhead.py`` measures the trade-off; see docs/pqt.md).
+R is never stored (``benchmarks/pqt_overhead.py`` measures the trade-off; numbers in docs/results.md).
 
 DiffQ's baseline R ~ U(−0.5, 0.5) in bf16 is :func:`symmetric_uniform`: 8 random bits per sample (four per
 32-bit word), a sign bit and a 7-bit k, R = ±(2k + 1) / 512. That is the uniform distribution on the 256

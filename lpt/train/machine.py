@@ -3,7 +3,7 @@ lab's timed sections.
 
 Ratios against a baseline measured in the same run cancel most of a machine's speed, but not its balance of memory
 bandwidth against arithmetic: the fused bf16 AdamW step, for example, moves less memory than the f32 baseline but does
-more integer and rounding work, so its ratio differs between CPUs (see docs/optim.md). A ratio is only reproducible
+more integer and rounding work, so its ratio differs between CPUs (see docs/results.md). A ratio is only reproducible
 together with the CPU model, the vector extensions XLA may use, the core count and the load it ran under; and the
 last digits of a training loss depend on the vector extensions too (f32 round-off).
 """

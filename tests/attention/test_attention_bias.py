@@ -3,7 +3,7 @@
 Data: every row has 2–4 exactly repeated maximal logits (one key copied, an "attention sink") about 15 above the
 rest, and mostly negative V ~ N(−1, 0.5): the regime where P̄ holds several 1s and the sum of the sink values lands
 on bf16 midpoints that the tiny same-signed rest tips one way. Statistics are over independent draws (one draw =
-one 64 × 64 attention matrix); t = mean(draw means) / (sd / √draws). Numbers are recorded in docs/attention.md.
+one 64 × 64 attention matrix); t = mean(draw means) / (sd / √draws). Numbers are recorded in docs/results.md.
 """
 
 import jax
