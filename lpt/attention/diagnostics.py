@@ -62,25 +62,12 @@ def residual_output(
     return o_res.astype(jnp.float32).transpose(0, 2, 1, 3)[:, : q.shape[1]]  # residual dtype -> f32 (exact)
 
 
-def delta_error(
-    q,
-    k,
-    v,
-    do,
-    *,
-    causal=True,
-    stable=True,
-    beta=7.0,
-    policy=None,
-    kv_mask=None,
-    segment_ids=None,
-    scale=None,
-    key=None,
-):
+def delta_error(q, k, v, do, **options):
     """δ_policy − δ_f32 per row, f32 [B, T, H]: δ from the O the policy keeps for the backward, minus δ from the
-    f32 softmax attention of the same (rounded) inputs. ``do`` is [B, T, H, D] like the output."""
-    kw = dict(causal=causal, kv_mask=kv_mask, segment_ids=segment_ids, scale=scale)
-    o_res = residual_output(q, k, v, stable=stable, beta=beta, policy=policy, key=key, **kw)
+    f32 softmax attention of the same (rounded) inputs. ``do`` is [B, T, H, D] like the output; ``options`` are
+    :func:`residual_output`'s (causal, stable, beta, policy, kv_mask, segment_ids, scale, key, block_k)."""
+    o_res = residual_output(q, k, v, **options)
+    kw = {n: options[n] for n in ("causal", "kv_mask", "segment_ids", "scale") if n in options}
     o_true = core.dot_product_attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), impl="softmax", **kw
     )  # inputs -> f32 (exact): f32 truth

@@ -293,16 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        m = prepare(
-            args.tokenizer,
-            args.input,
-            args.out,
-            source=args.source,
-            validation_fraction=args.validation_fraction,
-            workers=args.workers,
-            shard_mb=args.shard_mb,
-            record_tokens=args.record_tokens,
-        )
+        m = prepare(**vars(args))  # the options' dests are prepare's parameter names
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

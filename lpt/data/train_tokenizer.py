@@ -96,13 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged")
     args = parser.parse_args(argv)
     try:
-        r = train_tokenizer(
-            args.vocab_size,
-            args.out,
-            args.input,
-            validation_fraction=args.validation_fraction,
-            min_frequency=args.min_frequency,
-        )
+        r = train_tokenizer(**vars(args))  # the options' dests are train_tokenizer's parameter names
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

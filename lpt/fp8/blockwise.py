@@ -51,6 +51,7 @@ from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
 __all__ = ["IMPLS", "BlockwiseConfig", "blockwise_dot", "scaled_matmul"]
 
 IMPLS = ("xla", "pallas", "mosaic_gpu")
+_STATIC_OPTIONS = ("impl", "block", "fwd_dtype", "grad_dtype", "scale_format", "interpret")  # of blockwise_dot
 
 
 class BlockwiseConfig(NamedTuple):
@@ -148,6 +149,33 @@ def _bdot_bwd(cfg: BlockwiseConfig, res, g):
 _bdot.defvjp(_bdot_fwd, _bdot_bwd)
 
 
+def blockwise_config(**options) -> BlockwiseConfig:
+    """The static options of :func:`blockwise_dot` (its arguments of the same names), checked: a ValueError naming
+    the option and what it allows for an unknown impl, a non-FP8 dtype, an unknown scale format, an interpret other
+    than None / True, or ``impl="mosaic_gpu"`` with two FP8 formats (wgmma cannot mix them). Options not given
+    take :class:`BlockwiseConfig`'s defaults."""
+    unknown = sorted(set(options) - set(_STATIC_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown blockwise_dot option(s) {unknown}; the options are {list(_STATIC_OPTIONS)}")
+    cfg = BlockwiseConfig()._replace(**options)
+    if cfg.impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {cfg.impl!r}")
+    check_scale_format(cfg.scale_format)
+    cfg = cfg._replace(
+        block=int(cfg.block),
+        fwd_dtype=check_fp8_dtype(cfg.fwd_dtype, "fwd_dtype"),
+        grad_dtype=check_fp8_dtype(cfg.grad_dtype, "grad_dtype"),
+    )
+    if cfg.impl == "mosaic_gpu" and cfg.grad_dtype != cfg.fwd_dtype:
+        raise ValueError(
+            f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype (wgmma cannot mix FP8 formats), got "
+            f"fwd_dtype={cfg.fwd_dtype}, grad_dtype={cfg.grad_dtype}"
+        )
+    if cfg.interpret not in (None, True):
+        raise ValueError(f"interpret must be None (choose per platform) or True, got {cfg.interpret!r}")
+    return cfg
+
+
 def blockwise_dot(
     x,
     w,
@@ -185,24 +213,8 @@ def blockwise_dot(
     """
     x = jnp.asarray(x)
     w = jnp.asarray(w)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    check_scale_format(scale_format)
-    cfg = BlockwiseConfig(
-        block=int(block),
-        fwd_dtype=check_fp8_dtype(fwd_dtype, "fwd_dtype"),
-        grad_dtype=check_fp8_dtype(grad_dtype, "grad_dtype"),
-        scale_format=scale_format,
-        impl=impl,
-        interpret=interpret,
-    )
-    if impl == "mosaic_gpu" and cfg.grad_dtype != cfg.fwd_dtype:
-        raise ValueError(
-            f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype (wgmma cannot mix FP8 formats), got "
-            f"fwd_dtype={cfg.fwd_dtype}, grad_dtype={cfg.grad_dtype}"
-        )
-    if interpret not in (None, True):
-        raise ValueError(f"interpret must be None (choose per platform) or True, got {interpret!r}")
+    options = dict(impl=impl, block=block, fwd_dtype=fwd_dtype, grad_dtype=grad_dtype, scale_format=scale_format)
+    cfg = blockwise_config(interpret=interpret, **options)
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise ValueError(f"{name} must be a floating-point array, got dtype {a.dtype}")

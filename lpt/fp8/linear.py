@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lpt.fp8.blockwise import IMPLS, blockwise_dot
+from lpt.fp8.blockwise import blockwise_config, blockwise_dot
 
 __all__ = ["Fp8Linear", "make_fp8_dot_general"]
 
@@ -56,18 +56,12 @@ class Fp8Linear(nnx.Module):
             raise ValueError(
                 f"Fp8Linear({in_features}, {out_features}): both features must be multiples of block={block}"
             )
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if impl == "mosaic_gpu" and jnp.dtype(grad_dtype) != jnp.dtype(fwd_dtype):
-            raise ValueError(
-                f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype, "
-                f"got {jnp.dtype(grad_dtype)} and {jnp.dtype(fwd_dtype)}"
-            )
+        self.opts = dict(impl=impl, block=block, fwd_dtype=fwd_dtype, grad_dtype=grad_dtype, scale_format=scale_format)
+        blockwise_config(**self.opts)  # one-line errors at construction
         self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
         self.dtype = dtype
-        self.opts = dict(impl=impl, block=block, fwd_dtype=fwd_dtype, grad_dtype=grad_dtype, scale_format=scale_format)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.dtype is not None:
@@ -78,22 +72,17 @@ class Fp8Linear(nnx.Module):
         return y
 
 
-def make_fp8_dot_general(
-    *,
-    impl: str = "xla",
-    block: int = 128,
-    fwd_dtype=jnp.float8_e4m3fn,
-    grad_dtype=jnp.float8_e5m2,
-    scale_format: str = "f32",
-):
+def make_fp8_dot_general(**options):
     """A ``lax.dot_general``-compatible function routing ``x[..., K] . w[K, N]`` through ``blockwise_dot``.
 
     Use it wherever a module accepts ``dot_general=`` (e.g. ``nnx.Linear(..., dot_general=hook)``). Only the
     dense-layer contraction (last dim of lhs with the first dim of a 2-D rhs, no batch dims) is supported; any other
     dimension_numbers raise ValueError. ``precision`` is ignored (the GEMM is FP8 by construction);
-    ``preferred_element_type``, if given, sets the output dtype.
+    ``preferred_element_type``, if given, sets the output dtype. ``options`` are :func:`blockwise_dot`'s static
+    options (``impl``, ``block``, ``fwd_dtype``, ``grad_dtype``, ``scale_format``, ``interpret``), checked here.
     """
-    opts = dict(impl=impl, block=block, fwd_dtype=fwd_dtype, grad_dtype=grad_dtype, scale_format=scale_format)
+    blockwise_config(**options)  # one-line errors when the hook is made, not at its first call
+    opts = dict(options)
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         del precision

@@ -100,30 +100,10 @@ _update.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
 def adamw_kahan_partitioned(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, interpret=None):
     """:func:`lpt.kernels.adamw_kahan.adamw_kahan` on one leaf, per shard under any sharding (see module doc)."""
     dispatch.check_interpret(interpret)
+    opts = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic, interpret=interpret)
     if p.ndim == 0:  # a scalar leaf has nothing to split
-        return adamw_kahan(
-            g,
-            p,
-            c,
-            mv,
-            scalars,
-            words,
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            weight_decay=weight_decay,
-            stochastic=stochastic,
-            interpret=interpret,
-        )
-    static = (
-        ("b1", b1),
-        ("b2", b2),
-        ("eps", eps),
-        ("weight_decay", weight_decay),
-        ("stochastic", stochastic),
-        ("interpret", interpret),
-    )
-    return _update(g, p, c, mv, scalars, words, static)
+        return adamw_kahan(g, p, c, mv, scalars, words, **opts)
+    return _update(g, p, c, mv, scalars, words, tuple(opts.items()))  # hashable: custom_partitioning's static arg
 
 
 def adamw_kahan_on_shards(

@@ -27,10 +27,10 @@ states.
 from lpt.optim.adam import scale_by_adam
 from lpt.optim.apply import apply_updates
 from lpt.optim.diagnostics import find_compensation, get_diagnostics, replace_compensation
-from lpt.optim.fused_adamw import KahanAdamWState
+from lpt.optim.fused_adamw import KahanAdamWState, kahan_adamw
 from lpt.optim.kahan import compensation_from_f32, kahan_summation, to_f32
 from lpt.optim.norm_preserving import norm_preserving_update
-from lpt.optim.recipes import UPDATE_RULES, adamw, add_decayed_weights, kahan_adamw, update_rule
+from lpt.optim.recipes import UPDATE_RULES, adamw, add_decayed_weights, update_rule
 from lpt.optim.rounding_rules import nearest_rounding, stochastic_rounding
 
 __all__ = [

@@ -63,6 +63,13 @@ def leaf_name(path) -> str:
     return jax.tree_util.keystr(tuple(path))
 
 
+def decay_mask(mask, weight_decay_mask):
+    """The weight-decay mask given as ``mask`` (optax's name) or ``weight_decay_mask`` (its alias), not both."""
+    if mask is not None and weight_decay_mask is not None:
+        raise ValueError("give the weight-decay mask once: mask=... (weight_decay_mask is an alias of it)")
+    return mask if mask is not None else weight_decay_mask
+
+
 def needs_rounding(dtype) -> bool:
     """True if ``dtype`` is a low-precision float an update rule rounds into; raises for unsupported dtypes."""
     name = np.dtype(dtype).name

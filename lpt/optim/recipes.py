@@ -10,8 +10,8 @@ import optax
 
 from lpt.kernels.adamw_kahan_math import no_fma, runtime_zero
 from lpt.optim.adam import scale_by_adam
-from lpt.optim.fused_adamw import fused_kahan_adamw
 from lpt.optim.kahan import kahan_summation
+from lpt.optim.leaves import decay_mask
 from lpt.optim.norm_preserving import norm_preserving_update
 from lpt.optim.rounding_rules import nearest_rounding, stochastic_rounding
 
@@ -98,13 +98,6 @@ def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.Gradi
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _decay_mask(mask, weight_decay_mask):
-    """The weight-decay mask given as ``mask`` (optax's name) or ``weight_decay_mask`` (its alias), not both."""
-    if mask is not None and weight_decay_mask is not None:
-        raise ValueError("give the weight-decay mask once: mask=... (weight_decay_mask is an alias of it)")
-    return mask if mask is not None else weight_decay_mask
-
-
 def adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -151,62 +144,8 @@ def adamw(
             rounding=moment_rounding,
             seed=seed,
         ),
-        add_decayed_weights(weight_decay, mask=_decay_mask(mask, weight_decay_mask)),
+        add_decayed_weights(weight_decay, mask=decay_mask(mask, weight_decay_mask)),
         scale_by_learning_rate(learning_rate),
         update_rule(update, seed=seed + 1, diagnostics=diagnostics, compensation_dtype=compensation_dtype),
     ]
     return optax.chain(*parts)
-
-
-def kahan_adamw(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-4,
-    mask=None,
-    weight_decay_mask=None,
-    moment_dtype=None,
-    moment_rounding: str = "stochastic",
-    grad_clip: float | None = None,
-    seed: int = 0,
-    diagnostics: bool = False,
-    compensation_dtype=None,
-    impl: str = "xla",
-    interpret: bool | None = None,
-    sequential_leaves: bool = True,
-    param_specs=None,
-) -> optax.GradientTransformation:
-    """bf16 AdamW + Kahan in one fused transform: bf16 params, moments and compensation, 8 bytes/param.
-
-    ``impl="xla"`` gives the same numbers as ``adamw(..., update="kahan")`` with the same arguments, bit for bit in
-    params, compensation and moments, for a constant learning rate or a schedule (both keep every product that feeds
-    an add out of FMAs; tested over 120 steps), computed in fewer passes over memory (see
-    :mod:`lpt.optim.fused_adamw`); its state is a :class:`KahanAdamWState` with the two moments packed per element.
-    ``impl="pallas"`` uses the fused Pallas kernel (GPU/TPU; ``interpret=True`` runs it interpreted anywhere).
-    ``mask`` (a tree of bools or a callable, as optax's) turns the decay off per leaf (``weight_decay_mask`` is an
-    alias).
-    With ``grad_clip`` the result is ``optax.chain(clip_by_global_norm(grad_clip), <fused>)``. On a multi-device
-    mesh pass ``sequential_leaves=False``, and with ``impl="pallas"`` the params' ``param_specs`` (a tree of
-    PartitionSpecs or NamedShardings) so that the kernel runs per shard in a ``shard_map`` (see
-    :func:`lpt.optim.fused_adamw.fused_kahan_adamw`).
-    """
-    fused = fused_kahan_adamw(
-        learning_rate,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        weight_decay_mask=_decay_mask(mask, weight_decay_mask),
-        moment_dtype=moment_dtype,
-        moment_rounding=moment_rounding,
-        compensation_dtype=compensation_dtype,
-        seed=seed,
-        diagnostics=diagnostics,
-        impl=impl,
-        interpret=interpret,
-        sequential_leaves=sequential_leaves,
-        param_specs=param_specs,
-    )
-    return fused if grad_clip is None else optax.chain(optax.clip_by_global_norm(grad_clip), fused)
