@@ -21,6 +21,20 @@ from lpt.numerics.random import key_words, path_id
 from lpt.optim.leaves import leaf_name
 
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
+MOMENT_DTYPES = ("float32", "bfloat16", "float16")  # 8-bit moments need a block scale, which these have no room for
+
+
+def moment_dtype_of(param_dtype, moment_dtype=None) -> jnp.dtype:
+    """The dtype Adam's moments of a ``param_dtype`` parameter are stored in: ``moment_dtype``, else the param's own
+    (float64 params keep float64 moments). ValueError for any other, e.g. an 8-bit float or int: scaled into 8 bits
+    with no block scale, the moments lose the loss (docs/results.md)."""
+    dt = jnp.dtype(param_dtype if moment_dtype is None else moment_dtype)
+    if dt.name in MOMENT_DTYPES or (moment_dtype is None and dt == jnp.float64):
+        return dt
+    given = (
+        f"moment_dtype={dt.name!r}" if moment_dtype is not None else f"{dt.name} params (moments in the param dtype)"
+    )
+    raise ValueError(f"{given}: Adam moments are stored in one of {MOMENT_DTYPES}; pass moment_dtype= one of them")
 
 
 class ScaleByAdamState(NamedTuple):
@@ -59,7 +73,7 @@ def scale_by_adam(
     def init_fn(params):
         def zeros(p, first):
             dt = mu_dtype if first and mu_dtype is not None else moment_dtype
-            return jnp.zeros(jnp.shape(p), jnp.asarray(p).dtype if dt is None else jnp.dtype(dt))
+            return jnp.zeros(jnp.shape(p), moment_dtype_of(jnp.asarray(p).dtype, dt))
 
         mu = jax.tree.map(lambda p: zeros(p, True), params)
         return ScaleByAdamState(jnp.zeros((), jnp.int32), mu, jax.tree.map(lambda p: zeros(p, False), params))

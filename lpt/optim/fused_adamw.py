@@ -4,7 +4,7 @@ Same math as the composable chain ``scale_by_adam -> add_decayed_weights -> scal
 kahan_summation`` (bit for bit, tested), see :mod:`lpt.kernels.adamw_kahan`. What differs is how XLA sees it:
 
 * **Packed moments.** Both Adam moments of an element live in one integer (16-bit moments: one ``uint32``, m's bits
-  high; 8-bit: ``uint16``; f32 moments: one ``complex64``, m real, v imaginary). XLA:CPU has no multi-output
+  high; f32 moments: one ``complex64``, m real, v imaginary). XLA:CPU has no multi-output
   fusion, so every output array costs one pass over memory: one moments array instead of two saves a pass.
   Same 4 bytes/param, same shape as the param (the state still shards like the params).
 * **One materialized intermediate.** ``t = p + (u − c)`` feeds both outputs ``p' = Q(t)`` and ``c' = Q(p' − t)``.
@@ -34,7 +34,7 @@ from jax import lax
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
-from lpt.optim.adam import MOMENT_ROUNDINGS
+from lpt.optim.adam import MOMENT_ROUNDINGS, moment_dtype_of
 from lpt.optim.leaves import (
     UpdateDiagnostics,
     check_trees,
@@ -52,23 +52,21 @@ class KahanAdamWState(NamedTuple):
     """State of :func:`kahan_adamw`; every tree mirrors the params (same shapes)."""
 
     count: jax.Array  # int32 step count
-    moments: Any  # (m, v) packed per element: uint32 for 16-bit moments, uint16 for 8-bit, complex64 for f32
+    moments: Any  # (m, v) packed per element: uint32 for 16-bit moments, complex64 for f32
     compensation: Any  # Kahan compensation in the compensation dtype (f32 scalar placeholder for f32 leaves)
     diagnostics: UpdateDiagnostics | None
 
 
 def _uint(bits: int):
-    return {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
+    return {16: jnp.uint16, 32: jnp.uint32}[bits]
 
 
 def packed_dtype(moment_dtype):
-    """The dtype of one packed (m, v) pair: uint of twice the moment width, complex64 for f32 moments."""
-    bits = 8 * np.dtype(moment_dtype).itemsize
-    if bits == 32:
-        return jnp.dtype(jnp.complex64)
-    if bits not in (8, 16):
-        raise ValueError(f"moment dtype {np.dtype(moment_dtype).name} cannot be packed; use a 8/16/32-bit float")
-    return jnp.dtype(_uint(2 * bits))
+    """The dtype of one packed (m, v) pair: uint32 for 16-bit moments, complex64 for f32 moments."""
+    size = np.dtype(moment_dtype).itemsize
+    if size not in (2, 4):
+        raise ValueError(f"kahan_adamw packs 16- or 32-bit moments, not {np.dtype(moment_dtype).name}")
+    return jnp.dtype(jnp.complex64 if size == 4 else jnp.uint32)
 
 
 def pack_moments(m32, v32, moment_dtype):
@@ -190,7 +188,7 @@ def kahan_adamw(
         )
 
     def mdt_of(pdt):
-        return jnp.dtype(pdt if moment_dtype is None else moment_dtype)
+        return moment_dtype_of(pdt, moment_dtype)
 
     def cdt_of(pdt):
         return jnp.dtype(pdt if compensation_dtype is None else compensation_dtype)
@@ -351,7 +349,7 @@ def _decay_flags(mask, params, treedef) -> list[bool]:
 def kahan_adamw_moments(state: KahanAdamWState, moment_dtype=jnp.bfloat16) -> tuple[Any, Any]:
     """The first and second moments of a :class:`KahanAdamWState` as f32 trees (for logging and inspection).
 
-    ``moment_dtype`` names the 8/16-bit float the integer-packed leaves hold (complex64 leaves are f32 moments)."""
+    ``moment_dtype`` names the 16-bit float the integer-packed leaves hold (complex64 leaves are f32 moments)."""
 
     def one(mv, which):
         mdt = jnp.float32 if jnp.iscomplexobj(mv) else moment_dtype

@@ -16,10 +16,10 @@ each rule; :mod:`lpt.train.recipe` derives the parameters' storage from the same
 * float8 params (any rule): AdamW runs on a float32 view (``f32_view``: fp8 moments would underflow) and only the
   update rule touches the fp8 values.
 
-Both 16-bit paths keep Adam's moments in the param dtype, computed in f32 and stored with ``precision.moment_rounding``
-(``"stochastic"`` by default: ``optax.adamw`` on bf16 params rounds the moments to nearest, so with ``b2 = 0.999``
-the second moment can never decay: ``0.999·v`` rounds back to ``v``). So the 16-bit recipes differ from each other
-only in the update rule.
+Both 16-bit paths keep Adam's moments in the param dtype (or ``precision.moment_dtype``), computed in f32 and stored
+with ``precision.moment_rounding`` (``"stochastic"`` by default: ``optax.adamw`` on bf16 params rounds the moments to
+nearest, so with ``b2 = 0.999`` the second moment can never decay: ``0.999·v`` rounds back to ``v``). So the 16-bit
+recipes differ from each other only in the update rule.
 
 Learning rate: linear warmup from 0 to ``optim.lr`` over ``optim.warmup_steps``, then constant or cosine decay to
 ``0.1 * lr`` at ``train.steps``. Weight decay (decoupled, AdamW) applies only to matrices (ndim >= 2). All
@@ -83,8 +83,10 @@ def make_optimizer(cfg, mesh_size: int = 1, param_shardings=None) -> optax.Gradi
     last = update_rule_transform(p.update_rule, cfg.train.seed)  # None for f32_master
     hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if last is not None and not p.param_dtype.startswith("float8"):  # 16-bit params: lpt's AdamW
-        moments = cfg.precision.moment_rounding
-        lpt_kw = dict(hyper, moment_rounding=moments, grad_clip=clip, seed=cfg.train.seed, diagnostics=True)
+        moments = dict(
+            moment_rounding=p.moment_rounding, moment_dtype=None if p.moment_dtype == "auto" else p.moment_dtype
+        )
+        lpt_kw = dict(hyper, **moments, grad_clip=clip, seed=cfg.train.seed, diagnostics=True)
         if p.update_rule == "kahan":
             impl = cfg.precision.update_impl
             specs = param_shardings if impl == "pallas" else None

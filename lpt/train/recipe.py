@@ -2,8 +2,8 @@
 
 :class:`PrecisionConfig` is the model's numerics (:class:`lpt.models.config.Numerics`: param and compute dtypes,
 per-layer matmuls, attention, PQT) plus the optimizer's knobs (``update_rule``, ``moment_rounding``,
-``update_impl``, whose allowed values :mod:`lpt.optim` owns). :func:`model_precision` turns it into the
-:class:`lpt.models.PrecisionSpec` the model is built with: ``update_rule="f32_master"`` stores float32 master
+``update_impl``, ``moment_dtype``, whose allowed values :mod:`lpt.optim` owns). :func:`model_precision` turns it into
+the :class:`lpt.models.PrecisionSpec` the model is built with: ``update_rule="f32_master"`` stores float32 master
 weights that the layers view through ``param_dtype``; every other rule rounds each update into parameters stored in
 ``param_dtype`` itself. :func:`lpt.train.optimizer.make_optimizer` builds the optimizer from the same section.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from lpt.models.config import Numerics, PrecisionSpec
-from lpt.optim.adam import MOMENT_ROUNDINGS
+from lpt.optim.adam import MOMENT_DTYPES, MOMENT_ROUNDINGS
 from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
 from lpt.optim.recipes import UPDATE_RULES as ROUNDING_RULES
 from lpt.options import build, option, section
@@ -30,6 +30,20 @@ class PrecisionConfig(Numerics):
         "stochastic", '16-bit Adam moments: "stochastic" (unbiased) | "nearest"', MOMENT_ROUNDINGS
     )
     update_impl: str = option("xla", 'kahan only: the fused step in "xla" or the "pallas" kernel', UPDATE_IMPLS)
+    moment_dtype: str = option(
+        "auto",
+        'Adam moments: "auto" (16-bit params: their dtype; else float32) | float32 | bfloat16 | float16',
+        ("auto", *MOMENT_DTYPES),
+    )
+
+    def check(self):
+        lpt_adamw = self.update_rule != "f32_master" and not self.param_dtype.startswith("float8")
+        if self.moment_dtype not in ("auto", "float32") and not lpt_adamw:
+            raise ValueError(
+                f"config key precision.moment_dtype={self.moment_dtype!r} needs 16-bit params with a rounding update "
+                f"rule; with update_rule={self.update_rule!r} and param_dtype={self.param_dtype!r} the moments are "
+                "float32 (use 'auto' or 'float32')"
+            )
 
 
 def model_precision(precision_cfg=None, **changes) -> PrecisionSpec:

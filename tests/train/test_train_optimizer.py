@@ -99,3 +99,28 @@ def test_update_impl_pallas_runs_the_kernel_with_the_xla_numbers():
 def test_update_impl_pallas_needs_the_bf16_kahan_recipe():
     with pytest.raises(ValueError, match=r"update_impl='pallas'.*update_rule='kahan'.*got 'nearest'"):
         config_lib.validate(_cfg(**{"precision.update_rule": "nearest", "precision.update_impl": "pallas"}))
+
+
+def _state_bytes_per_param(tx, n: int = 4096) -> float:
+    state = tx.init({"w": jnp.zeros((n,), jnp.bfloat16)})
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if x.size >= n) / n
+
+
+@pytest.mark.parametrize("rule", ["kahan", "stochastic"])
+def test_moment_dtype_knob_sets_the_stored_moments(rule):
+    """precision.moment_dtype: "auto" keeps bf16 moments for bf16 params (4 B/param, plus 2 of compensation for
+    Kahan); "float32" stores them in f32 (8 B/param) and they still decay like the f32 EMA."""
+    base = {"precision.update_rule": rule}
+    extra = 2 if rule == "kahan" else 0  # the bf16 compensation
+    auto = optimizer.make_optimizer(_cfg(**base))
+    f32 = optimizer.make_optimizer(_cfg(**base, **{"precision.moment_dtype": "float32"}))
+    assert _state_bytes_per_param(auto) == 4 + extra
+    assert _state_bytes_per_param(f32) == 8 + extra
+    assert abs(_decay(f32) - 1.0) < 1e-3  # f32 moments: the EMA itself, up to f32 round-off over 300 steps
+
+
+def test_moment_dtype_outside_lpt_adamw_is_rejected():
+    with pytest.raises(ValueError, match=r"precision.moment_dtype='bfloat16' needs 16-bit params.*'f32_master'"):
+        _cfg(**{"precision.update_rule": "f32_master", "precision.moment_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"precision.moment_dtype.*'float8_e4m3fn'.*auto, float32, bfloat16"):
+        _cfg(**{"precision.moment_dtype": "float8_e4m3fn"})
