@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 
 from lpt.train import config as config_lib
 from lpt.train import console
+from lpt.train import guard as guard_lib
 from lpt.train.state import TrainState
 
 log = logging.getLogger("lpt.train")
@@ -139,6 +140,7 @@ class Checkpointer:
         """Start saving ``state`` (and metadata with the state's checksums) as ``step``; returns once the checksums
         are computed and the arrays copied, while the files are written."""
         metadata = {**metadata, "checksum": CHECKSUM, "checksums": checksums(state.to_dict())}
+        metadata["guard"] = guard_lib.to_json(state.guard)
         items = {"state": ocp.args.StandardSave(state.to_dict()), "metadata": ocp.args.JsonSave(metadata)}
         self.wait()  # the previous save's failure is its own (orbax waits for it before a new save anyway)
         with self._writing(step):
@@ -225,7 +227,9 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         meta = dict(restored["metadata"])
         meta["verified"] = _verified(restored["state"], meta, f"checkpoint step {step} in {self.directory}")
-        return TrainState.from_dict(restored["state"]), meta
+        guard = guard_lib.from_json(meta.get("guard"))  # fresh statistics for a checkpoint without them
+        guard = jax.tree.map(lambda v, a: jax.device_put(v, a.sharding), guard, abstract.guard)
+        return TrainState.from_dict(restored["state"], guard), meta
 
     def move_aside(self, step: int, error: Exception) -> Path:
         """Move the unreadable ``step`` to ``<workdir>/checkpoints_damaged/<step>-<time>`` and say so in one line."""

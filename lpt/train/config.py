@@ -29,6 +29,7 @@ from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
 from lpt.models.config import ModelSpec
 from lpt.options import option, section
+from lpt.train.guard import BAD_STEPS
 from lpt.train.recipe import PrecisionConfig
 
 _CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
@@ -72,10 +73,21 @@ class TrainConfig:
     profile_steps: str = option("", '"FIRST,LAST" writes a jax.profiler trace of those steps to workdir/profile')
     checkpoint_every: int = option(200, "checkpoint interval (and at the end, and on SIGTERM)")
     keep_checkpoints: int = option(3, "newest checkpoints to keep")
+    bad_step: str = option(
+        "stop", '"stop": a non-finite loss or grad norm stops the run; "skip": such a step changes nothing', BAD_STEPS
+    )
+    spike_sigmas: float = option(
+        0.0, "skip: also skip a loss or grad norm this many running stds above its mean; 0 off"
+    )
+    max_skips: int = option(10, "skip: stop the run after this many skipped steps in a row")
     mesh: MeshConfig = option(MeshConfig(), "the device mesh")
 
     def check(self):
         options.check_seed("train.seed", self.seed)
+        if not self.spike_sigmas >= 0:
+            raise ValueError(f"config key train.spike_sigmas={self.spike_sigmas!r} must be >= 0 (0: spikes not judged)")
+        if self.max_skips < 0:
+            raise ValueError(f"config key train.max_skips={self.max_skips!r} must be >= 0")
 
 
 @section("init_from")

@@ -183,7 +183,9 @@ def state_from_params(cfg, prog, params: dict, where: str) -> state_lib.TrainSta
         opt_state = prog.tx.init(params)
         if kahan:
             opt_state = lpt.optim.replace_compensation(opt_state, _nest_like(fresh.params, comp))
-        return state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=fresh.rest, opt_state=opt_state)
+        return state_lib.TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, rest=fresh.rest, opt_state=opt_state, guard=fresh.guard
+        )
 
     in_sh = {k: param_sh[k] for k in given}
     return jax.jit(build, in_shardings=(in_sh,), out_shardings=prog.shardings)(given)

@@ -327,11 +327,27 @@ class _Logger:
         while self.pending:
             s, m, has_diag = self.pending.pop(0)
             host = {k: float(v) for k, v in m.items()}
-            if not (np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"]) and host["params_finite"] == 1.0):
+            finite = np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"])
+            skipping = "skipped" in host  # train.bad_step="skip": a non-finite step was left out by the train step
+            if not (finite or skipping) or host["params_finite"] != 1.0:
                 raise NonFiniteLossError(
                     f"non-finite training state at step {s} (loss={host['loss']}, grad_norm={host['grad_norm']}, "
                     f"all params finite: {host['params_finite'] == 1.0}): stopping. {self._last_good()} Try a lower "
-                    f"optim.lr, a larger optim.warmup_steps or another precision recipe."
+                    f"optim.lr, a larger optim.warmup_steps, another precision recipe, or train.bad_step=skip."
+                )
+            if skipping and host["skipped_in_a_row"] > self.cfg.train.max_skips:
+                raise NonFiniteLossError(
+                    f"step {s} is the {int(host['skipped_in_a_row'])}th bad step in a row (loss={host['loss']}, "
+                    f"grad_norm={host['grad_norm']}), more than train.max_skips={self.cfg.train.max_skips}: "
+                    f"stopping. {self._last_good()} Try a lower optim.lr or another precision recipe."
+                )
+            if skipping and host["skipped"]:
+                self.show(skipped=f"{int(host['skipped_total'])}")
+                log.warning(
+                    "step %d skipped (loss=%s, grad_norm=%s): params and optimizer state unchanged",
+                    s,
+                    host["loss"],
+                    host["grad_norm"],
                 )
             self.bar.update(s - self.bar.n)
             if s % self.cfg.train.log_every == 0 or s == self.cfg.train.steps or has_diag:

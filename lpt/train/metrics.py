@@ -71,9 +71,10 @@ class MetricsWriter:
 
 
 def _py(v):
+    """A Python number for the JSONL record; a non-finite float (the loss of a skipped step) is written as null."""
     if hasattr(v, "item"):
         v = v.item()
-    return v
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

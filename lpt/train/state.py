@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from lpt import models
 from lpt.models.partitioning import logical_axes_of
+from lpt.train import guard as guard_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train import recipe
 
@@ -33,13 +34,15 @@ class TrainState:
     params: Any  # pure dict of nnx.Param arrays (stored dtype)
     rest: Any  # pure dict of the model's other variables
     opt_state: Any  # optax state (moments etc. mirror ``params``)
+    guard: guard_lib.Guard  # the bad-step guard's statistics (replicated scalars; checkpointed in the metadata)
 
     def to_dict(self) -> dict:
+        """The arrays a checkpoint holds (the guard goes into its JSON metadata: :mod:`lpt.train.guard`)."""
         return {"step": self.step, "params": self.params, "rest": self.rest, "opt_state": self.opt_state}
 
     @classmethod
-    def from_dict(cls, d: dict) -> TrainState:
-        return cls(step=d["step"], params=d["params"], rest=d["rest"], opt_state=d["opt_state"])
+    def from_dict(cls, d: dict, guard: guard_lib.Guard) -> TrainState:
+        return cls(step=d["step"], params=d["params"], rest=d["rest"], opt_state=d["opt_state"], guard=guard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,7 @@ def state_shardings(abstract_state: TrainState, model_def: ModelDef, mesh: Mesh)
         params=param_sh,
         rest=jax.tree.map(lambda _: repl, abstract_state.rest),
         opt_state=opt_sh,
+        guard=jax.tree.map(lambda _: repl, abstract_state.guard),
     )
 
 
@@ -108,7 +112,10 @@ def init_fn(cfg, tx: optax.GradientTransformation):
         model = _build(cfg, cfg.train.seed)
         _, params, rest = nnx.split(model, nnx.Param, ...)
         params, rest = params.to_pure_dict(), rest.to_pure_dict()
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=tx.init(params))
+        opt_state = tx.init(params)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=opt_state, guard=guard_lib.init()
+        )
 
     return init
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 import lpt.optim
 from lpt import models, sharding
+from lpt.train import guard as guard_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train.optimizer import optimizer_diagnostics
 from lpt.train.state import ModelDef, TrainState
@@ -73,6 +74,7 @@ def make_train_step(
     seed_key = jax.random.PRNGKey(cfg.train.seed)
     m = cfg.optim.microbatches
     use_aux = cfg.precision.pqt.method != "none"
+    skip = cfg.train.bad_step == "skip"
 
     def loss_fn(params, rest, inputs_BT, targets_BT, key):
         model = model_def.merge(params, rest)
@@ -109,9 +111,15 @@ def make_train_step(
                 grads = jax.tree.map(lambda g, p: (g / m).astype(p.dtype), g_sum, view)  # f32 -> grad dtype
                 ce, aux = ce_sum / m, aux_sum / m
             grad_norm = optax.global_norm(grads).astype(jnp.float32)
+            good, guard = guard_lib.judge(state.guard, ce, grad_norm, cfg.train.spike_sigmas)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = lpt.optim.apply_updates(state.params, updates)  # f32 add, cast back to each param's dtype
-            new_state = TrainState(step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state)
+            if skip:  # a bad step leaves params and optimizer state as they were (lpt.train.guard)
+                params = guard_lib.select(good, params, state.params)
+                opt_state = guard_lib.select(good, opt_state, state.opt_state)
+            new_state = TrainState(
+                step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state, guard=guard
+            )
             finite = [jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]
             metrics = {
                 "loss": ce,
@@ -121,6 +129,10 @@ def make_train_step(
             }
             if use_aux:
                 metrics["aux_loss"] = aux
+            if skip:
+                metrics["skipped"] = (~good).astype(jnp.float32)  # bool -> f32: 1.0 for a skipped step
+                metrics["skipped_total"] = guard.skipped.astype(jnp.float32)  # int32 -> f32
+                metrics["skipped_in_a_row"] = guard.in_a_row.astype(jnp.float32)  # int32 -> f32
             diag = optimizer_diagnostics(opt_state)
             metrics.update({f"{k}": jnp.asarray(v, jnp.float32) for k, v in diag.items()})
             metrics.update(_model_diagnostics(model_def.merge(params, state.rest)))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lpt.train import guard
 from lpt.train.__main__ import main
 from lpt.train.checkpoint import Checkpointer
 from lpt.train.state import TrainState
@@ -34,6 +35,7 @@ def _state(v: float) -> TrainState:
         params={"w": jnp.full((4, 3), v, jnp.float32)},
         rest={},
         opt_state=({"mu": jnp.full((4, 3), -v, jnp.float32)},),
+        guard=guard.init(),
     )
 
 
