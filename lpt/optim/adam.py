@@ -24,6 +24,20 @@ MOMENT_ROUNDINGS = ("stochastic", "nearest")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")  # 8-bit moments need a block scale, which these have no room for
 
 
+def check_hyperparams(transform: str, **values) -> None:
+    """ValueError if one of Adam's constants (``b1``, ``b2``, ``eps``, ``eps_root``) arrives as a float array
+    narrower than float32, as ``optax.inject_hyperparams`` makes them for 16-bit params: b2 = 0.999 is 1.0 in
+    bfloat16, and Adam's bias correction then divides by zero."""
+    for name, v in values.items():
+        dtype = getattr(v, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+            raise ValueError(
+                f"{transform}: {name} arrived as a {jnp.dtype(dtype).name} array (b2 = 0.999 rounds to 1.0 in "
+                f"bfloat16); give Adam's constants in float32: optax.inject_hyperparams(..., "
+                f"hyperparam_dtype=jnp.float32), or static_args=('b1', 'b2', 'eps', ...) to keep them Python numbers"
+            )
+
+
 def moment_dtype_of(param_dtype, moment_dtype=None) -> jnp.dtype:
     """The dtype Adam's moments of a ``param_dtype`` parameter are stored in: ``moment_dtype``, else the param's own
     (float64 params keep float64 moments). ValueError for any other, e.g. an 8-bit float or int: scaled into 8 bits
@@ -69,6 +83,7 @@ def scale_by_adam(
     """
     if rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"rounding must be one of {MOMENT_ROUNDINGS}, got {rounding!r}")
+    check_hyperparams("scale_by_adam", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
 
     def init_fn(params):
         def zeros(p, first):

@@ -34,7 +34,7 @@ from jax import lax
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
-from lpt.optim.adam import MOMENT_ROUNDINGS, moment_dtype_of
+from lpt.optim.adam import MOMENT_ROUNDINGS, check_hyperparams, moment_dtype_of
 from lpt.optim.leaves import (
     UpdateDiagnostics,
     check_trees,
@@ -177,6 +177,7 @@ def kahan_adamw(
     weight_decay_mask = decay_mask(mask, weight_decay_mask)
     if moment_rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"moment_rounding must be one of {MOMENT_ROUNDINGS}, got {moment_rounding!r}")
+    check_hyperparams("kahan_adamw", b1=b1, b2=b2, eps=eps)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     stochastic = moment_rounding == "stochastic"

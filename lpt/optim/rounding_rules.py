@@ -60,8 +60,10 @@ def stochastic_rounding(seed: int = 0, *, diagnostics: bool = False) -> optax.Gr
       seed: integer seed of the rounding noise.
       diagnostics: keep an :class:`UpdateDiagnostics` of the last step in the state.
     """
-    if not isinstance(seed, int):
-        raise ValueError(f"seed must be a Python int, got {seed!r}")
+    if not (isinstance(seed, int) or jnp.issubdtype(getattr(seed, "dtype", float), jnp.integer)):
+        raise ValueError(
+            f"seed must be an int (or an integer array, as optax.inject_hyperparams passes it), got {seed!r}"
+        )
 
     def init_fn(params):
         del params

@@ -1,0 +1,116 @@
+"""lpt's optimizers under optax's own wrappers, for bf16, f16 and f32 params (in the style of optax's harness).
+
+A wrapper that is transparent on a good step (inject_hyperparams with float32 hyperparameters, masked with every
+leaf on, apply_if_finite with finite gradients, multi_transform sending every leaf to the lpt optimizer) reaches the
+plain optimizer's loss within 1% (not bit for bit: the wrapped step is another XLA program, and optax's own Adam
+computes in float32 once its hyperparameters are float32 arrays); MultiSteps and reduce_on_plateau still converge.
+inject_hyperparams with its default hyperparameter dtype (the params': b2 = 0.999 becomes 1.0 in bf16) is an error
+naming hyperparam_dtype. apply_if_finite needs updates of the gradients' dtype, which lpt's float32 updates of 16-bit
+params are not (docs/optim.md): with float32 gradients it works, and a NaN step changes nothing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lpt.optim as O
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+TRANSFORMS = {
+    "kahan_adamw": lambda learning_rate=1e-2: O.kahan_adamw(learning_rate, weight_decay=1e-3),
+    "adamw_stochastic": lambda learning_rate=1e-2: O.adamw(learning_rate, update="stochastic"),
+    "adam_then_kahan": lambda learning_rate=1e-2: optax.chain(optax.adam(learning_rate), O.kahan_summation()),
+    "adam_then_sr": lambda learning_rate=1e-2: optax.chain(optax.adam(learning_rate), O.stochastic_rounding()),
+}
+
+
+def _params(dtype):
+    return {"w": jnp.full((8, 8), 1.0, dtype), "b": jnp.linspace(-1.0, 1.0, 8).astype(dtype)}
+
+
+def _loss(p):
+    return sum(jnp.sum((x.astype(jnp.float32) - 3.0) ** 2) for x in jax.tree.leaves(p))  # param dtype -> f32
+
+
+def _train(tx, dtype, steps=40, f32_grads=False, plateau=False):
+    p = _params(dtype)
+    st = tx.init(p)
+
+    @jax.jit
+    def step(p, st):
+        g = jax.grad(_loss)(p)
+        if f32_grads:
+            g = jax.tree.map(lambda x: x.astype(jnp.float32), g)  # grad dtype -> f32
+        kw = {"value": _loss(p)} if plateau else {}
+        u, st = tx.update(g, st, p, **kw)
+        return O.apply_updates(p, u), st
+
+    for _ in range(steps):
+        p, st = step(p, st)
+    return p, st
+
+
+def _same(a, b):
+    return all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _close(a, b) -> bool:
+    return abs(float(_loss(a)) - float(_loss(b))) <= 0.01 * float(_loss(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_transparent_wrappers_reach_the_plain_loss(name, dtype):
+    make = TRANSFORMS[name]
+    plain, _ = _train(make(), dtype)
+    assert float(_loss(plain)) < 0.8 * float(_loss(_params(dtype)))  # it optimizes
+    wrapped = {
+        "inject_hyperparams": optax.inject_hyperparams(make, hyperparam_dtype=jnp.float32)(learning_rate=1e-2),
+        "masked": optax.masked(make(), {"w": True, "b": True}),
+        "multi_transform": optax.multi_transform({"lpt": make()}, {"w": "lpt", "b": "lpt"}),
+    }
+    for wname, tx in wrapped.items():
+        got, _ = _train(tx, dtype)
+        assert _close(got, plain), wname
+    if name.startswith("adam_then"):  # optax.adam stores its moments in the params' dtype only for such gradients
+        return
+    got, _ = _train(optax.apply_if_finite(make(), 3), dtype, f32_grads=True)
+    ref, _ = _train(make(), dtype, f32_grads=True)
+    assert _close(got, ref), "apply_if_finite"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_accumulating_and_plateau_wrappers_converge(name, dtype):
+    make = TRANSFORMS[name]
+    start = float(_loss(_params(dtype)))
+    multi, _ = _train(optax.MultiSteps(make(), 2), dtype, steps=80)
+    plateau, _ = _train(optax.chain(make(), optax.contrib.reduce_on_plateau()), dtype, plateau=True)
+    for p in (multi, plateau):
+        assert float(_loss(p)) < 0.8 * start
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_inject_hyperparams_in_the_params_dtype_is_an_error_naming_hyperparam_dtype(dtype):
+    for make, kw in (
+        (O.kahan_adamw, {"learning_rate": 1e-3}),
+        (O.adamw, {"learning_rate": 1e-3}),
+        (O.scale_by_adam, {}),
+    ):
+        tx = optax.inject_hyperparams(make)(**kw)
+        with pytest.raises(ValueError, match=r"b1 arrived as a .*hyperparam_dtype=jnp.float32"):
+            tx.init(_params(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_apply_if_finite_skips_a_nan_step_without_changing_the_state(dtype):
+    tx = optax.apply_if_finite(O.kahan_adamw(1e-2), 3)
+    p, st = _train(tx, dtype, steps=5, f32_grads=True)
+    nan = jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, jnp.float32), p)
+    u, st2 = jax.jit(tx.update)(nan, st, p)
+    assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(u))
+    assert _same(st2.inner_state, st.inner_state) and int(st2.total_notfinite) == 1
