@@ -14,6 +14,10 @@ and mlp over tensor (FSDP + Megatron-style tensor parallelism).
 * :func:`logical_to_mesh`: names -> ``PartitionSpec`` with the given rules.
 * :func:`kernel_spec`: names -> ``PartitionSpec`` on a kernel's mesh, with the rules in context (else
   :data:`RULES`), keeping only mesh axes that the mesh has.
+* :func:`operand_spec`: the mesh axes a kernel splits an operand over: on a mesh with ``Explicit`` axes (the default of
+  ``jax.make_mesh``) the operand's own sharding, read from its type, whatever the axes are called; on ``Auto`` axes
+  :func:`rule_spec`: :func:`kernel_spec` after checking that the rules name every axis the mesh splits (an axis they
+  do not name is a ValueError: the kernel would otherwise gather its operands onto every device).
 
 This module imports only JAX: every layer (kernels' callers, models, train) may use it.
 """
@@ -35,6 +39,8 @@ __all__ = [
     "current_rules",
     "kernel_spec",
     "logical_to_mesh",
+    "operand_spec",
+    "rule_spec",
 ]
 
 LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers")
@@ -126,3 +132,38 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = ctx
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh(logical_axes, rules)))
+
+
+def explicit(mesh) -> bool:
+    """True if every axis of ``mesh`` that splits anything (size > 1) is ``Explicit``: operands carry their sharding
+    in their types (``jax.typeof(x).sharding``)."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return all(types[a] == jax.sharding.AxisType.Explicit for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def rule_spec(logical_axes: Sequence[str | None], mesh, what: str) -> PartitionSpec:
+    """:func:`kernel_spec`, after checking that the rules in effect name every axis ``mesh`` splits: an axis they do
+    not name is a ValueError (``what`` names the call), since the kernel would gather its operands over it."""
+    ctx = _CONTEXT.get()
+    rules = RULES if ctx is None else ctx[1]
+    named = {a for _, axes in rules if axes is not None for a in ((axes,) if isinstance(axes, str) else axes)}
+    unknown = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in named]
+    if unknown:
+        raise ValueError(
+            f"{what}: mesh axes {tuple(unknown)} are Auto and lpt's sharding rules do not name them, so the kernel "
+            f"cannot tell what they split (it would gather its operands onto every device); make them Explicit "
+            f"(jax.make_mesh's default: the kernel then follows the operands' shardings) or name them: "
+            f"with lpt.sharding.axis_rules(mesh, [('batch', {unknown[0]!r}), ...])"
+        )
+    return kernel_spec(logical_axes, mesh)
+
+
+def operand_spec(x, logical_axes: Sequence[str | None], mesh, what: str) -> PartitionSpec:
+    """The mesh axes of each dim of ``x`` for a kernel that runs per shard on ``mesh``: its own sharding, read from
+    its type, on Explicit axes (:func:`explicit`); else :func:`rule_spec` of ``logical_axes``."""
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"{what}: logical axes {tuple(logical_axes)} do not match an operand of shape {x.shape}")
+    if not explicit(mesh):
+        return rule_spec(logical_axes, mesh, what)
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return PartitionSpec(*spec, *(None,) * (x.ndim - len(spec)))

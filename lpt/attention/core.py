@@ -68,22 +68,39 @@ class _Config:
     specs: tuple | None = None  # PartitionSpecs (q, kv, segments, lse) on ``mesh``
 
 
-def _kernel_specs(b: int, h: int, hkv: int, mesh) -> tuple | None:
-    """PartitionSpecs ``(q, kv, segments, lse)`` of the kernel operands on ``mesh``; None without a multi-device mesh.
+def _kernel_specs(q, k, v, mesh) -> tuple | None:
+    """PartitionSpecs ``(q, kv, segments, lse)`` of the kernel operands (``[B, H, T, D]`` layout) on ``mesh``, from
+    ``q, k, v`` ``[B, T, H, D]`` (:func:`lpt.sharding.operand_spec`: their own shardings on Explicit mesh axes, the
+    rules on Auto ones); None without a multi-device mesh.
 
-    Raises ValueError if B, H or Hkv does not divide by the mesh axes it is split over, or if the query and kv heads
-    are split over different axes (each shard must hold whole GQA groups)."""
+    Raises ValueError if B, H or Hkv does not divide by the mesh axes it is split over, if a sequence or head_dim is
+    split (the kernel needs whole rows), if k and v are split differently, or if the query and kv heads are split
+    over different axes (each shard must hold whole GQA groups)."""
     if mesh is None or mesh.size == 1:
         return None
-    q_spec = sharding.kernel_spec(("batch", "heads", None, None), mesh)
-    kv_spec = sharding.kernel_spec(("batch", "kv_heads", None, None), mesh)
-    for what, size, axes in (("batch", b, q_spec[0]), ("heads", h, q_spec[1]), ("kv_heads", hkv, kv_spec[1])):
-        dispatch.check_divisible(what, size, mesh, axes)
-    if q_spec[1] != kv_spec[1]:
-        raise ValueError(f"heads are split over {q_spec[1]} but kv_heads over {kv_spec[1]}; they must match")
-    seg_spec = jax.sharding.PartitionSpec(q_spec[0], None)
-    lse_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[1], None)
-    return q_spec, kv_spec, seg_spec, lse_spec
+    what = "dot_product_attention(impl='pallas')"
+    qs = sharding.operand_spec(q, ("batch", None, "heads", None), mesh, what)
+    ks = sharding.operand_spec(k, ("batch", None, "kv_heads", None), mesh, what)
+    vs = sharding.operand_spec(v, ("batch", None, "kv_heads", None), mesh, what)
+    for name, spec in (("q", qs), ("k", ks), ("v", vs)):
+        for dim, label in ((1, "sequence"), (3, "head_dim")):
+            if spec[dim] is not None:
+                raise ValueError(
+                    f"{what}: {name}'s {label} (dim {dim}) is split over {dispatch.as_axes(spec[dim])}; the flash "
+                    f"kernel needs it whole on each device: split only batch (dim 0) and heads (dim 2)"
+                )
+    if ks != vs or qs[0] != ks[0]:
+        raise ValueError(
+            f"{what}: q, k, v must share their batch split and k, v their heads split; got {qs}, {ks}, {vs}"
+        )
+    b, _, h, _ = q.shape
+    hkv = k.shape[2]
+    for name, size, axes in (("batch", b, qs[0]), ("heads", h, qs[2]), ("kv_heads", hkv, ks[2])):
+        dispatch.check_divisible(name, size, mesh, axes)
+    if qs[2] != ks[2]:
+        raise ValueError(f"heads are split over {qs[2]} but kv_heads over {ks[2]}; they must match")
+    P = jax.sharding.PartitionSpec
+    return P(qs[0], qs[2], None, None), P(ks[0], ks[2], None, None), P(qs[0], None), P(qs[0], qs[2], None)
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
@@ -207,7 +224,9 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
     kv_seg = _pad_to(kv_seg, tk_pad, 1, -1)  # padded keys match no query
 
     mesh = dispatch.kernel_mesh(opts.mesh) if opts.impl == "pallas" else None
-    specs = _kernel_specs(b, h, hkv, mesh)
+    specs = _kernel_specs(q, k, v, mesh)
+    if specs is not None and sharding.explicit(mesh):  # typed shardings: the segments (made here) follow q's batch
+        q_seg, kv_seg = (jax.sharding.reshard(s, specs[2]) for s in (q_seg, kv_seg))
     cfg = _Config(policy, bool(opts.causal), scale, bq, bk, opts.impl, opts.interpret, mesh if specs else None, specs)
     return q_t, k_t, v_t, q_seg, kv_seg, cfg
 

@@ -229,19 +229,32 @@ def blockwise_dot(
             f"{cfg.block}x{cfg.block} weight blocks); choose a smaller block or pad the layer"
         )
     lead = x.shape[:-1]
-    cfg = _with_mesh(cfg, dispatch.kernel_mesh(mesh), x.size // k, k, n, w_axes)
+    cfg = _with_mesh(cfg, dispatch.kernel_mesh(mesh), x, w, w_axes)
     y2 = _bdot(x.reshape(-1, k), w, cfg)
     return y2.reshape(*lead, n)
 
 
-def _with_mesh(cfg: BlockwiseConfig, mesh, m: int, k: int, n: int, w_axes) -> BlockwiseConfig:
-    """``cfg`` with the mesh and the (rows, K, N) mesh axes; unchanged without a multi-device mesh."""
+def _with_mesh(cfg: BlockwiseConfig, mesh, x, w, w_axes) -> BlockwiseConfig:
+    """``cfg`` with the mesh and the (rows, K, N) mesh axes (:func:`lpt.sharding.operand_spec`: the operands' own
+    shardings on Explicit mesh axes, the rules on Auto ones); unchanged without a multi-device mesh."""
     if mesh is None or mesh.size == 1:
         return cfg
     if w_axes is not None and len(w_axes) != 2:
         raise ValueError(f"w_axes must name the weight's (K, N) dims, got {w_axes!r}")
+    what = f"blockwise_dot(impl={cfg.impl!r})"
     k_name, n_name = (None, None) if w_axes is None else w_axes
-    axes = tuple(sharding.kernel_spec(("batch", k_name, n_name), mesh))
+    if sharding.explicit(mesh):  # the operands' own splits: x's rows and K; w's N (w is resharded to x's K split)
+        xs = sharding.operand_spec(x, (None,) * x.ndim, mesh, what)
+        ws = sharding.operand_spec(w, (None, None), mesh, what)
+        if any(a is not None for a in xs[1:-1]):
+            raise ValueError(f"{what}: x is split over {xs}; split only its leading (batch) dim and K")
+        axes = (xs[0] if x.ndim > 1 else None, xs[-1], ws[1])
+        used = [a for entry in axes for a in dispatch.as_axes(entry)]
+        if len(used) != len(set(used)):
+            raise ValueError(f"{what}: x's rows, K and w's N are split over {axes}; each mesh axis may split one")
+    else:  # the rules, resolved together (first unused rule wins: the trainer's FSDP weights are gathered)
+        axes = tuple(sharding.rule_spec(("batch", k_name, n_name), mesh, what))
+    m, (k, n) = x.size // w.shape[0], w.shape
     dispatch.check_divisible("rows of x (tokens)", m, mesh, axes[0])
     for what, size, a in (("K", k, axes[1]), ("N", n, axes[2])):
         shard = dispatch.check_divisible(what, size, mesh, a)

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from lpt import sharding
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
@@ -166,8 +167,11 @@ def kahan_adamw(
     moments and compensation; ``interpret`` is passed to the kernel (None: per platform, True: the Pallas
     interpreter everywhere). ``param_specs`` (``impl="pallas"``): a tree like the params of their PartitionSpecs or
     NamedShardings; each leaf's kernel then runs per shard in a ``shard_map`` over the mesh in context
-    (:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_on_shards`). Without it, ``custom_partitioning`` follows
-    whatever sharding the partitioner picks (:func:`~lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`).
+    (:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_on_shards`). Without it, on a mesh with Explicit axes (the
+    default of ``jax.make_mesh``) each leaf runs per shard of the sharding in its type; otherwise
+    ``custom_partitioning`` follows whatever sharding the partitioner picks
+    (:func:`~lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`; XLA:TPU's compile-only client cannot partition
+    it: pass ``param_specs`` there).
 
     ``sequential_leaves`` (XLA path) chains the leaves through one element of each leaf's new compensation so the
     f32 temporaries of <= 3 leaves exist at a time (see ``_runtime_one``); on a multi-device mesh that element costs
@@ -281,10 +285,18 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, 
     """One bf16 leaf through the fused kernel: ``(delta_f32, moments', compensation', intended update thunk)``."""
     # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
     from lpt.kernels import adamw_kahan_sharded as sharded
+    from lpt.kernels.dispatch import kernel_mesh
 
     words = key_words(key)
     scalars = jnp.stack([sc.inv_c1, sc.inv_c2, sc.neg_lr, lax.bitcast_convert_type(sc.zero, jnp.float32)])
     kw = dict(stochastic=stochastic, interpret=interpret, **hp)
+    mesh = kernel_mesh(None)
+    if mesh is not None and mesh.size > 1 and sharding.explicit(mesh):
+        # typed shardings: the leaf's own split (unless param_specs names one), its gradient and state laid out like it
+        if spec is None:
+            spec = sharding.operand_spec(p, (None,) * p.ndim, mesh, "kahan_adamw(impl='pallas')")
+        spec = jax.sharding.PartitionSpec(*getattr(spec, "spec", spec))
+        g, p, c, mv = (jax.sharding.reshard(x, spec) for x in (g, p, c, mv))
     if spec is None:
         new_p, new_c, new_mv = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw)
     else:

@@ -67,6 +67,13 @@ _ATTENTION = textwrap.dedent(
         assert "sdy.manual_computation" in text, "no shard_map around the attention kernels"
         out = jax.jit(f)(put(q, P("data")), put(k, P("data")), put(v, P("data")), put(seg, P("data")), do)
     same(out, ref, "attention o, dq, dk, dv")
+    # the user's own Explicit mesh: batch over "dp", heads over "tp" (read from the operands' types)
+    user = jax.make_mesh((2, 2), ("dp", "tp"))
+    uput = lambda x, spec: jax.device_put(x, NamedSharding(user, spec))
+    with jax.set_mesh(user):
+        args = [uput(x, P("dp", None, "tp")) for x in (q, k, v)]
+        out = jax.jit(f)(*args, uput(seg, P("dp")), uput(do, P("dp", None, "tp")))
+    same(out, ref, "attention o, dq, dk, dv on the user's explicit mesh")
     """
 )
 
@@ -336,4 +343,69 @@ def test_kahan_adamw_with_param_specs_compiles_on_tpu_mesh_without_gathers():
     )
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = jax.jit(tx.update).lower(w, st, w).compile()
+    assert compiled.as_text().count("tpu_custom_call") >= 3 and _all_gathers(compiled) == 0
+
+
+# ----------------------------------------------------------------- the user's own mesh: foreign axis names
+def _user_mesh(topology, shape, names, kind=jax.sharding.AxisType.Explicit):
+    import numpy as np
+
+    devs = np.asarray(targets.devices(topology), dtype=object).reshape(shape)
+    return jax.sharding.Mesh(devs, names, axis_types=(kind,) * len(names))
+
+
+_USER_MESHES = [("v5e:2x2", (4,), ("dp",)), ("h100:1x1x8", (4, 2), ("dp", "tp"))]
+
+
+@pytest.mark.parametrize("topology,shape,names", _USER_MESHES, ids=["v5e-dp", "h100-dp-tp"])
+def test_kernels_follow_the_users_explicit_mesh_without_gathering(topology, shape, names):
+    """A mesh with the user's own axis names and Explicit axes (jax.make_mesh's default): attention (batch over "dp",
+    heads over "tp") and the FP8 GEMM (rows over "dp", N over "tp") compile forward + backward per shard, no
+    all-gather; the same operands under an Auto mesh of those names, which lpt's rules do not name, are refused."""
+    mesh = _user_mesh(topology, shape, names)
+    heads = names[1] if len(names) > 1 else None
+    n = shape[0]
+    qkv = [_sds((n, 128, 2 * len(names), 128), jnp.bfloat16, mesh, P("dp", None, heads)) for _ in range(3)]
+    assert _all_gathers(_compile(_attention_fwd_bwd, qkv, mesh)) == 0
+    x = _sds((n, 128, 128), jnp.float32, mesh, P("dp"))
+    w = _sds((128, 128 * len(names)), jnp.float32, mesh, P(None, heads))
+    assert _all_gathers(_compile(_fp8_fwd_bwd, [x, w], mesh)) == 0
+    auto = _user_mesh(topology, shape, names, jax.sharding.AxisType.Auto)
+    with pytest.raises(ValueError, match=r"mesh axes \('dp'.*are Auto and lpt's sharding rules do not name them"):
+        _compile(_attention_fwd_bwd, [_sds(a.shape, a.dtype, auto, P("dp")) for a in qkv], auto)
+
+
+def test_auto_mesh_with_the_users_rules_runs_per_shard():
+    """An Auto mesh named by the user's own rules (lpt.sharding.axis_rules): per shard, no all-gather (H100 x 8);
+    without the rules the same call is refused rather than gathered."""
+    from lpt.sharding import axis_rules
+
+    mesh = _user_mesh("h100:1x1x8", (8,), ("dp",), jax.sharding.AxisType.Auto)
+    args = [_sds((8, 128, 2, 128), jnp.bfloat16, mesh, P("dp")) for _ in range(3)]
+    with axis_rules(mesh, [("batch", "dp")]):
+        assert _all_gathers(_compile(_attention_fwd_bwd, args, mesh)) == 0
+    with pytest.raises(ValueError, match=r"lpt.sharding.axis_rules\(mesh, \[\('batch', 'dp'\)"):
+        _compile(lambda q, k, v: _attention_fwd_bwd(q, k, v), args, mesh)  # a new function: jit traces it again
+
+
+def test_attention_refuses_a_split_sequence():
+    abstract = jax.sharding.AbstractMesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    q = jax.ShapeDtypeStruct((2, 16, 2, 16), jnp.bfloat16, sharding=NamedSharding(abstract, P(None, "sp")))
+    with jax.sharding.use_abstract_mesh(abstract):
+        with pytest.raises(ValueError, match=r"q's sequence \(dim 1\) is split over \('sp',\)"):
+            jax.eval_shape(lambda q: dot_product_attention(q, q, q, impl="pallas"), q)
+
+
+def test_kahan_adamw_follows_the_users_explicit_mesh_without_param_specs():
+    """kahan_adamw(impl="pallas") with no param_specs on an Explicit ("dp", "tp") mesh: each leaf's kernel runs per
+    shard of the sharding in its type (split on both axes, replicated, split on its last dim); it compiles for TPU
+    v5e (where the custom_partitioning fallback cannot) with no all-gather."""
+    import lpt.optim as O
+
+    mesh = _user_mesh("v5e:2x2", (2, 2), ("dp", "tp"))
+    specs = {"a": ((256, 512), P("dp", "tp")), "b": ((512,), P()), "c": ((8, 128, 256), P(None, None, "dp"))}
+    w = {k: _sds(s, jnp.bfloat16, mesh, spec) for k, (s, spec) in specs.items()}
+    tx = O.kahan_adamw(1e-2, weight_decay=0.1, impl="pallas", sequential_leaves=False)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(tx.update).lower(w, jax.eval_shape(tx.init, w), w).compile()
     assert compiled.as_text().count("tpu_custom_call") >= 3 and _all_gathers(compiled) == 0
