@@ -61,6 +61,13 @@ def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, shapes, mode):
             jax.ShapeDtypeStruct(mv2.shape, jnp.uint32),
         ],
         input_output_aliases={3: 0, 4: 1, 5: 2},
+        name="lpt_adamw_kahan",
+        # per element: ~40 elementwise flops, one sqrt; reads g, p, c, mv and writes p, c, mv
+        cost_estimate=pl.CostEstimate(
+            flops=40 * p2.size,
+            transcendentals=p2.size,
+            bytes_accessed=p2.size * (g2.dtype.itemsize + 2 + 2 + 4 + 2 + 2 + 4),
+        ),
         **dispatch.mode_kwargs(mode, grid_rank=1),
     )(sc, w, g2, p2, c2, mv2)
 

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from lpt.kernels import dispatch
 from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, dot, valid_mask
+from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, cost, dot, valid_mask
 
 
 def _n_keys(i, bq: int, bk: int, nk: int, causal: bool):
@@ -131,6 +131,9 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
         name="lpt_flash_attention_fwd",
+        cost_estimate=cost(
+            "fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=jnp.dtype(o_dtype).itemsize
+        ),
         **_compiler_kwargs(mode, d),
     )
 
@@ -152,6 +155,7 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
         name="lpt_flash_attention_dq",
+        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
         **_compiler_kwargs(mode, d),
     )
 
@@ -176,5 +180,6 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=[kv_spec, kv_spec],
         out_shape=[out, out],
         name="lpt_flash_attention_dkdv",
+        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
         **_compiler_kwargs(mode, d),
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -44,6 +45,25 @@ def backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec) -> list:
     """The in_specs of a backward kernel (dQ or dK/dV) in its operand order (q, k, v, dO, lse, δ, q_seg, kv_seg):
     ``q_spec`` blocks q and dO, ``kv_spec`` k and v, ``row_spec`` lse and δ."""
     return [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, qseg_spec, kvseg_spec]
+
+
+_MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4}  # bq x bk x d matmuls per visited (query, key) block: S, PV / S, dP, dQ / ...
+
+
+def cost(kind: str, *, b: int, h: int, g: int, tq: int, tk: int, d: int, bq: int, bk: int, causal: bool, itemsize: int):
+    """The ``pl.CostEstimate`` of one flash kernel (``kind``: "fwd", "dq" or "dkdv") over ``b`` rows of ``h`` query
+    heads (``g`` per kv head): its matmul FLOPs, ``2 · bq · bk · d`` per matmul and visited block (a causal kernel
+    skips the blocks above the diagonal), one exp per score, and the bytes of q, k, v, O (or dO) and the f32 rows.
+    XLA's cost model reads it; ``lpt.targets.hlo.flops`` counts it."""
+    nq, nk = tq // bq, tk // bk
+    visited = sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq)) if causal else nq * nk
+    scores = b * h * visited * bq * bk
+    q_bytes, kv_bytes = b * h * tq * d * itemsize, b * (h // g) * tk * d * itemsize
+    return pl.CostEstimate(
+        flops=2 * d * _MATMULS[kind] * scores,
+        transcendentals=scores,
+        bytes_accessed=2 * q_bytes + 2 * kv_bytes + 8 * b * h * tq + (2 * kv_bytes if kind == "dkdv" else q_bytes),
+    )
 
 
 def check(q, k, block_q: int, block_k: int) -> int:

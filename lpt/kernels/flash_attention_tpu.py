@@ -27,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
 from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, dot, valid_mask
+from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, cost, dot, valid_mask
 
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
@@ -163,6 +163,9 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
         out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32) for _ in range(4)] + [pltpu.VMEM((bq, d), jnp.float32)],
         name="lpt_flash_attention_fwd",
+        cost_estimate=cost(
+            "fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=jnp.dtype(o_dtype).itemsize
+        ),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )
 
@@ -190,6 +193,7 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
         name="lpt_flash_attention_dq",
+        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )
 
@@ -226,5 +230,6 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_shape=[out, out],
         scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
         name="lpt_flash_attention_dkdv",
+        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )

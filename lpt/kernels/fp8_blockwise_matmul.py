@@ -124,6 +124,15 @@ def _grid_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, acc_ref, *, upcast: bool):
         o_ref[...] = acc_ref[...]
 
 
+def _cost(a, sa, b, sb) -> pl.CostEstimate:
+    """``2 · M · N · K`` FLOPs (and the scale products, ``2 · M · N`` per K-chunk, left out), no transcendentals, the
+    bytes of the operands, their scales and the f32 result."""
+    m, k = a.shape
+    n = b.shape[1]
+    operands = sum(x.size * x.dtype.itemsize for x in (a, sa, b, sb))
+    return pl.CostEstimate(flops=2 * m * n * k, transcendentals=0, bytes_accessed=operands + 4 * m * n)
+
+
 def _grid_pallas(a, sa, b, sb, *, chunk, block_m, block_n, mode):
     """The "grid" structure on sa [nk, M, 1], sb [nk, 1, N] (one chunk's scales per block, TPU-legal shapes)."""
     m, k = a.shape
@@ -142,6 +151,7 @@ def _grid_pallas(a, sa, b, sb, *, chunk, block_m, block_n, mode):
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
         scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
         name="lpt_fp8_blockwise_matmul",
+        cost_estimate=_cost(a, sa, b, sb),
         **dispatch.mode_kwargs(mode, semantics=("parallel", "parallel", "arbitrary")),
     )(a, sa, b, sb)
 
@@ -166,6 +176,7 @@ def _pallas(a, sa, b, sb, *, chunk, block_m, block_n, mode):
         ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        cost_estimate=_cost(a, sa, b, sb),
         **dispatch.mode_kwargs(mode, grid_rank=2),
     )(a, sa, b, sb)
 

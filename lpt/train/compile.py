@@ -3,9 +3,10 @@
 Compiles the trainer's own train step (``lpt.train.step.make_train_step``: same model, optimizer, shardings and
 kernels) ahead of time for a TPU slice (``v5e:2x4``, ``v5p:2x2x1``, anything libtpu accepts) or a GPU node
 (``h100:1x1x8``), on a machine with no accelerator (:mod:`lpt.targets`), and prints ONE JSON line on stdout: the
-mesh, per-device memory (``compiled.memory_analysis()``) against the device's HBM, FLOPs and the compiler's roofline
-time (``compiled.cost_analysis()``), the implied MFU bound, the custom-call kernels and the collectives of the
-compiled program (:mod:`lpt.targets.hlo`) and the compile time. No data is read: the batch is a
+mesh, per-device memory (``compiled.memory_analysis()``) against the device's HBM, the step's matmul FLOPs (counted
+from its jaxpr, loops by their trip counts: :mod:`lpt.targets.flops`), the compiler's roofline time
+(``compiled.cost_analysis()``) where it holds, the implied MFU bound, the custom-call kernels and the collectives of
+the compiled program (:mod:`lpt.targets.hlo`) and the compile time. No data is read: the batch is a
 ``ShapeDtypeStruct[global_batch, seq_len]`` int32 for inputs and targets.
 
 Exit status: 0 the step compiles and fits; 1 it does not compile (the ``error`` field and a one-line ``error: ...`` on
@@ -29,6 +30,7 @@ import sys
 import time
 
 from lpt import models, targets
+from lpt.targets import flops as flops_lib
 from lpt.targets import hlo
 from lpt.train import config as config_lib
 from lpt.train import loop
@@ -110,7 +112,8 @@ def compile_step(cfg, topology: str) -> dict:
     }
     t0 = time.perf_counter()
     try:
-        lowered = step.lower(state, batch)
+        traced = step.trace(state, batch)
+        lowered = traced.lower()
         t1 = time.perf_counter()
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 -- the compiler's errors come as several exception types
@@ -126,7 +129,8 @@ def compile_step(cfg, topology: str) -> dict:
     report.update(_memory(compiled.memory_analysis(), facts))
     text = compiled.as_text()
     report["loops"] = [t for t in hlo.loop_trip_counts(text) if t > 1]
-    report.update(_cost(compiled.cost_analysis(), model_flops, n, facts.peak_flops, looped=bool(report["loops"])))
+    counted = flops_lib.jaxpr_flops(traced.jaxpr) / n  # per device: the program's matmuls spread over the mesh
+    report.update(_cost(compiled.cost_analysis(), counted, model_flops, n, facts.peak_flops, bool(report["loops"])))
     report["kernels"] = hlo.kernels(text)
     report["collectives"] = hlo.collectives(text)
     report["lower_seconds"] = round(t1 - t0, 2)
@@ -183,18 +187,18 @@ def _oom_report(report: dict, temp: int, hbm: int, seconds: float) -> dict:
     }
 
 
-def _cost(ca, model_flops: float, n: int, peak: float, looped: bool) -> dict:
+def _cost(ca, flops: float, model_flops: float, n: int, peak: float, looped: bool) -> dict:
+    """``flops`` (matmul FLOPs per device and step, :func:`lpt.targets.flops.jaxpr_flops` of the traced step over the
+    devices), ``optimal_seconds`` and ``mfu_bound = model_flops / (n · peak · optimal_seconds)``, with a note.
+
+    ``optimal_seconds`` is XLA's roofline (compute and memory) for a program without loops; XLA's cost analysis
+    counts a loop body once, so with loops (and on XLA:GPU, which has no cost analysis) it is the compute floor
+    ``flops / peak``."""
     ca = ca[0] if isinstance(ca, list | tuple) and ca else ca
-    if not ca:
-        return {"flops": None, "optimal_seconds": None, "mfu_bound": None, "cost_note": "no cost analysis (XLA:GPU)"}
-    flops, secs = ca.get("flops"), ca.get("optimal_seconds")
-    note = None
-    if secs is not None and secs <= 0:
-        secs, note = None, f"the compiler's optimal_seconds was {ca['optimal_seconds']:.3g} (not a time): dropped"
-    if looped:  # XLA's cost analysis counts a while body once, however many times it runs
-        note = "the program has loops (report['loops']: scan over layers / microbatches) and the compiler's cost "
-        note += "analysis counts each loop body once: flops and optimal_seconds undercount the step; no MFU bound"
-        secs = None
+    secs, note = (ca or {}).get("optimal_seconds"), None
+    if looped or not secs or secs <= 0:
+        why = "the program has loops, which XLA's cost analysis counts once" if looped else "no XLA roofline"
+        secs, note = flops / peak, f"{why}: optimal_seconds is the compute floor flops / peak_flops"
     bound = model_flops / (n * peak * secs) if secs else None
     return {"flops": flops, "optimal_seconds": secs, "mfu_bound": bound, "cost_note": note}
 
