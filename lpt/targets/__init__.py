@@ -24,8 +24,8 @@ from pathlib import Path
 
 import jax
 
-GPU_TARGETS = {"h100": "h100_sxm.txtpb"}  # name -> GpuTargetConfigProto text shipped beside this module
-_TPU = re.compile(r"^v(\d+)([a-z]*):(\d+(x\d+)*)$")
+GPU_TARGETS = {"h100": "h100_sxm.txtpb", "b200": "b200.txtpb"}  # name -> GpuTargetConfigProto text beside this module
+_TPU = re.compile(r"^(v\d+[a-z]*|tpu\d+[a-z]*):(\d+(x\d+)*)$")  # v5e:2x4, v5p:2x2x1, tpu7x:2x2x1
 _GPU = re.compile(r"^([a-z0-9]+):(\d+)x(\d+)x(\d+)$")
 _GIB = 1 << 30
 
@@ -37,7 +37,9 @@ CHIP_FACTS: dict[str, tuple[int, float]] = {
     "TPU v5 lite": (int(15.75 * _GIB), 197e12),  # v5e
     "TPU v5": (int(95.74 * _GIB), 459e12),  # v5p
     "TPU v6 lite": (int(31.25 * _GIB), 918e12),  # v6e (Trillium)
+    "TPU7x": (192 * 10**9, 2307e12),  # Ironwood: 192 GB HBM3e and 4614 TFLOP/s FP8 per chip, half of that in bf16
     "NVIDIA H100 80GB HBM3": (80 * 10**9, 989e12),  # SXM
+    "NVIDIA B200": (180 * 10**9, 2250e12),  # HGX B200: the target config's device_memory_size overrides the HBM
 }
 
 

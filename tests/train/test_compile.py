@@ -217,3 +217,16 @@ def test_bad_input_exits_2(capsys, argv, needle):
     assert rc == 2 and r is None
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+@pytest.mark.parametrize(
+    "topology,kind,devices,hbm",
+    [("tpu7x:2x2x1", "TPU7x", 8, 192 * 10**9 // 2), ("b200:1x1x8", "NVIDIA B200", 8, 191514411008)],
+)
+def test_newer_targets_compile(capsys, topology, kind, devices, hbm):
+    """Ironwood (tpu7x: 4 chips, 2 devices each, 192 GB per chip) and B200 (XLA's target config for sm_100)."""
+    fsdp = ["--config.train.mesh.data=1", "--config.train.mesh.fsdp=-1", f"--config.train.global_batch={devices}"]
+    rc, r, err = run(capsys, "--config", TINY, "--topology", topology, *fsdp)
+    assert rc == 0, err
+    assert r["device_kind"] == kind and r["devices"] == devices and r["hbm_bytes"] == hbm and r["fits"] is True
+    assert r["flops"] * devices == pytest.approx(r["model_flops"], rel=0.15) and r["mfu_bound"] > 0
