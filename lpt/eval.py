@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 from lpt import data as data_lib
 from lpt.inference import DTYPES, inference_mesh, load_model
 from lpt.models.partitioning import place
-from lpt.train import checkpoint
+from lpt.train import checkpoint, console
 from lpt.train import config as config_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train.step import cross_entropy, on_mesh
@@ -116,6 +116,7 @@ def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.splitlines()[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")

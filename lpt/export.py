@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from lpt.models import hf
-from lpt.train import load_params
+from lpt.train import console, load_params
 
 
 def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict, str | None]:
@@ -114,6 +114,7 @@ def check(out: str | Path, params: dict, model_cfg, *, rows: int = 2, max_len: i
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(prog="python -m lpt.export", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="the lpt run directory (holds checkpoints/)")
     parser.add_argument("--out", required=True, help="the Hugging Face model directory to write")

@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from lpt.inference import DTYPES, inference_mesh, load_model
 from lpt.models.decode import decode_step, init_cache, left_pad
 from lpt.models.partitioning import place
+from lpt.train import console
 from lpt.train.step import on_mesh
 
 
@@ -285,6 +286,7 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(prog="python -m lpt.generate", description=__doc__.splitlines()[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")

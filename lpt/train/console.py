@@ -1,6 +1,8 @@
 """What the trainer prints on stderr: lpt's log lines, and the libraries' failure reports one line each.
 
-:func:`setup` (called by ``python -m lpt.train``) gives the ``lpt`` logger its handler (``time LEVEL message``), and
+:func:`setup` (called by ``python -m lpt.train``, ``lpt.generate``, ``lpt.eval`` and ``lpt.export``) starts jax on the
+CPU alone on a machine without accelerators (:func:`cpu_unless_accelerator`), gives the ``lpt`` logger its handler
+(``time LEVEL message``), and
 trims what orbax reports through absl's logger from its background threads (a failed save: the error, then its
 traceback, then a spec dump) to the message's first line: the trainer itself then raises one error line for the
 failure. It also silences the exceptions that orbax's abandoned read coroutines raise when they are garbage
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+
+import jax
 
 _TENSORSTORE_SPEC = " See full TensorStore details"
 
@@ -88,8 +93,26 @@ def _quiet_excepthook(previous):
     return hook
 
 
+ACCELERATOR_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/accel0", "/dev/vfio", "/dev/kfd")  # CUDA, TPU, ROCm
+
+
+def cpu_unless_accelerator() -> bool:
+    """Start jax on the CPU alone when the machine has no accelerator device node and nobody chose the platforms
+    (``JAX_PLATFORMS`` unset): jax would otherwise try each installed plugin (CUDA, libtpu) and print their failed
+    start-ups (tracebacks and libtpu's host probing, ~30 lines on stderr). Call before jax starts a backend; True if
+    it chose the CPU."""
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return False
+    if any(os.path.exists(path) for path in ACCELERATOR_DEVICES):
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def setup() -> None:
-    """Install the ``lpt`` log handler and the one-line filters (idempotent)."""
+    """Pick the CPU on a machine without accelerators (:func:`cpu_unless_accelerator`), install the ``lpt`` log
+    handler and the one-line filters (idempotent)."""
+    cpu_unless_accelerator()
     root = logging.getLogger("lpt")  # lpt.train, lpt.data, ...
     if not root.handlers:  # our own handler: libraries may already have configured the root logger
         handler = _Stderr()

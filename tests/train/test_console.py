@@ -3,6 +3,8 @@
 import asyncio
 import gc
 import logging
+import os
+import subprocess
 import sys
 
 import pytest
@@ -89,3 +91,19 @@ def test_absl_errors_with_tracebacks_are_one_line(passed):
     finally:
         absl.removeHandler(handler)
     assert records == ["save thread raised: RESOURCE_EXHAUSTED"]
+
+
+@pytest.mark.skipif(
+    any(os.path.exists(p) for p in console.ACCELERATOR_DEVICES), reason="an accelerator is present: its plugin starts"
+)
+def test_a_run_on_a_machine_without_accelerators_prints_no_plugin_failures(tmp_path):
+    """With JAX_PLATFORMS unset and jax's CUDA plugin and libtpu installed (the dev extras), a run starts jax on the
+    CPU alone: no failed plugin start-up (tracebacks, libtpu's host probing) on stderr, which printed ~30 lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}
+    argv = ["--config", "tiny_cpu", "--workdir", str(tmp_path), "--config.train.steps=1", "--config.train.eval_every=1"]
+    argv += ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.train.global_batch=4"]
+    p = subprocess.run([sys.executable, "-m", "lpt.train", *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for noise in ("Traceback", "Unable to load CUDA", "TPU_WORKER_HOSTNAMES", "E0000"):
+        assert noise not in p.stderr, noise
+    assert "INFO done: validation loss" in p.stderr
