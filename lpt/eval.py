@@ -117,7 +117,7 @@ def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
 
 def main(argv: list[str] | None = None) -> int:
     console.setup()
-    parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")
     src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")

@@ -287,7 +287,7 @@ def generate(
 
 def main(argv: list[str] | None = None) -> int:
     console.setup()
-    parser = argparse.ArgumentParser(prog="python -m lpt.generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lpt.generate", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")
     src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")

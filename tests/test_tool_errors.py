@@ -301,3 +301,17 @@ def test_export_eval_generate_do_not_read_summary_json(fault, run, tmp_path, cap
         shutil.rmtree(summary) if summary.is_dir() else summary.unlink()
         summary.write_bytes(saved)
     assert "error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "module", ["lpt.eval", "lpt.export", "lpt.generate", "lpt.data.prepare", "lpt.data.train_tokenizer"]
+)
+def test_help_states_the_whole_first_paragraph(module, capsys):
+    """Each command's --help describes it in whole sentences (the docstring's first paragraph, not its first line)."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]  # usage, description, options
+    assert description.rstrip().endswith("."), description

@@ -276,7 +276,7 @@ def prepare(
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI (see the module docstring); returns the exit status: 0 done, 2 bad input (one line on stderr)."""
-    parser = argparse.ArgumentParser(prog="python -m lpt.data.prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lpt.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", required=True, help="'bytes', a tokenizer.json or a SentencePiece .model")
     parser.add_argument("--input", required=True, help="glob of input files ('**' recursive; quote it)")
     parser.add_argument("--out", required=True, help="output directory (created; rerun to resume)")

@@ -88,7 +88,7 @@ def train_tokenizer(
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI (see the module docstring); returns the exit status: 0 written, 2 bad input (one line on stderr)."""
-    parser = argparse.ArgumentParser(prog="python -m lpt.data.train_tokenizer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lpt.data.train_tokenizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, required=True, help="ids in total (>= 257)")
     parser.add_argument("--out", required=True, help="the tokenizer.json to write")
     parser.add_argument("--input", default=None, help="glob of UTF-8 text files (default: the embedded corpus)")
