@@ -10,7 +10,8 @@ Data: for ``--workdir`` the run's own ``config.data``, its ``train.global_batch`
 ``train.eval_batches`` batches, so that the loss equals the run's final ``eval_loss`` (the trainer's evaluation
 reads the same batches, :func:`lpt.data.make_eval_batches`); for ``--hf`` the ``config.data`` of
 configs/tiny_cpu.py (the embedded corpus) with ``PATH/tokenizer.json`` as the tokenizer if there is one (else
-bytes), 8 rows per batch (rounded up to a multiple of the mesh's data × fsdp) and 4 batches.
+bytes for a model of 256 ids, said on stderr; another vocabulary is refused), 8 rows per batch (rounded up to a
+multiple of the mesh's data × fsdp) and 4 batches.
 ``--config.data.KEY=VALUE`` (or ``--config.data.KEY VALUE``) overrides
 data keys as the trainer does (:func:`lpt.train.config.parse_overrides`), e.g. another corpus or ``seq_len``;
 ``--batches N``, ``--batch-size B``, ``--split validation|train`` and ``--dtype float32|bfloat16`` (compute dtype;
@@ -38,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lpt import data as data_lib
+from lpt.data.tokenizer import ByteTokenizer
 from lpt.inference import DTYPES, inference_mesh, load_model
 from lpt.models.partitioning import place
 from lpt.train import checkpoint, console
@@ -128,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the run's)")
     args, rest = parser.parse_known_args(argv)
     try:
-        model, _, cfg = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)
+        model, tokenizer, cfg = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)
         mesh = inference_mesh(cfg)
         if cfg is not None:
             base, batch, batches = cfg.data, int(cfg.train.global_batch), int(cfg.train.eval_batches)
         else:
             base = config_lib.load_config_file(config_lib.resolve_config("tiny_cpu")).data
-            tok_file = Path(args.hf) / "tokenizer.json"
-            base.tokenizer = str(tok_file) if tok_file.is_file() else "bytes"
+            bytes_ids = isinstance(tokenizer, ByteTokenizer)  # lpt.inference.hf_tokenizer chose (and said so)
+            base.tokenizer = "bytes" if bytes_ids else str(Path(args.hf) / "tokenizer.json")
             base.seq_len = min(base.seq_len, model.spec.max_seq_len)
             rows = mesh.shape["data"] * mesh.shape["fsdp"]
             batch, batches = -(-8 // rows) * rows, 4  # at least 8 rows, a multiple of the devices

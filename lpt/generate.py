@@ -8,7 +8,8 @@ run's own, float32 for ``--hf``), ``--step N`` (``--workdir``: the checkpoint st
 ``--workdir RUN`` reads the run's checkpoint (:func:`lpt.train.load_params`) and its config, builds the model with
 the run's ``config.model`` and ``config.precision`` and decodes text with the run's tokenizer
 (``config.data.tokenizer``). ``--hf PATH`` loads a Hugging Face directory with :func:`lpt.models.from_pretrained`
-(``--dtype`` is its ``param_dtype``) and uses ``PATH/tokenizer.json`` if there is one, else bytes.
+(``--dtype`` is its ``param_dtype``) and uses ``PATH/tokenizer.json`` if there is one, else bytes for a model of 256
+ids (said on stderr; another vocabulary is refused: :func:`lpt.inference.hf_tokenizer`).
 
 Output: one prompt: the prompt, then each new token's text as soon as it is decoded (text that ends inside a UTF-8
 character waits for the next token). Several prompts: they are decoded as one batch, and when it is done each is

@@ -24,6 +24,21 @@ from lpt.train.recipe import model_precision
 DTYPES = ("float32", "bfloat16")  # the compute dtypes a loaded model may run in
 
 
+def hf_tokenizer(hf, vocab_size: int) -> str:
+    """The tokenizer of the Hugging Face directory ``hf``: its ``tokenizer.json``, else ``"bytes"`` (said on stderr)
+    for a model of 256 ids; ValueError for any other vocabulary, which bytes would feed the wrong ids."""
+    tok_file = Path(hf) / "tokenizer.json"
+    if tok_file.is_file():
+        return str(tok_file)
+    if vocab_size != 256:
+        raise ValueError(
+            f"{hf} has no tokenizer.json and a vocabulary of {vocab_size} ids, not the 256 of bytes: put the model's "
+            f"tokenizer.json there"
+        )
+    print(f"note: {hf} has no tokenizer.json; its 256 ids are read as bytes", file=sys.stderr)
+    return "bytes"
+
+
 def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | None = None):
     """``(model, tokenizer, config)`` from a run (``workdir``; ``config`` is the run's) or a Hugging Face directory
     (``hf``; ``config`` is None). ``dtype`` (float32 | bfloat16): the compute dtype for a run (default its own), the
@@ -36,8 +51,8 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
         if step is not None:
             raise ValueError("--step applies to --workdir runs only")
         model, _ = from_pretrained(hf, param_dtype=dtype or "float32")
-        tok_file = Path(hf) / "tokenizer.json"
-        return model, load_tokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(), None
+        tokenizer = hf_tokenizer(hf, model.spec.vocab_size)
+        return model, ByteTokenizer() if tokenizer == "bytes" else load_tokenizer(tokenizer), None
     params, cfg = load_params(workdir, step)
     precision = model_precision(cfg.precision, **({} if dtype is None else {"compute_dtype": dtype}))
     model = model_from_params(cfg.model, precision, params)

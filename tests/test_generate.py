@@ -178,7 +178,17 @@ def test_cli_hf(model, tmp_path, capsys):
     argv = ["--hf", str(tmp_path / "hf"), "--prompt", "Hi", "--max-new-tokens", "6", "--temperature", "0"]
     assert G.main(argv) == 0
     want = G.generate(model, ByteTokenizer(), ["Hi"], max_new_tokens=6, temperature=0.0)[0]
-    assert capsys.readouterr().out == "Hi" + want + "\n"
+    out, err = capsys.readouterr()
+    assert out == "Hi" + want + "\n"
+    assert "has no tokenizer.json; its 256 ids are read as bytes" in err  # said, not silent
+
+
+def test_cli_hf_without_tokenizer_refuses_a_vocabulary_that_is_not_bytes(tmp_path, capsys):
+    model = M.build_model({**GPT2, "vocab_size": 300}, {}, rngs=nnx.Rngs(0))
+    M.save_pretrained(model, tmp_path / "hf")
+    assert G.main(["--hf", str(tmp_path / "hf"), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json and a vocabulary of 300 ids, not the 256 of bytes" in err
 
 
 @pytest.mark.parametrize(
