@@ -28,10 +28,14 @@ OVERRIDES = {
 }
 
 
-def train_tiny(workdir: Path, overrides: dict[str, str] | None = None) -> dict:
-    """Train configs/tiny_cpu.py with :data:`OVERRIDES`, then ``overrides`` (``{"train.steps": "3"}``), into
-    ``workdir``; returns the run's summary."""
+def tiny_config(overrides: dict[str, str] | None = None, config: str = "tiny_cpu"):
+    """``configs/<config>.py`` with :data:`OVERRIDES`, then ``overrides``."""
     keys = {**OVERRIDES, **(overrides or {})}
-    cfg = config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), keys)
+    return config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / f"{config}.py"), keys)
+
+
+def train_tiny(workdir: Path, overrides: dict[str, str] | None = None, hooks=()) -> dict:
+    """Train configs/tiny_cpu.py with :data:`OVERRIDES`, then ``overrides`` (``{"train.steps": "3"}``), into
+    ``workdir`` (``hooks`` as :func:`lpt.train.loop.train` takes them); returns the run's summary."""
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
-    return train(cfg, workdir)
+    return train(tiny_config(overrides), workdir, hooks=hooks)

@@ -10,29 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_run import tiny_config, train_tiny
 
 from lpt import data as data_lib
 from lpt.train import config as config_lib
 from lpt.train import guard as guard_lib
-from lpt.train import mesh as mesh_lib
-from lpt.train import optimizer
+from lpt.train import loop
 from lpt.train import state as state_lib
-from lpt.train import step as step_lib
 
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = {
-    "model.d_model": "32",
-    "model.n_layers": "1",
-    "model.n_heads": "2",
-    "model.n_kv_heads": "2",
-    "model.d_ff": "64",
-    "model.max_seq_len": "32",
-    "data.seq_len": "32",
-    "train.global_batch": "8",
-    "train.steps": "40",
-    "optim.warmup_steps": "5",
-    "optim.lr": "3e-3",
-}
+LONGER = {"train.steps": "40", "train.global_batch": "8", "optim.warmup_steps": "5", "optim.lr": "3e-3"}
 
 
 def _bits(tree) -> list[np.ndarray]:
@@ -44,17 +30,12 @@ def _same(a, b) -> bool:
 
 
 def _program(bad_step: str):
-    cfg = config_lib.apply_overrides(
-        config_lib.load_config_file(ROOT / "configs" / "tiny_cpu_bf16_kahan.py"),
-        {**SMALL, "train.bad_step": bad_step, "train.spike_sigmas": "6"},
-    )
-    mesh = mesh_lib.make_mesh(cfg.train.mesh)
-    tx = optimizer.make_optimizer(cfg)
-    model_def = state_lib.make_model_def(cfg)
-    shardings = state_lib.state_shardings(state_lib.abstract_state(cfg, tx), model_def, mesh)
-    state = state_lib.create_state(cfg, tx, shardings)
-    step = step_lib.make_train_step(cfg, model_def, tx, optimizer.make_schedule(cfg.optim, 40), mesh, shardings)
-    batches = data_lib.make_train_iterator(cfg.data, seq_len=32, global_batch=8)
+    overrides = {**LONGER, "train.bad_step": bad_step, "train.spike_sigmas": "6"}
+    cfg = config_lib.resolve(tiny_config(overrides, config="tiny_cpu_bf16_kahan"))
+    prog = loop.program(cfg, loop.make_mesh(cfg))  # the trainer's own model, optimizer, layout and jitted step
+    state = state_lib.create_state(cfg, prog.tx, prog.shardings)
+    step = prog.train_step
+    batches = data_lib.make_train_iterator(cfg.data, seq_len=32, global_batch=cfg.train.global_batch)
     return cfg, state, step, batches
 
 
@@ -149,24 +130,8 @@ def test_spike_threshold_must_not_be_negative():
         config_lib.apply_overrides(config_lib.defaults(), {"train.bad_step": "retry"})
 
 
-RUN = [
-    "--config",
-    "tiny_cpu",
-    "--config.model.d_model=32",
-    "--config.model.n_layers=1",
-    "--config.model.d_ff=64",
-    "--config.train.global_batch=8",
-    "--config.data.seq_len=32",
-    "--config.train.steps=40",
-    "--config.train.checkpoint_every=20",
-    "--config.train.eval_every=40",
-    "--config.train.eval_batches=1",
-    "--config.train.log_every=1",
-    "--config.train.diagnostics_every=0",
-    "--config.train.bad_step=skip",
-    "--config.train.spike_sigmas=1e-6",  # any loss or grad norm above its running mean is a "spike"
-    "--config.train.max_skips=1000",
-]
+SKIPPING = {**LONGER, "train.checkpoint_every": "20", "train.eval_every": "40", "train.bad_step": "skip"}
+SKIPPING.update({"train.spike_sigmas": "1e-6", "train.max_skips": "1000"})  # any value above its mean is a "spike"
 
 
 class Crash(Exception):
@@ -174,14 +139,12 @@ class Crash(Exception):
 
 
 def _train(workdir, crash_after=None) -> None:
-    from lpt.train.__main__ import main
-
     def hook(step, ckpt):
         if step == crash_after:
             raise Crash(step)
 
     try:
-        assert main([*RUN, "--workdir", str(workdir)], hooks=[hook]) == 0
+        train_tiny(workdir, SKIPPING, hooks=[hook])
     except Crash:
         pass
 
