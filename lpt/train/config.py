@@ -28,6 +28,7 @@ from lpt import options
 from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
 from lpt.models.config import ModelSpec
+from lpt.models.hf_config import read_config as read_hf_config
 from lpt.options import option, section
 from lpt.train.guard import BAD_STEPS
 from lpt.train.recipe import PrecisionConfig
@@ -224,11 +225,47 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.seq_len={typed.data.seq_len} exceeds model.max_seq_len={typed.model.max_seq_len}")
 
 
+# model keys that shape the parameters: with init_from.hf a config may not set them to other values than the source's
+HF_SHAPE_KEYS = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
+
+
+def from_hf(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """With ``init_from.hf``: ``cfg`` (a copy) whose model section is the directory's ``config.json``
+    (:func:`lpt.models.hf.read_config`), except the keys the config sets to other values than their defaults (e.g.
+    ``max_seq_len``, ``remat``, ``scan_layers``); a shape key set to another value than the source's is an error
+    naming every such key at once. ``data.tokenizer`` left at its default becomes the directory's ``tokenizer.json``
+    when it has one. Without ``init_from.hf``: ``cfg`` itself."""
+    if not cfg.init_from.hf:
+        return cfg
+    directory = Path(cfg.init_from.hf).expanduser()
+    source = read_hf_config(directory).to_dict()
+    default_model = options.to_dict(ModelSpec())
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    conflicts = []
+    for key, value in source.items():
+        mine = cfg.model[key]
+        mine = mine.to_dict() if isinstance(mine, ml_collections.ConfigDict) else mine
+        if mine == default_model[key] or mine == value:
+            out.model[key] = value
+        elif key in HF_SHAPE_KEYS:
+            conflicts.append(f"model.{key}={mine!r} (the source has {value!r})")
+    if conflicts:
+        raise ValueError(
+            f"init_from.hf={cfg.init_from.hf!r}: the config sets {'; '.join(conflicts)}; a fine-tune keeps the "
+            f"source's shape: leave these keys out (the model section comes from its config.json)"
+        )
+    if cfg.data.tokenizer == options.to_dict(DataConfig())["tokenizer"] and (directory / "tokenizer.json").is_file():
+        out.data.tokenizer = str(directory / "tokenizer.json")
+    return out
+
+
 def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """``cfg`` with ``model.vocab_size`` = the tokenizer's vocabulary size when it is 0 (a copy; ``cfg`` unchanged).
+    """``cfg`` with the model section of ``init_from.hf`` (:func:`from_hf`) and ``model.vocab_size`` = the
+    tokenizer's vocabulary size when it is 0 (a copy; ``cfg`` unchanged).
 
     A nonzero ``model.vocab_size`` may exceed the tokenizer's (padding, e.g. to a multiple of 128 for FP8 heads)
     but not fall below it."""
+    cfg = from_hf(cfg)
     n = load_tokenizer(cfg.data.tokenizer).vocab_size
     if cfg.model.vocab_size == n:
         return cfg

@@ -155,9 +155,27 @@ def test_hugging_face_directory(source, tmp_path):
     assert got.keys() == ref.keys()
     for k in ref:
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
-    with pytest.raises(ValueError, match=r"has model.n_layers=1 but config.model.n_layers=2"):
-        start(config(**{"init_from.hf": str(tmp_path / "hf"), "model.n_layers": "2"}))
+    with pytest.raises(ValueError, match=r"the config sets model.n_layers=3 \(the source has 1\)"):
+        start(config(**{"init_from.hf": str(tmp_path / "hf"), "model.n_layers": "3"}))
     assert Path(tmp_path / "hf" / "config.json").is_file()
+
+
+def test_the_model_section_comes_from_the_hugging_face_directory(source, tmp_path):
+    """tiny_cpu states no shape of the source (its model keys are the defaults, or equal the source's): with
+    init_from.hf the model section is the directory's; keys set to other shapes are listed all at once; a key the
+    user sets on purpose (max_seq_len) is kept."""
+    params, run_cfg = checkpoint.load_params(source)
+    hf.save_params(tmp_path / "hf", params, run_cfg.model)
+    base = config_lib.load_config_file("tiny_cpu")
+    run = {"init_from.hf": str(tmp_path / "hf"), "data.seq_len": "16", "train.global_batch": "8"}
+    cfg = config_lib.apply_overrides(base, run)
+    for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+        assert cfg.model[key] == run_cfg.model[key], key
+    assert config_lib.apply_overrides(base, {**run, "model.max_seq_len": "16"}).model.max_seq_len == 16
+    with pytest.raises(
+        ValueError, match=r"model.d_ff=128 \(the source has 64\); model.n_layers=3 \(the source has 1\)"
+    ):
+        config_lib.apply_overrides(base, {**run, "model.n_layers": "3", "model.d_ff": "128"})
 
 
 SHARDED = """

@@ -194,7 +194,7 @@ def test_every_override_shown_in_the_docs_is_valid():
     base = config_lib.load_config_file(TINY)
     mesh = mesh_lib.make_mesh(base.train.mesh)
     for where, overrides in groups:
-        files = ("data.paths", "data.tokenizer")  # paths to files the reader makes
+        files = ("data.paths", "data.tokenizer", "init_from.hf")  # paths to files or directories the reader makes
         overrides = {k: v for k, v in overrides.items() if not k.startswith(files)}
         if "lpt.eval" in where:  # eval takes config.data keys only, on the evaluated model's own data section
             data = lpt_eval.data_config(base.data, [f"--config.{k}={v}" for k, v in overrides.items()])
