@@ -70,7 +70,7 @@ def test_a_bad_step_leaves_params_and_optimizer_state_bit_for_bit(after_warmup, 
     batch = _bad_batches(cfg, next(batches))[kind]
     before = _copy(state)
     after, m = step(state, batch)
-    assert float(m["skipped"]) == 1.0 and float(m["skipped_in_a_row"]) == 1.0
+    assert float(m["skipped"]) == 1.0 and float(m["skipped_in_a_row"]) == 1.0  # a flag and a count: exact
     if kind == "nan":
         assert not math.isfinite(float(m["loss"]))
     else:
@@ -83,7 +83,7 @@ def test_a_bad_step_leaves_params_and_optimizer_state_bit_for_bit(after_warmup, 
     assert float(after.guard.loss_mean) == float(before.guard.loss_mean)  # a bad step does not move the bar
     # the next good step is applied as usual
     later, m2 = step(_copy(after), next(batches))
-    assert float(m2["skipped"]) == 0.0 and float(m2["skipped_in_a_row"]) == 0.0
+    assert float(m2["skipped"]) == 0.0 and float(m2["skipped_in_a_row"]) == 0.0  # a flag and a count: exact
     assert not _same(later.params, after.params) and not _same(later.opt_state, after.opt_state)
 
 
@@ -99,6 +99,7 @@ def test_with_stop_the_same_bad_step_changes_the_state(after_warmup):
 def test_guard_statistics_and_counters():
     g = guard_lib.init()
     good, g = guard_lib.judge(g, jnp.float32(2.0), jnp.float32(1.0), 3.0)
+    # the first good step starts the mean at its value and the variance at 0 (a select, no arithmetic): exact
     assert bool(good) and float(g.loss_mean) == 2.0 and float(g.loss_var) == 0.0 and int(g.good) == 1
     for x in (2.1, 1.9) * 15:  # 31 good steps: past the warmup
         good, g = guard_lib.judge(g, jnp.float32(x), jnp.float32(1.0 + x / 100), 3.0)
