@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 BAD_STEPS = ("stop", "skip")
 DECAY = 0.99  # of the running mean and variance: about the last 100 good steps
-WARMUP = 20  # good steps before spikes are judged
+WARMUP = 20  # good steps needed to judge spikes
 
 
 class Guard(NamedTuple):

@@ -328,7 +328,7 @@ class _Logger:
             s, m, has_diag = self.pending.pop(0)
             host = {k: float(v) for k, v in m.items()}
             finite = np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"])
-            skipping = "skipped" in host  # train.bad_step="skip": a non-finite step was left out by the train step
+            skipping = "skipped" in host  # train.bad_step="skip": the train step leaves a non-finite step out
             if not (finite or skipping) or host["params_finite"] != 1.0:
                 raise NonFiniteLossError(
                     f"non-finite training state at step {s} (loss={host['loss']}, grad_norm={host['grad_norm']}, "

@@ -163,7 +163,7 @@ def test_a_run_counts_its_skips_and_resumes_them_exactly(tmp_path):
     ones it would judge nothing for another 20 steps)."""
     _train(tmp_path / "a")
     a = _records(tmp_path / "a")
-    skipped = [s for s, r in a.items() if r["skipped"] == 1.0]
+    skipped = [s for s, r in a.items() if r["skipped"] == 1.0]  # a 0/1 flag: exact
     assert skipped and min(skipped) > guard_lib.WARMUP and a[40]["skipped_total"] == len(skipped)
     assert any(s > 20 for s in skipped) and json.loads((tmp_path / "a" / "summary.json").read_text())
     meta = json.loads((tmp_path / "a" / "checkpoints" / "20" / "metadata" / "metadata").read_text())
