@@ -1,10 +1,11 @@
 """On-disk token streams for file sources: built once, then memory-mapped; and the document -> tokens encoding.
 
-For ``source="text"`` / ``"arrayrecord"`` the train and validation streams are written (one document at a time,
-never the whole corpus in memory) to ``<cache_dir>/<fingerprint>/{train,validation}.<u8|u16|u32>`` with the token
-count and the text byte count of each split in ``meta.json`` and the per-token counts of each split (``meta.json``
-for bytes, ``counts.npy`` otherwise), and opened with ``np.memmap``. The fingerprint is a hash of (format version,
-source, every input file's path, size and mtime, validation_fraction, and the tokenizer's identity unless it is
+For the file sources (``source="text"``, ``"arrayrecord"``, ``"jsonl"``, ``"parquet"``) the train and validation
+streams are written (one document at a time, never the whole corpus in memory) to
+``<cache_dir>/<fingerprint>/{train,validation}.<u8|u16|u32>`` with the token count and the text byte count of each
+split in ``meta.json`` and the per-token counts of each split (``meta.json`` for bytes, ``counts.npy`` otherwise),
+and opened with ``np.memmap``. The fingerprint is a hash of (format version, source, every input file's path, size
+and mtime, validation_fraction, the validation split unless it is "tail", and the tokenizer's identity unless it is
 "bytes"): editing a file, changing the split or the tokenizer builds a new cache. Builds go to a temporary directory
 renamed into place at the end, so processes sharing a cache directory never see a half-written cache (the loser of
 a race discards its copy). Old caches are not deleted.
@@ -15,6 +16,11 @@ evenly spaced offsets, the first and the last included: at most 256 KiB read, so
 must match. A truncated, extended or overwritten stream (and a missing file) is damaged: the cache is removed with
 one warning naming the file and rebuilt from the documents. A cache without digests (written by an older lpt) is
 checked by size only.
+
+Validation split (``validation_split``, :data:`VALIDATION_SPLITS`): ``"tail"`` holds out the last
+``validation_fraction`` of every document (:func:`split_document`); ``"docs"`` holds out whole documents, those whose
+content hash is below the fraction (:func:`holds_out`), so about ``validation_fraction`` of the documents, and the
+same text (a duplicate, or the same document from another file or format) always lands in the same split.
 
 Encoding with a tokenizer other than "bytes" (:func:`encoded_parts`, shared with ``python -m lpt.data.prepare``):
 each document is split where the bytes tokenizer splits it (``cut = len − round(f · len)``), moved forward past
@@ -45,6 +51,7 @@ from lpt.data.tokenizer import token_dtype
 
 CACHE_VERSION = 1
 SPLITS = ("train", "validation")
+VALIDATION_SPLITS = ("tail", "docs")
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # the digest reads at most 64 blocks of 4 KiB of each stream
 
 log = logging.getLogger("lpt.data")
@@ -63,12 +70,17 @@ def default_cache_dir() -> str:
     return os.environ.get("LPT_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lpt", "data")
 
 
-def fingerprint(source: str, files: list[str], validation_fraction: float, tokenizer: str = "bytes") -> str:
-    """Cache key; ``tokenizer`` is the tokenizer's identity (a "bytes" cache keeps the key it had without one)."""
+def fingerprint(
+    source: str, files: list[str], validation_fraction: float, tokenizer: str = "bytes", validation_split: str = "tail"
+) -> str:
+    """Cache key; ``tokenizer`` is the tokenizer's identity (a "bytes" cache keeps the key it had without one, and a
+    "tail" split the key it had without a split)."""
     stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
     fields = [CACHE_VERSION, source, stats, float(validation_fraction)]
     if tokenizer != "bytes":
         fields.append(tokenizer)
+    if validation_split != "tail":
+        fields.append(validation_split)
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:24]
 
 
@@ -92,6 +104,28 @@ def _read_range(path: str, start: int, stop: int) -> Iterator[bytes]:
                 raise ValueError(f"{path!r} shrank while it was being read into the data cache")
             pos += len(piece)
             yield piece
+
+
+def holds_out(doc: bytes | str, validation_fraction: float) -> bool:
+    """Whether the ``"docs"`` split holds out the whole document (bytes or a file path, read in pieces): the first 8
+    bytes of the blake2b hash of its content, as a big-endian number, are below ``validation_fraction · 2⁶⁴``."""
+    h = hashlib.blake2b(digest_size=8)
+    if isinstance(doc, bytes | bytearray):
+        h.update(doc)
+    else:
+        for piece in _read_range(doc, 0, os.path.getsize(doc)):
+            h.update(piece)
+    return int.from_bytes(h.digest(), "big") < validation_fraction * 2.0**64  # int < float compares exactly
+
+
+def document_fraction(doc: bytes | str, validation_fraction: float, validation_split: str) -> float:
+    """The share of ``doc`` that goes to validation: ``validation_fraction`` for ``"tail"``; 1.0 or 0.0 for
+    ``"docs"`` (:func:`holds_out`). The parts are then cut with it exactly as for ``"tail"``."""
+    if validation_split == "tail":
+        return validation_fraction
+    if validation_split == "docs":
+        return 1.0 if holds_out(doc, validation_fraction) else 0.0
+    raise ValueError(f"validation_split={validation_split!r} is not supported; allowed: {list(VALIDATION_SPLITS)}")
 
 
 def document_parts(doc: bytes | str, validation_fraction: float) -> tuple[Iterable[bytes], Iterable[bytes]]:
@@ -156,12 +190,14 @@ def text_parts(doc: bytes | str, validation_fraction: float) -> tuple[Iterator[b
 
 
 def encoded_parts(
-    tokenizer, doc: bytes | str, validation_fraction: float, name: str
+    tokenizer, doc: bytes | str, validation_fraction: float, name: str, validation_split: str = "tail"
 ) -> Iterator[tuple[str, list | np.ndarray, int]]:
     """``(split, token ids, text bytes)`` of one document in stream order: the train part's pieces, its separator
-    (``[separator]``, 1 byte) if the part is not empty, then the same for the validation part. ``name`` names the
-    document in errors. With the bytes tokenizer the pieces are :func:`document_parts` (any bytes; the uint8 ids
-    are the bytes), so the stream is the one :func:`build_or_open` writes."""
+    (``[separator]``, 1 byte) if the part is not empty, then the same for the validation part (with ``"docs"`` one of
+    the parts is the whole document, :func:`document_fraction`). ``name`` names the document in errors. With the
+    bytes tokenizer the pieces are :func:`document_parts` (any bytes; the uint8 ids are the bytes), so the stream is
+    the one :func:`build_or_open` writes."""
+    validation_fraction = document_fraction(doc, validation_fraction, validation_split)
     if tokenizer.identity == "bytes":
         for split, pieces in zip(SPLITS, document_parts(doc, validation_fraction), strict=True):
             n = 0
@@ -285,6 +321,7 @@ def build_or_open(
     validation_fraction: float,
     separator: int,
     cache_dir: str | None = None,
+    validation_split: str = "tail",
 ) -> Corpus:
     """Memory-mapped uint8 byte streams (the bytes tokenizer) and their counts for the fingerprint ``key``.
 
@@ -298,7 +335,8 @@ def build_or_open(
         sep = bytes([separator])
         with open(os.path.join(tmp, "train.u8"), "wb") as ft, open(os.path.join(tmp, "validation.u8"), "wb") as fv:
             for doc in documents():
-                for split, pieces, fh in zip(SPLITS, document_parts(doc, validation_fraction), (ft, fv), strict=True):
+                parts = document_parts(doc, document_fraction(doc, validation_fraction, validation_split))
+                for split, pieces, fh in zip(SPLITS, parts, (ft, fv), strict=True):
                     n = 0
                     for piece in pieces:
                         fh.write(piece)
@@ -338,6 +376,7 @@ def build_or_open_tokens(
     validation_fraction: float,
     tokenizer,
     cache_dir: str | None = None,
+    validation_split: str = "tail",
 ) -> Corpus:
     """Memory-mapped token streams of ``tokenizer`` (uint16 / uint32, :func:`lpt.data.tokenizer.token_dtype`), their
     counts (``counts.npy``) and text bytes for the fingerprint ``key``. ``documents()`` yields ``(name, bytes or file
@@ -353,7 +392,7 @@ def build_or_open_tokens(
         ):
             files = {"train": ft, "validation": fv}
             for name, doc in documents():
-                for split, ids, nbytes in encoded_parts(tokenizer, doc, validation_fraction, name):
+                for split, ids, nbytes in encoded_parts(tokenizer, doc, validation_fraction, name, validation_split):
                     files[split].write(counters[split].add(ids, nbytes).tobytes())
         np.save(os.path.join(tmp, "counts.npy"), np.stack([counters[s].counts for s in SPLITS]))
         meta = {

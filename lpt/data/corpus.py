@@ -10,6 +10,10 @@ Sources (``config.data.source``):
   one document (its raw bytes).
 * ``"arrayrecord"``: every record of every ArrayRecord file matching ``config.data.paths`` (sorted); one record is
   one document (raw bytes, e.g. UTF-8 text).
+* ``"jsonl"``: every line of every JSON Lines file matching ``config.data.paths`` (``.gz`` / ``.zst`` decompressed)
+  is one document, its ``"text"`` field; ``"parquet"``: every row of every Parquet file, its ``"text"`` column
+  (:mod:`lpt.data.records`: streamed; a bad record is skipped with a warning naming its file and line, and more
+  than ``lpt.data.records.MAX_BAD_RECORDS`` of them are an error).
 * ``"prepared"``: a directory written by ``python -m lpt.data.prepare`` (``config.data.paths`` = the directory):
   token ids already split and packed, read with random access from ArrayRecord shards (:mod:`lpt.data.prepared`).
 
@@ -19,9 +23,16 @@ each document: ``doc₀ 0 doc₁ 0 …``. With a tokenizer file each document pa
 tokenizer's separator id; streams are uint16 when the vocabulary fits, else uint32
 (:func:`lpt.data.cache.encoded_parts`).
 
-Split: the last ``validation_fraction`` of each document's bytes (``cut = len − round(f · len)``; with a tokenizer
-moved forward to the next UTF-8 character boundary) goes to the validation stream, the rest to the train stream.
-Deterministic, disjoint, exact in proportion, and it works for a single large file as well as for many small ones.
+The file sources are the registry :data:`_FILE_SOURCES` (name -> :class:`FileFormat`: the reader, the file names
+that select it in ``python -m lpt.data.prepare``, the default validation split), shared with that tool.
+
+Split (the ``split`` of the source's :class:`FileFormat`): ``"tail"`` (embedded, text, arrayrecord): the last
+``validation_fraction`` of each document's bytes (``cut = len − round(f · len)``; with a tokenizer moved forward to
+the next UTF-8 character boundary) goes to the validation stream, the rest to the train stream; deterministic,
+disjoint, exact in proportion, and it works for a single large file as well as for many small ones. ``"docs"``
+(jsonl, parquet: many small documents): whole documents go to validation, those whose content hash falls below the
+fraction (:func:`lpt.data.cache.holds_out`): held-out text is never trained on, and identical documents share a
+split.
 
 The embedded corpus lives in memory; file sources are streamed once into an on-disk cache and memory-mapped
 (:mod:`lpt.data.cache`), so neither the corpus nor grain's worker processes hold it in RAM.
@@ -32,15 +43,16 @@ from __future__ import annotations
 import functools
 import glob as globlib
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 
-from lpt.data import cache, prepared
+from lpt.data import cache, prepared, records
 from lpt.data.cache import SPLITS, Corpus
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
-SOURCES = ("embedded", "text", "arrayrecord", "prepared")
 SEPARATOR = 0
 VOCAB_SIZE = 256
 
@@ -82,13 +94,13 @@ def glob_files(pattern: str | None, source: str, option: str = "config.data.path
     return files
 
 
-def _iter_text(files: list[str]) -> Iterator[tuple[str, bytes]]:
+def _iter_text(files: list[str], text_field: str = "text", bad=None) -> Iterator[tuple[str, bytes]]:
     for f in files:
         with open(f, "rb") as fh:
             yield f, fh.read()
 
 
-def _iter_arrayrecord(files: list[str]) -> Iterator[tuple[str, bytes]]:
+def _iter_arrayrecord(files: list[str], text_field: str = "text", bad=None) -> Iterator[tuple[str, bytes]]:
     from array_record.python.array_record_module import ArrayRecordReader
 
     for f in files:
@@ -102,7 +114,38 @@ def _iter_arrayrecord(files: list[str]) -> Iterator[tuple[str, bytes]]:
             yield f"{f}:{i}", bytes(r)
 
 
-_FILE_SOURCES = {"text": _iter_text, "arrayrecord": _iter_arrayrecord}
+class FileFormat(NamedTuple):
+    """A file source. ``read(files, text_field, bad)`` yields ``(name, document bytes)`` in order (``bad``: a
+    :class:`lpt.data.records.BadRecords`); ``names``: the regex (searched, case-insensitive) of the file names that
+    select it when no source is named (None: any other name); ``split``: its default validation split;
+    ``text_field``: whether it reads a named field of each record."""
+
+    read: Callable[..., Iterator[tuple[str, bytes]]]
+    names: str | None
+    split: str
+    text_field: bool
+
+
+_FILE_SOURCES = {
+    "text": FileFormat(_iter_text, None, "tail", False),
+    "arrayrecord": FileFormat(_iter_arrayrecord, r"\.array_?record(-\d+-of-\d+)?$", "tail", False),
+    "jsonl": FileFormat(records.read_jsonl, r"\.(jsonl|ndjson)(\.gz|\.zst)?$", "docs", True),
+    "parquet": FileFormat(records.read_parquet, r"\.parquet$", "docs", True),
+}
+SOURCES = ("embedded", *_FILE_SOURCES, "prepared")
+
+
+def infer_source(files: list[str], option: str = "--input") -> str:
+    """The file source whose ``names`` match every one of ``files`` ("text" for names no format claims);
+    ValueError naming a file of each format when they differ."""
+    found: dict[str, str] = {}
+    for f in files:
+        kind = next((k for k, v in _FILE_SOURCES.items() if v.names and re.search(v.names, f, re.IGNORECASE)), "text")
+        found.setdefault(kind, f)
+    if len(found) > 1:
+        which = ", ".join(f"{k}: {f!r}" for k, f in found.items())
+        raise ValueError(f"{option} matches files of several formats ({which}); name one with --source")
+    return next(iter(found))
 
 
 def load_documents(source: str, paths: str | None = None) -> list[tuple[str, bytes]]:
@@ -110,7 +153,7 @@ def load_documents(source: str, paths: str | None = None) -> list[tuple[str, byt
     if source == "embedded":
         return _embedded_documents()
     if source in _FILE_SOURCES:
-        return list(_FILE_SOURCES[source](glob_files(paths, source)))
+        return list(_FILE_SOURCES[source].read(glob_files(paths, source)))
     if source == "prepared":
         raise ValueError(f"source='prepared' (paths={paths!r}) holds token ids, not documents")
     raise ValueError(f"config.data.source={source!r} is not supported; allowed: {list(SOURCES)}")
@@ -127,7 +170,10 @@ def _join(parts: list[bytes]) -> np.ndarray:
 def _check(streams: dict, source: str, paths) -> None:
     for name, s in streams.items():
         if s.size < 2:
-            raise ValueError(f"the {name} split of source={source!r} paths={paths!r} is empty")
+            why = ""
+            if source in _FILE_SOURCES and _FILE_SOURCES[source].split == "docs":
+                why = " (this source holds out whole documents: too few of them for validation_fraction)"
+            raise ValueError(f"the {name} split of source={source!r} paths={paths!r} is empty{why}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -164,17 +210,15 @@ def _embedded_tokens(validation_fraction: float, tokenizer: str, identity: str) 
 def _file_streams(
     source: str, files: tuple[str, ...], key: str, validation_fraction: float, cache_dir: str | None, tokenizer: str
 ) -> Corpus:
-    if tokenizer == "bytes":
-        if source == "text":
-            docs = lambda: iter(files)  # paths: the cache copies each file in pieces
-        else:
-            docs = lambda: (doc for _, doc in _FILE_SOURCES[source](list(files)))
-        return cache.build_or_open(key, docs, validation_fraction, SEPARATOR, cache_dir)
+    split = _FILE_SOURCES[source].split
     if source == "text":
-        named = lambda: ((f, f) for f in files)  # paths: encoded in line-aligned pieces
+        named = lambda: ((f, f) for f in files)  # paths: read (and encoded) in pieces
     else:
-        named = lambda: _FILE_SOURCES[source](list(files))
-    return cache.build_or_open_tokens(key, named, validation_fraction, load_tokenizer(tokenizer), cache_dir)
+        named = lambda: _FILE_SOURCES[source].read(list(files), "text", records.BadRecords())
+    if tokenizer == "bytes":
+        docs = lambda: (doc for _, doc in named())
+        return cache.build_or_open(key, docs, validation_fraction, SEPARATOR, cache_dir, split)
+    return cache.build_or_open_tokens(key, named, validation_fraction, load_tokenizer(tokenizer), cache_dir, split)
 
 
 def load_corpus(
@@ -203,7 +247,7 @@ def load_corpus(
             corpus = _embedded_tokens(float(validation_fraction), str(tokenizer), tok.identity)
     elif source in _FILE_SOURCES:
         files = tuple(glob_files(paths, source))
-        key = cache.fingerprint(source, list(files), validation_fraction, tok.identity)
+        key = cache.fingerprint(source, list(files), validation_fraction, tok.identity, _FILE_SOURCES[source].split)
         corpus = _file_streams(source, files, key, float(validation_fraction), cache_dir, str(tokenizer))
     elif source == "prepared":
         corpus = prepared.open_corpus(paths, tok, float(validation_fraction))

@@ -31,10 +31,11 @@ class DataConfig:
 
     source: str = option(
         "embedded",
-        '"embedded" (pydoc_data.topics) | "text" (files) | "arrayrecord" | "prepared" (python -m lpt.data.prepare)',
+        '"embedded" (pydoc_data.topics) | "text" (files) | "arrayrecord" | "jsonl" | "parquet" (a record\'s "text")'
+        ' | "prepared" (python -m lpt.data.prepare)',
         SOURCES,
     )
-    paths: str = option("", 'glob of the input files ("text", "arrayrecord") or the prepared directory')
+    paths: str = option("", "glob of the input files (text, arrayrecord, jsonl, parquet) or the prepared directory")
     seq_len: int = option(64, "tokens per training sequence")
     validation_fraction: float = option(0.1, "share of the corpus held out for validation")
     worker_count: int = option(0, "grain worker processes (0 = in-process; may change between runs)")

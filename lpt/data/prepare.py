@@ -1,20 +1,41 @@
 """``python -m lpt.data.prepare --tokenizer T --input GLOB --out DIR``: tokenize files into ArrayRecord shards.
 
+Input formats (``--source``; left out, it follows the file names: ``.jsonl`` / ``.ndjson``, optionally ``.gz`` or
+``.zst``, is jsonl, ``.parquet`` parquet, ``.array_record`` arrayrecord, any other name text; a glob matching files
+of two formats is an error). They are the registry :data:`lpt.data.corpus._FILE_SOURCES` the trainer's on-the-fly
+path reads (``config.data.source``):
+
+* ``text``: one file = one document (read in pieces).
+* ``arrayrecord``: one record = one document (raw bytes).
+* ``jsonl``: one line = one document, the string field ``--text-field`` (default ``text``) of its JSON object;
+  gzip / zstd files are decompressed as they are read, line by line.
+* ``parquet``: one row = one document, the column ``--text-field``, read one record batch at a time.
+
+A bad jsonl / parquet record (not UTF-8, not valid JSON, not an object, the field missing, null or not a string) is
+skipped and reported on stderr as ``skipped bad record FILE:LINE: reason`` (parquet: ``FILE:row R``); the manifest
+counts them (``bad_records``, the first few by name in each shard's ``bad_examples``) and so does the summary line.
+More than ``--max-bad-records`` (default 1000) stops prepare with a one-line error (exit status 2).
+
+Validation hold-out (``--validation-split``, recorded in the manifest): ``tail`` holds out the last
+``--validation-fraction`` of every document, the default for text and arrayrecord (few, large documents); ``docs``
+holds out whole documents, those whose content hash falls below the fraction (:func:`lpt.data.cache.holds_out`:
+about that share of the documents, identical documents in the same split, independent of the shard plan), the
+default for jsonl and parquet (many documents).
+
 The input files (sorted, ``**`` recursive) are grouped in order into shards of about ``--shard-mb`` MiB of input
 (a larger file is a shard of its own). Each shard is tokenized by one worker process (``--workers``) exactly as the
-on-the-fly path does (:func:`lpt.data.cache.encoded_parts`: one text file = one document, or with ``--source
-arrayrecord`` one record = one document; the last ``--validation-fraction`` of every document goes to the
-validation split) and written to ``DIR/{train,validation}-iiiii.array_record`` in records of ``--record-tokens``
-ids, with the shard's per-id counts in ``DIR/counts-iiiii.npy`` and, at the end, their sum in ``DIR/counts.npy``
-(layout: :mod:`lpt.data.prepared`). The trainer
-reads the result with ``config.data.source="prepared"``, ``config.data.paths=DIR`` and the same
+on-the-fly path does (:func:`lpt.data.cache.encoded_parts`) and written to
+``DIR/{train,validation}-iiiii.array_record`` in records of ``--record-tokens`` ids, with the shard's per-id counts
+in ``DIR/counts-iiiii.npy`` and, at the end, their sum in ``DIR/counts.npy`` (layout: :mod:`lpt.data.prepared`).
+The trainer reads the result with ``config.data.source="prepared"``, ``config.data.paths=DIR`` and the same
 ``config.data.tokenizer``.
 
 Resumable: ``DIR/manifest.json`` is written first (the plan: tokenizer identity, settings, each shard's inputs
 with size and mtime) and rewritten after every finished shard; a shard's files are written under temporary names
 and renamed when complete (a rerun deletes the temporary files an interrupted run left). A rerun with the same
 arguments skips the finished shards and gives byte-identical files and manifest; a rerun into the same DIR with
-another tokenizer, other inputs or other settings is an error.
+another tokenizer, other inputs or other settings (source, text field, validation split or fraction, record size)
+is an error.
 Progress: a tqdm bar over the input bytes.
 """
 
@@ -30,10 +51,10 @@ import time
 
 import numpy as np
 
-from lpt.data import cache, corpus, prepared
+from lpt.data import cache, corpus, prepared, records
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
-SOURCES = ("text", "arrayrecord")
+SOURCES = tuple(corpus._FILE_SOURCES)  # the file formats, shared with the trainer's on-the-fly path
 SHARD_MB = 64
 RECORD_TOKENS = 1 << 14
 AR_OPTIONS = "group_size:1"  # one record per chunk: every record is read on its own (random access)
@@ -55,10 +76,15 @@ def plan_shards(files: list[str], shard_bytes: int) -> list[dict]:
     return [{"index": i, "inputs": g} for i, g in enumerate(shards)]
 
 
-def _documents(source: str, inputs: list[list]):
-    if source == "text":
-        return ((path, path) for path, _, _ in inputs)  # a path: encoded in line-aligned pieces
-    return corpus._FILE_SOURCES[source]([path for path, _, _ in inputs])
+def _documents(task: dict, bad: records.BadRecords):
+    paths = [path for path, _, _ in task["inputs"]]
+    if task["source"] == "text":
+        return ((path, path) for path in paths)  # a path: encoded in line-aligned pieces
+    return corpus._FILE_SOURCES[task["source"]].read(paths, task["text_field"], bad)
+
+
+def _report(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class _RecordWriter:
@@ -95,8 +121,9 @@ _TOKENIZERS: dict = {}  # per worker process
 
 
 def tokenize_shard(task: dict) -> dict:
-    """Tokenize one shard (``task``: out, index, inputs, source, tokenizer, validation_fraction, record_tokens) into
-    its files; returns its counts ``{"index", "tokens", "bytes", "documents"}``."""
+    """Tokenize one shard (``task``: out, index, inputs, source, text_field, tokenizer, validation_fraction,
+    validation_split, record_tokens, max_bad_records) into its files; returns its counts ``{"index", "tokens",
+    "bytes", "documents", "split_documents", "bad_records", "bad_examples"}``. Each bad record is one stderr line."""
     tok = _TOKENIZERS.setdefault(task["tokenizer"], load_tokenizer(task["tokenizer"]))
     dtype = token_dtype(tok.vocab_size)
     out, index = task["out"], task["index"]
@@ -105,12 +132,19 @@ def tokenize_shard(task: dict) -> dict:
         s: _RecordWriter(os.path.join(out, prepared.shard_file(s, index)), dtype, task["record_tokens"])
         for s in cache.SPLITS
     }
-    documents = 0
+    documents, split_documents = 0, dict.fromkeys(cache.SPLITS, 0)
+    bad = records.BadRecords(task["max_bad_records"], _report, "--max-bad-records")
+    fraction, how = task["validation_fraction"], task["validation_split"]
     try:
-        for name, doc in _documents(task["source"], task["inputs"]):
+        for name, doc in _documents(task, bad):
             documents += 1
-            for split, ids, nbytes in cache.encoded_parts(tok, doc, task["validation_fraction"], name):
+            seen = set()
+            for split, ids, nbytes in cache.encoded_parts(tok, doc, fraction, name, how):
                 writers[split].add(counters[split].add(ids, nbytes))
+                if len(ids):  # the bytes tokenizer hands over an empty part as one empty piece
+                    seen.add(split)
+            for split in seen:
+                split_documents[split] += 1
     except BaseException:
         for w in writers.values():
             w._writer.close()
@@ -126,6 +160,9 @@ def tokenize_shard(task: dict) -> dict:
         "tokens": {s: counters[s].tokens for s in cache.SPLITS},
         "bytes": {s: counters[s].text_bytes for s in cache.SPLITS},
         "documents": documents,
+        "split_documents": split_documents,
+        "bad_records": bad.count,
+        "bad_examples": bad.examples,
     }
 
 
@@ -161,10 +198,26 @@ def _check_rerun(out: str, old: dict, new: dict) -> None:
             f"--out {out!r} was prepared with tokenizer {old['tokenizer']['spec']!r} ({old['tokenizer']['identity']}),"
             f" not --tokenizer {new['tokenizer']['spec']!r} ({new['tokenizer']['identity']}); use another --out"
         )
-    for key in ("source", "validation_fraction", "record_tokens", "dtype", "shards"):
-        if old[key] != new[key]:
-            what = "inputs (files, sizes or mtimes)" if key == "shards" else f"{key} ({old[key]!r} vs {new[key]!r})"
+    written_without = {"validation_split": "tail", "text_field": None}  # what a manifest without these keys holds
+    for key in ("source", "text_field", "validation_split", "validation_fraction", "record_tokens", "dtype", "shards"):
+        was = old[key] if key in old else written_without[key]
+        if was != new[key]:
+            what = "inputs (files, sizes or mtimes)" if key == "shards" else f"{key} ({was!r} vs {new[key]!r})"
             raise ValueError(f"--out {out!r} was prepared with other {what}; use another --out or delete it")
+
+
+def _first_bad(manifest: dict) -> str | None:
+    return next((e for f in manifest["finished"].values() for e in f.get("bad_examples", [])), None)
+
+
+def _check_bad_records(manifest: dict, limit: int) -> None:
+    """ValueError (one line) when the finished shards hold more than ``limit`` bad records together."""
+    bad = sum(f.get("bad_records", 0) for f in manifest["finished"].values())
+    if bad > limit:
+        raise ValueError(
+            f"{bad} bad records, more than --max-bad-records={limit} allows (the first: {_first_bad(manifest)}); "
+            "fix the input or raise the limit"
+        )
 
 
 def prepare(
@@ -172,19 +225,32 @@ def prepare(
     input: str,
     out: str,
     *,
-    source: str = "text",
+    source: str | None = None,
+    text_field: str | None = None,
     validation_fraction: float = 0.1,
+    validation_split: str | None = None,
+    max_bad_records: int = records.MAX_BAD_RECORDS,
     workers: int = 1,
     shard_mb: float = SHARD_MB,
     record_tokens: int = RECORD_TOKENS,
     progress: bool = True,
 ) -> dict:
     """Prepare (or finish preparing) ``out`` (see the module docstring); returns the manifest plus ``"tokenized"``:
-    the indices of the shards this call tokenized. ``workers == 1`` tokenizes in this process."""
+    the indices of the shards this call tokenized. ``workers == 1`` tokenizes in this process. ``source``,
+    ``text_field`` and ``validation_split`` left at None take the input's format, ``"text"`` and that format's
+    split."""
     from tqdm import tqdm
 
-    if source not in SOURCES:
+    if source is not None and source not in SOURCES:
         raise ValueError(f"--source {source!r} is not supported; allowed: {list(SOURCES)}")
+    if validation_split is not None and validation_split not in cache.VALIDATION_SPLITS:
+        raise ValueError(
+            f"--validation-split {validation_split!r} is not supported; allowed: {list(cache.VALIDATION_SPLITS)}"
+        )
+    if text_field is not None and (not isinstance(text_field, str) or not text_field):
+        raise ValueError(f"--text-field {text_field!r} must be a non-empty field name")
+    if not isinstance(max_bad_records, int) or max_bad_records < 0:
+        raise ValueError(f"--max-bad-records {max_bad_records!r} must be an int >= 0")
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"--validation-fraction {validation_fraction!r} must be in (0, 1)")
     if not isinstance(workers, int) or workers < 1:
@@ -197,7 +263,16 @@ def prepare(
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a file; give a directory (created if missing)")
     tok = load_tokenizer(tokenizer)
-    files = corpus.glob_files(input, source, "--input")
+    files = corpus.glob_files(input, source or "inferred", "--input")
+    source = source or corpus.infer_source(files, f"--input {input!r}")
+    fmt = corpus._FILE_SOURCES[source]
+    if text_field is not None and not fmt.text_field:
+        raise ValueError(
+            f"--text-field {text_field!r} does not apply to --source {source}; it names the field of "
+            f"{[k for k, v in corpus._FILE_SOURCES.items() if v.text_field]} records"
+        )
+    text_field = (text_field or "text") if fmt.text_field else None
+    validation_split = validation_split or fmt.split
     manifest = {
         "format": prepared.FORMAT,
         "tokenizer": {
@@ -208,7 +283,9 @@ def prepare(
         },
         "dtype": token_dtype(tok.vocab_size).name,
         "source": source,
+        "text_field": text_field,
         "validation_fraction": float(validation_fraction),
+        "validation_split": validation_split,
         "record_tokens": record_tokens,
         "shards": plan_shards(files, int(shard_mb * (1 << 20))),
         "finished": {},
@@ -234,9 +311,12 @@ def prepare(
     settings = {
         "out": out,
         "source": source,
+        "text_field": text_field,
         "tokenizer": str(tokenizer),
         "validation_fraction": float(validation_fraction),
+        "validation_split": validation_split,
         "record_tokens": record_tokens,
+        "max_bad_records": max_bad_records,
     }
     tasks = [{**settings, **s} for s in manifest["shards"] if str(s["index"]) not in manifest["finished"]]
     sizes = {t["index"]: sum(size for _, size, _ in t["inputs"]) for t in tasks}
@@ -250,6 +330,7 @@ def prepare(
         _write_manifest(out, manifest)
         tokenized.append(i)
         bar.update(sizes[i])
+        _check_bad_records(manifest, max_bad_records)
 
     try:
         if workers == 1 or len(tasks) <= 1:
@@ -261,9 +342,14 @@ def prepare(
                     done(result)
     finally:
         bar.close()
+    _check_bad_records(manifest, max_bad_records)  # also when the shards that hold them were finished earlier
     for key in ("tokens", "bytes"):
         manifest[key] = {s: sum(f[key][s] for f in manifest["finished"].values()) for s in cache.SPLITS}
-    manifest["documents"] = sum(f["documents"] for f in manifest["finished"].values())
+    finished = manifest["finished"].values()
+    manifest["documents"] = sum(f["documents"] for f in finished)
+    per_split = [f.get("split_documents", {}) for f in finished]
+    manifest["split_documents"] = {s: sum(d.get(s, 0) for d in per_split) for s in cache.SPLITS}
+    manifest["bad_records"] = sum(f.get("bad_records", 0) for f in finished)
     total = np.zeros((len(cache.SPLITS), tok.vocab_size), np.int64)
     for s in manifest["shards"]:
         total += np.load(os.path.join(out, prepared.counts_file(s["index"])))
@@ -282,11 +368,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (created; rerun to resume)")
     parser.add_argument(
         "--source",
-        default="text",
+        default=None,
         choices=SOURCES,
-        help="text: a file is a document; arrayrecord: a record is a document",
+        help="text: a file is a document; arrayrecord, jsonl, parquet: a record is a document (default: from the "
+        "file names: .array_record, .jsonl/.ndjson[.gz|.zst], .parquet, else text)",
     )
-    parser.add_argument("--validation-fraction", type=float, default=0.1, help="tail of each document held out")
+    parser.add_argument("--text-field", default=None, help="jsonl / parquet: the field holding the text (default text)")
+    parser.add_argument("--validation-fraction", type=float, default=0.1, help="share held out for validation")
+    parser.add_argument(
+        "--validation-split",
+        default=None,
+        choices=cache.VALIDATION_SPLITS,
+        help="tail: the end of every document; docs: whole documents, by content hash (default: docs for jsonl and "
+        "parquet, tail for text and arrayrecord)",
+    )
+    parser.add_argument(
+        "--max-bad-records",
+        type=int,
+        default=records.MAX_BAD_RECORDS,
+        help="bad records skipped (each reported on stderr) before prepare stops with an error",
+    )
     parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="processes")
     parser.add_argument("--shard-mb", type=float, default=SHARD_MB, help="input MiB per shard")
     parser.add_argument("--record-tokens", type=int, default=RECORD_TOKENS, help="token ids per ArrayRecord record")
@@ -299,10 +400,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dt = time.perf_counter() - t0
     total = sum(m["bytes"].values())
+    docs = m["split_documents"]
+    bad = f", {m['bad_records']} bad records skipped (first: {_first_bad(m)})" if m["bad_records"] else ""
     print(
-        f"{args.out}: {len(m['shards'])} shards ({len(m['tokenized'])} tokenized now), {m['documents']} documents, "
-        f"tokens train {m['tokens']['train']:,} validation {m['tokens']['validation']:,}, "
-        f"{total / max(1, sum(m['tokens'].values())):.3f} bytes/token; {dt:.1f} s"
+        f"{args.out}: {m['source']}, {len(m['shards'])} shards ({len(m['tokenized'])} tokenized now), "
+        f"{m['documents']} documents (with text in train {docs['train']}, validation {docs['validation']}: "
+        f"{m['validation_split']} split){bad}, tokens train {m['tokens']['train']:,} validation "
+        f"{m['tokens']['validation']:,}, {total / max(1, sum(m['tokens'].values())):.3f} bytes/token; {dt:.1f} s"
     )
     return 0
 

@@ -3,8 +3,10 @@
 Layout of the directory (``config.data.paths``):
 
 * ``manifest.json``: format, the tokenizer (spec, identity, vocab_size, separator), the token dtype, the input
-  source and validation_fraction, ``record_tokens``, the shard plan (each shard's input files with size and mtime),
-  the finished shards with their token, byte and document counts, the totals, and ``complete``.
+  source and its text_field, validation_fraction and validation_split, ``record_tokens``, the shard plan (each
+  shard's input files with size and mtime), the finished shards with their token, byte, document and bad record
+  counts, the totals, and ``complete``. A manifest without validation_split / text_field reads as "tail" and
+  no field.
 * per shard ``i``: ``train-iiiii.array_record`` and ``validation-iiiii.array_record`` and ``counts-iiiii.npy``
   (int64[2, vocab]: how often each id occurs in the shard's train / validation tokens); ``counts.npy``: their sum,
   written when the last shard is done.
