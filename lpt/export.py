@@ -5,6 +5,9 @@ Reads the run's checkpoint (the newest, or ``--step``) with :func:`lpt.train.loa
 recorded with the checkpoint, else ``RUN/config.json``) and writes ``DIR/{config.json, model.safetensors}`` with
 :func:`lpt.models.hf.save_params`: GPT-2 or Llama, tensors in the parameters' stored dtype (float32, or bfloat16
 for the bf16 recipes). If ``config.data.tokenizer`` is a tokenizer.json file it is copied to ``DIR/tokenizer.json``.
+``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` go into config.json and ``DIR/generation_config.json``
+(:func:`token_ids`), so that ``transformers.generate`` stops where lpt's generation stops: at the separator the run
+packed between documents, or the ids of the ``init_from.hf`` directory the run started from.
 
 ``DIR`` may be missing or an empty directory. A non-empty directory is refused (exit 2, nothing touched) unless
 ``--overwrite`` is given; a file is always refused. The export is written to a new sibling directory
@@ -31,20 +34,38 @@ from pathlib import Path
 
 import numpy as np
 
+from lpt.data import load_tokenizer
 from lpt.models import hf
 from lpt.train import console, load_params
 
 
-def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict, str | None]:
-    """``(params, model_cfg, tokenizer_file)`` of the run ``workdir``'s checkpoint ``step`` (None: the newest):
-    verified params and ``config.model`` as a dict (:func:`lpt.train.load_params`), and the run's tokenizer.json
-    (None for other tokenizers)."""
+def token_ids(cfg) -> dict:
+    """``{bos_token_id, eos_token_id, pad_token_id}`` of an export of the run whose config is ``cfg``: all three the
+    run's separator (the token :func:`lpt.data.load_tokenizer` packs between documents: the tokenizer's end-of-text
+    token, id 0 for bytes), which lpt's generation stops at. A run started from ``init_from.hf`` with that
+    directory's tokenizer (the same file content; bytes when it has no tokenizer.json) takes the ids the directory
+    sets instead (:func:`lpt.models.hf.read_token_ids`; eos may be a list), when its config.json is still there."""
+    tok = load_tokenizer(str(cfg.get("data", {}).get("tokenizer", "bytes")))
+    ids = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"), tok.separator)
+    source = cfg.get("init_from", {}).get("hf", "")
+    directory = Path(source).expanduser()
+    if source and (directory / "config.json").is_file():
+        source_tok = directory / "tokenizer.json"
+        if tok.identity == (load_tokenizer(source_tok).identity if source_tok.is_file() else "bytes"):
+            ids.update(hf.read_token_ids(directory))
+    return ids
+
+
+def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict, str | None, dict]:
+    """``(params, model_cfg, tokenizer_file, token_ids)`` of the run ``workdir``'s checkpoint ``step`` (None: the
+    newest): verified params and ``config.model`` as a dict (:func:`lpt.train.load_params`), the run's tokenizer.json
+    (None for other tokenizers) and the special token ids of its export (:func:`token_ids`)."""
     params, cfg = load_params(workdir, step)
     tokenizer = str(cfg.get("data", {}).get("tokenizer", "bytes"))
     tokenizer_file = tokenizer if tokenizer.endswith(".json") else None
-    if tokenizer_file is not None and not Path(tokenizer_file).is_file():
+    if tokenizer != "bytes" and not Path(tokenizer).expanduser().is_file():
         raise ValueError(f"{workdir}: the run's data.tokenizer={tokenizer!r} does not exist any more")
-    return params, cfg.model.to_dict(), tokenizer_file
+    return params, cfg.model.to_dict(), tokenizer_file, token_ids(cfg)
 
 
 def check_out(out: str | Path, overwrite: bool = False) -> Path:
@@ -58,15 +79,24 @@ def check_out(out: str | Path, overwrite: bool = False) -> Path:
     return path
 
 
-def write(out: str | Path, params: dict, model_cfg, tokenizer_file: str | None, *, overwrite: bool = False) -> Path:
-    """Write ``params`` as a Hugging Face directory (:func:`lpt.models.hf.save_params`) to a new sibling of ``out``,
-    then swap it in for ``out`` (see the module docstring); ``out`` as :func:`check_out` allows it."""
+def write(
+    out: str | Path,
+    params: dict,
+    model_cfg,
+    tokenizer_file: str | None,
+    token_ids: dict | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``params`` as a Hugging Face directory (:func:`lpt.models.hf.save_params` with ``tokenizer_file`` and
+    ``token_ids``) to a new sibling of ``out``, then swap it in for ``out`` (see the module docstring); ``out`` as
+    :func:`check_out` allows it."""
     out = check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     new, old = out.with_name(f".{out.name}.new-{tag}"), out.with_name(f".{out.name}.old-{tag}")
     try:
-        hf.save_params(new, params, model_cfg, tokenizer_file=tokenizer_file)
+        hf.save_params(new, params, model_cfg, tokenizer_file=tokenizer_file, token_ids=token_ids)
         if out.exists():
             out.rename(old)
         new.rename(out)
@@ -124,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_out(args.out, args.overwrite)  # before reading the checkpoint
-        params, model_cfg, tokenizer_file = run_params(args.workdir, args.step)  # read once, for both
-        write(args.out, params, model_cfg, tokenizer_file, overwrite=args.overwrite)
-        print(f"wrote {args.out}", flush=True)
+        params, model_cfg, tokenizer_file, ids = run_params(args.workdir, args.step)  # read once, for both
+        write(args.out, params, model_cfg, tokenizer_file, ids, overwrite=args.overwrite)
+        print(f"wrote {args.out} (eos_token_id {ids['eos_token_id']})", flush=True)
         if not args.check:
             return 0
         diff, scale = check(args.out, params, model_cfg)

@@ -68,8 +68,13 @@ def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path):
     assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tok("def f(x): return x")["input_ids"]  # the copied tokenizer loads
+    # the run's separator, <|endoftext|> = id 1 (after <unk>), is what transformers starts, stops and pads with
+    ids = {"bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 1}
+    assert json.loads((out / "generation_config.json").read_text()) == ids
+    assert hf_tok.convert_tokens_to_ids("<|endoftext|>") == 1
     tm = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(tm).__name__ == "LlamaForCausalLM" and tm.config.num_key_value_heads == 1
+    assert (tm.config.eos_token_id, tm.generation_config.eos_token_id, tm.generation_config.pad_token_id) == (1, 1, 1)
     tokens = np.random.RandomState(0).randint(0, vocab, (2, 32)).astype(np.int32)
     with torch.no_grad():
         ref = tm(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
@@ -91,7 +96,7 @@ def test_export_check_compares_with_the_run_and_fails_on_a_wrong_tensor(run, tmp
     tensors = hf.read_tensors(tmp_path / "hf")
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * np.float32(1.01)
     hf.write_safetensors(tmp_path / "hf" / "model.safetensors", tensors)
-    params, model_cfg, _ = export.run_params(workdir)
+    params, model_cfg, _, _ = export.run_params(workdir)
     bad, scale = export.check(tmp_path / "hf", params, model_cfg)
     assert bad > 1e-4 * max(1.0, scale) and bad > 100 * diff
 
@@ -127,6 +132,30 @@ def test_the_run_config_takes_its_vocab_size_from_the_embedding(run, tmp_path):
     assert checkpoint.run_config(workdir, None, params).model.to_dict() == cfg.model.to_dict()
     with pytest.raises(ValueError, match="records no config and there is no config.json"):
         checkpoint.run_config(tmp_path, None, params)
+
+
+def test_token_ids_are_the_separator_or_those_of_the_init_from_hf_directory(run, tmp_path):
+    """An export's bos/eos/pad: the run's separator (bytes: 0; the run's tokenizer.json: its <|endoftext|>, 1); a run
+    started from init_from.hf with that directory's tokenizer takes the ids the directory sets (eos a list here, pad
+    left to the separator); with another tokenizer, or once the directory is gone, the separator again."""
+    import ml_collections
+
+    _, tokenizer = run
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2], "pad_token_id": None}))
+    (source / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+
+    def ids(tok, hf_dir=""):
+        cfg = ml_collections.ConfigDict({"data": {"tokenizer": str(tok)}, "init_from": {"hf": str(hf_dir)}})
+        return tuple(export.token_ids(cfg).values())
+
+    assert ids("bytes") == (0, 0, 0)
+    assert ids(tokenizer) == (1, 1, 1)
+    assert ids(source / "tokenizer.json", source) == ids(tokenizer, source) == (0, [1, 2], 1)  # the same content
+    assert ids("bytes", source) == (0, 0, 0)  # another tokenizer: the source's ids do not apply
+    (source / "config.json").unlink()
+    assert ids(tokenizer, source) == (1, 1, 1)
 
 
 def test_export_errors_exit_2(tmp_path, capsys):

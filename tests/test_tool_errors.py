@@ -95,7 +95,8 @@ def test_export_overwrite_replaces_the_directory_as_a_unit(run, hf_dir, tmp_path
     for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "notes.txt"):
         (out / name).write_text("old export")
     assert export.main(["--workdir", str(run), "--out", str(out), "--overwrite"]) == 0
-    assert tree(out) == tree(hf_dir) and set(tree(out)) == {"config.json", "model.safetensors"}
+    assert tree(out) == tree(hf_dir)
+    assert set(tree(out)) == {"config.json", "generation_config.json", "model.safetensors"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     empty = tmp_path / "empty"
     empty.mkdir()

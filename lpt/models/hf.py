@@ -41,7 +41,16 @@ from flax import nnx
 
 from lpt import numerics
 from lpt.models.config import ModelSpec, model_spec, precision_spec
-from lpt.models.hf_config import ARCHITECTURES, hf_config, model_kind, read_config
+from lpt.models.hf_config import (
+    ARCHITECTURES,
+    check_token_ids,
+    generation_config,
+    hf_config,
+    model_kind,
+    read_config,
+    read_token_ids,
+    tokenizer_token_ids,
+)
 from lpt.models.hf_files import FLOAT_CODES, ST_CODES, read_json, read_safetensors, read_tensors, write_safetensors
 from lpt.models.transformer import Transformer
 
@@ -54,6 +63,7 @@ __all__ = [
     "read_config",
     "read_safetensors",
     "read_tensors",
+    "read_token_ids",
     "save_params",
     "save_pretrained",
     "write_safetensors",
@@ -296,16 +306,38 @@ def from_pretrained(path: str | Path, *, param_dtype: str = "float32") -> tuple[
 # saving
 
 
-def save_params(path: str | Path, params: dict, model_cfg, *, tokenizer_file: str | Path | None = None) -> None:
+def save_params(
+    path: str | Path,
+    params: dict,
+    model_cfg,
+    *,
+    tokenizer_file: str | Path | None = None,
+    token_ids: dict | None = None,
+) -> None:
     """Write ``params`` (an lpt pure dict for ``model_cfg``, e.g. a checkpoint's) as a Hugging Face model directory:
     ``config.json`` (:func:`hf_config`), ``model.safetensors`` and, given ``tokenizer_file`` (a tokenizer.json), a copy
     of it as ``tokenizer.json`` with a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``.
 
+    Special tokens: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` go into config.json and
+    ``generation_config.json``, so that ``transformers.generate`` stops at the end of a text. They come from
+    ``token_ids`` (e.g. :func:`read_token_ids` of the directory the model was loaded from; eos may be a list), and
+    for the keys it leaves out from ``tokenizer_file`` (all three the separator lpt trains with,
+    :func:`lpt.models.hf_config.tokenizer_token_ids`). With neither, they are null and no generation_config.json is
+    written.
+
     The tensors keep the parameters' dtype when they all share float32, bfloat16 or float16; otherwise (float8
     storage, mixed dtypes) they are widened to float32 exactly. PQT bitwidths (``.../bitwidth``) are not written;
-    a tied model writes no ``lm_head.weight``. ValueError on a missing or mis-shaped parameter, naming it.
+    a tied model writes no ``lm_head.weight``. ValueError on a missing or mis-shaped parameter, naming it, and on a
+    token id that is not an id of the model's vocabulary; nothing is written then.
     """
     spec = model_spec(model_cfg)
+    ids = {}
+    if tokenizer_file is not None:
+        tok = Path(tokenizer_file)
+        if not tok.is_file() or tok.suffix != ".json":
+            raise ValueError(f"tokenizer_file={str(tokenizer_file)!r} is not an existing tokenizer.json file")
+        ids = tokenizer_token_ids(tok)
+    ids = check_token_ids({**ids, **(token_ids or {})}, "token_ids", spec.vocab_size)  # a None in token_ids: null
     flat = {k: np.asarray(v) for k, v in _flatten(params).items() if not k.endswith("/bitwidth")}
     if spec.scan_layers:
         flat = _unstack_blocks(flat, spec.n_layers)
@@ -318,23 +350,32 @@ def save_params(path: str | Path, params: dict, model_cfg, *, tokenizer_file: st
         tensors[name] = np.ascontiguousarray(xs[0].T if op == "T" else np.concatenate(xs, -1) if op == "cat" else xs[0])
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype=_SAVE_DTYPES[dtype]), indent=2) + "\n")
+    config = hf_config(model_cfg, dtype=_SAVE_DTYPES[dtype], token_ids=ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if ids:
+        (out / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2) + "\n")
+    else:
+        (out / "generation_config.json").unlink(missing_ok=True)  # none from an earlier save into this directory
     write_safetensors(out / "model.safetensors", tensors)
     if tokenizer_file is not None:
-        tok = Path(tokenizer_file)
-        if not tok.is_file() or tok.suffix != ".json":
-            raise ValueError(f"tokenizer_file={str(tokenizer_file)!r} is not an existing tokenizer.json file")
-        shutil.copyfile(tok, out / "tokenizer.json")
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
         (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
 
 
-def save_pretrained(model: Transformer, path: str | Path, *, tokenizer_file: str | Path | None = None) -> None:
+def save_pretrained(
+    model: Transformer,
+    path: str | Path,
+    *,
+    tokenizer_file: str | Path | None = None,
+    token_ids: dict | None = None,
+) -> None:
     """Write ``model`` as a Hugging Face model directory that ``transformers.AutoModelForCausalLM.from_pretrained``
     loads (``GPT2LMHeadModel`` or ``LlamaForCausalLM``): see :func:`save_params`. The stored parameters are written
-    (float32 masters under ``f32_master``, not their ``param_dtype`` view)."""
+    (float32 masters under ``f32_master``, not their ``param_dtype`` view). A model from :func:`from_pretrained`
+    keeps its directory's special tokens with ``token_ids=read_token_ids(that directory)``."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     params = jax.tree.map(np.asarray, params)  # device -> host, stored dtype
-    save_params(path, params, _spec_cfg(model.spec), tokenizer_file=tokenizer_file)
+    save_params(path, params, _spec_cfg(model.spec), tokenizer_file=tokenizer_file, token_ids=token_ids)
 
 
 def _spec_cfg(spec: ModelSpec) -> dict:

@@ -1,7 +1,10 @@
 """A Hugging Face ``config.json`` (GPT-2 or Llama) <-> lpt's ``config.model``.
 
 :func:`read_config` maps a directory's config.json to ``config.model`` (keys the file leaves out take transformers'
-defaults; what lpt's models cannot express is a one-line ValueError); :func:`hf_config` is its inverse.
+defaults; what lpt's models cannot express is a one-line ValueError); :func:`hf_config` is its inverse. The
+special token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) that ``transformers.generate`` starts,
+stops and pads with: :func:`read_token_ids` reads a directory's, :func:`tokenizer_token_ids` derives them from a
+tokenizer.json, :func:`generation_config` is the ``generation_config.json`` that carries them.
 """
 
 from __future__ import annotations
@@ -11,10 +14,15 @@ from pathlib import Path
 import ml_collections
 
 from lpt.models.config import model_spec
+from lpt.models.hf_files import _is_index as _is_id
 from lpt.models.hf_files import read_json
 from lpt.options import to_dict
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # the special token ids of config.json
+# end-of-text tokens by the names common tokenizers give them, in the order lpt.data.tokenizer looks for them: the
+# first one a tokenizer.json has is the separator lpt packs between documents
+END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 _MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
 
 # defaults of transformers' GPT2Config / LlamaConfig, for keys a config.json leaves out
@@ -224,16 +232,72 @@ def read_config(path: str | Path) -> ml_collections.ConfigDict:
     return _gpt2_config(hf, file) if model_kind(hf, file) == "gpt2" else _llama_config(hf, file)
 
 
-def hf_config(model_cfg, *, dtype: str = "float32") -> dict:
+def check_token_ids(token_ids: dict, where, vocab_size: int | None = None) -> dict:
+    """``token_ids`` (keys of :data:`TOKEN_KEYS`; values None, an id >= 0 or, for ``eos_token_id``, a non-empty list
+    of ids) without its None values; with ``vocab_size`` each id must be below it. ValueError naming ``where``, the
+    key and what is allowed."""
+    out = {}
+    for key, v in token_ids.items():
+        if key not in TOKEN_KEYS:
+            raise ValueError(f"{where}: unknown key {key!r}; allowed: {list(TOKEN_KEYS)}")
+        if v is None:
+            continue
+        many = key == "eos_token_id" and isinstance(v, list) and v
+        if not (_is_id(v) or (many and all(map(_is_id, v)))):
+            also = " or a non-empty list of them" if key == "eos_token_id" else ""
+            raise ValueError(f"{where}: {key}={v!r} is not a token id (an integer >= 0){also}")
+        if vocab_size is not None and any(i >= vocab_size for i in (v if many else [v])):
+            raise ValueError(f"{where}: {key}={v!r} is outside the model's vocabulary [0, {vocab_size})")
+        out[key] = v
+    return out
+
+
+def read_token_ids(path: str | Path) -> dict:
+    """The special token ids a Hugging Face model directory sets: ``bos_token_id``, ``eos_token_id`` (an id or a list
+    of ids), ``pad_token_id`` from its ``generation_config.json``, else its ``config.json``; keys that both leave
+    out or set to null are absent. ValueError naming the file for a value that is not a token id."""
+    out = {}
+    for name in ("config.json", "generation_config.json"):  # the second one wins
+        file = Path(path) / name
+        if file.is_file():
+            obj = read_json(file)
+            out.update(check_token_ids({k: obj.get(k) for k in TOKEN_KEYS}, file))
+    return out
+
+
+def tokenizer_token_ids(file: str | Path) -> dict:
+    """``{bos_token_id, eos_token_id, pad_token_id}`` of a model trained by lpt with the tokenizer.json ``file``: all
+    three are the separator lpt packs between documents (the first of :data:`END_TOKENS` the file has, else id 0, as
+    :func:`lpt.data.load_tokenizer` picks it). The model saw it before every document but the first and learned to
+    emit it where a document ends. ValueError naming the file when ``tokenizers`` cannot read it."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        raise ValueError(f"tokenizer_file={str(file)!r} is not a Hugging Face tokenizer.json ({first})") from None
+    ids = [tok.token_to_id(t) for t in END_TOKENS]
+    return dict.fromkeys(TOKEN_KEYS, next((i for i in ids if i is not None), 0))
+
+
+def generation_config(token_ids: dict) -> dict:
+    """The ``generation_config.json`` dict of ``token_ids``: the ids it sets (None values left out), which
+    ``transformers.generate`` starts (bos), stops (eos) and pads (pad) with."""
+    return {k: token_ids[k] for k in TOKEN_KEYS if token_ids.get(k) is not None}
+
+
+def hf_config(model_cfg, *, dtype: str = "float32", token_ids: dict | None = None) -> dict:
     """The ``config.json`` dict of ``config.model`` (the inverse of :func:`read_config`). Llama's RoPE goes both into
-    ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5)."""
+    ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5). ``token_ids``: the
+    ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to write (null for the ones it leaves out)."""
     s = model_spec(model_cfg)
+    ids = token_ids or {}
     common = {
         "vocab_size": s.vocab_size,
         "initializer_range": s.init_std,
         "tie_word_embeddings": s.tie_embeddings,
-        "bos_token_id": None,
-        "eos_token_id": None,
+        **{k: ids.get(k) for k in TOKEN_KEYS},
         "dtype": dtype,
     }
     if s.kind == "gpt2":

@@ -367,3 +367,93 @@ def test_bad_arguments_raise(llama_dir, tmp_path):
         hf.load_params(llama_dir, {**LPT_GPT2})
     with pytest.raises(ValueError, match="is not an existing tokenizer.json"):
         M.save_pretrained(_lpt_model(LPT_GPT2), tmp_path / "x", tokenizer_file=tmp_path / "nope.json")
+
+
+def _word_tokenizer(path, n, end_id):
+    """A tokenizer.json of ``n`` whole-word ids ``t<i>`` whose id ``end_id`` is ``<|endoftext|>`` (a special token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {("<|endoftext|>" if i == end_id else f"t{i}"): i for i in range(n)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0" if end_id else "t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+def test_export_with_a_tokenizer_stops_transformers_generate_at_its_end_of_text(tmp_path):
+    """save_pretrained with a tokenizer.json writes its end-of-text id as bos/eos/pad into config.json and
+    generation_config.json, and transformers' greedy generate stops there. The end-of-text id is one that the
+    random model's greedy path reaches at its 5th new token or later (found with an export without a tokenizer,
+    whose generate runs the whole max_new_tokens)."""
+    model, prompt, n = _lpt_model(LPT_LLAMA, seed=3), torch.tensor([[5, 17, 42]]), 16
+    M.save_pretrained(model, tmp_path / "plain")
+    assert not (tmp_path / "plain" / "generation_config.json").exists()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    assert plain.generation_config.eos_token_id is None
+    path = plain.generate(prompt, max_new_tokens=n, do_sample=False)[0, 3:].tolist()
+    assert len(path) == n  # no end of text: the whole budget
+    j = next(j for j in range(4, n - 1) if path[j] not in path[:j])  # a token the path reaches first at step j
+    end = path[j]
+    tok = _word_tokenizer(tmp_path / "tokenizer.json", V, end)
+    M.save_pretrained(model, tmp_path / "hf", tokenizer_file=tok)
+    ids = {"bos_token_id": end, "eos_token_id": end, "pad_token_id": end}
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == ids
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: config[k] for k in ids} == ids
+    tm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert tm.generation_config.eos_token_id == end
+    out = tm.generate(prompt, max_new_tokens=n, do_sample=False)[0, 3:].tolist()
+    assert out == path[: j + 1] and out[-1] == end and len(out) < n  # stopped at the end of text
+    # the tokenizer's own end of text, as transformers' tokenizer reads the copied file
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("<|endoftext|>") == end
+
+
+def test_token_ids_come_from_the_source_directory_or_the_tokenizer(tmp_path):
+    """read_token_ids: generation_config.json over config.json (eos as a list kept); save_pretrained carries them
+    and fills the keys they leave out from the tokenizer; tokenizer_token_ids picks lpt's separator."""
+    from lpt.data import load_tokenizer
+    from lpt.data import tokenizer as tokenizer_lib
+    from lpt.models import hf_config
+
+    assert hf_config.END_TOKENS == tokenizer_lib._END_TOKENS  # one rule for lpt's separator and the exported eos
+    src = _save_torch(
+        _torch_model("gpt2", {**GPT2, "bos_token_id": 3, "eos_token_id": 4, "pad_token_id": 9}), tmp_path / "src"
+    )
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 7], "pad_token_id": None}))
+    carried = hf.read_token_ids(src)
+    assert carried == {"bos_token_id": 3, "eos_token_id": [4, 7], "pad_token_id": 9}
+    model, _ = M.from_pretrained(src)
+    M.save_pretrained(model, tmp_path / "out", token_ids=carried)
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == carried
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [4, 7]
+    # a tokenizer.json whose </s> is id 11 (no <|endoftext|>): the keys token_ids leaves out take it
+    tok = _word_tokenizer(tmp_path / "t.json", V, 11)
+    tok.write_text(tok.read_text().replace("<|endoftext|>", "</s>"))
+    assert hf_config.tokenizer_token_ids(tok) == dict.fromkeys(hf_config.TOKEN_KEYS, 11)
+    assert load_tokenizer(tok).separator == 11
+    M.save_pretrained(model, tmp_path / "both", tokenizer_file=tok, token_ids={"eos_token_id": [4, 7]})
+    both = json.loads((tmp_path / "both" / "config.json").read_text())
+    assert (both["bos_token_id"], both["eos_token_id"], both["pad_token_id"]) == (11, [4, 7], 11)
+    # no tokenizer, no ids: null, and no generation_config.json (one from an earlier save into the directory goes)
+    M.save_pretrained(model, tmp_path / "both")
+    assert json.loads((tmp_path / "both" / "config.json").read_text())["eos_token_id"] is None
+    assert not (tmp_path / "both" / "generation_config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "message"),
+    [
+        ({"eos_token_id": V}, rf"token_ids: eos_token_id={V} is outside the model's vocabulary \[0, {V}\)"),
+        ({"eos_token_id": [1, -1]}, r"eos_token_id=\[1, -1\] is not a token id \(an integer >= 0\) or a non-empty"),
+        ({"bos_token_id": True}, r"bos_token_id=True is not a token id \(an integer >= 0\)$"),
+        (
+            {"sep_token_id": 1},
+            r"unknown key 'sep_token_id'; allowed: \['bos_token_id', 'eos_token_id', 'pad_token_id'\]",
+        ),
+    ],
+)
+def test_bad_token_ids_raise_before_anything_is_written(token_ids, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        M.save_pretrained(_lpt_model(LPT_GPT2), tmp_path / "x", token_ids=token_ids)
+    assert not (tmp_path / "x").exists()
