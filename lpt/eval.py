@@ -3,8 +3,10 @@ validation loss of a model as one JSON line.
 
 Reports ``loss`` (mean next-token cross entropy, nats/token), ``perplexity`` (``exp(loss)``), ``bits_per_byte``
 (``loss / ln 2 / bytes_per_token`` with :func:`lpt.data.bytes_per_token` of the split: text bytes per token, 1.0
-for the bytes tokenizer), and what they were measured on (``bytes_per_token``, ``tokens``, ``batches``,
-``batch_size``, ``seq_len``, ``split``, ``step`` for a run).
+for the bytes tokenizer), and what they were measured on: ``data`` (the text: ``"embedded"``, or the source and its
+paths, e.g. ``"text:docs/*.txt"``), ``tokenizer`` (``config.data.tokenizer``: ``"bytes"`` or the file),
+``seq_len`` (the window, in tokens), ``split``, ``bytes_per_token``, ``tokens``, ``batches``, ``batch_size``, and
+``step`` for a run.
 
 Data: for ``--workdir`` the run's own ``config.data``, its ``train.global_batch`` rows per batch and
 ``train.eval_batches`` batches, so that the loss equals the run's final ``eval_loss`` (the trainer's evaluation
@@ -56,7 +58,8 @@ def evaluate(
     """Loss (nats/token), perplexity and bits per byte of ``model`` on the first ``num_batches`` batches of
     ``batch`` windows of ``data_cfg.seq_len`` tokens of ``split`` (:func:`lpt.data.make_eval_batches`), no weight
     noise. The loss is the mean over batches of each batch's mean cross entropy (float32 per batch, the mean in
-    float64), as the trainer computes ``eval_loss``.
+    float64), as the trainer computes ``eval_loss``. The dict names what was measured too (``data``, ``tokenizer``,
+    ``seq_len``, ``split``, ...: the keys of the module docstring).
 
     ``mesh``: the variables are placed on it by their logical axes as the trainer shards them
     (:func:`lpt.models.partitioning.place`), each batch is split over its data and fsdp axes and the forward is
@@ -91,7 +94,10 @@ def evaluate(
 
     loss = float(np.mean([float(loss_fn(state, put(b["inputs"]), put(b["targets"]))) for b in batches]))
     bpt = data_lib.bytes_per_token(data_cfg, split)
+    source = str(data_cfg.get("source", "embedded"))
     return {
+        "data": source if source == "embedded" else f"{source}:{data_cfg.paths}",
+        "tokenizer": str(data_cfg.tokenizer),
         "loss": loss,
         "perplexity": math.exp(loss),
         "bits_per_byte": loss / math.log(2) / bpt,

@@ -65,6 +65,7 @@ def test_eval_of_a_run_is_its_final_eval_loss(run, capsys):
     assert r["tokens"] == 2 * 4 * 32 and r["split"] == "validation"
     assert r["perplexity"] == pytest.approx(math.exp(r["loss"]), rel=1e-12)
     assert r["bytes_per_token"] == 1.0  # the bytes tokenizer
+    assert r["data"] == "embedded" and r["tokenizer"] == "bytes"  # what was measured: the text, its tokens
     assert r["bits_per_byte"] == pytest.approx(r["loss"] / math.log(2), rel=1e-12)
     # an earlier checkpoint, one batch, shorter windows: other numbers
     r2 = _eval(capsys, "--workdir", workdir, "--step", 2, "--batches", 1, "--config.data.seq_len=16")
@@ -78,9 +79,22 @@ def test_evaluate_hf_directory(tmp_path, capsys):
     cfg = dict(kind="gpt2", vocab_size=256, d_model=32, n_layers=1, n_heads=2, d_ff=48, max_seq_len=16)
     model = M.build_model(cfg, {}, rngs=nnx.Rngs(0))
     M.save_pretrained(model, tmp_path / "hf")
-    r = _eval(capsys, "--hf", tmp_path / "hf", "--batches", 2, "--batch-size", 2)
+    assert E.main(["--hf", str(tmp_path / "hf"), "--batches", "2", "--batch-size", "2"]) == 0
+    out, err = capsys.readouterr()
+    r = json.loads(out)
     assert r["seq_len"] == 16 and r["tokens"] == 2 * 2 * 16  # tiny_cpu's data, seq_len capped at max_seq_len
     assert abs(r["loss"] - math.log(256)) < 0.05  # an untrained model (init_std 0.02) is close to uniform
+    assert r["data"] == "embedded" and r["tokenizer"] == "bytes"
+    # no tokenizer.json: bytes, said in one line on stderr
+    notes = [line for line in err.splitlines() if "tokenizer.json" in line]
+    assert notes == [f"note: {tmp_path / 'hf'} has no tokenizer.json; its 256 ids are read as bytes"], err
+    # another text and window: named in the result
+    text = tmp_path / "doc.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    argv = ["--config.data.source=text", f"--config.data.paths={text}", "--config.data.seq_len=8"]
+    argv += [f"--config.data.cache_dir={tmp_path / 'cache'}"]
+    r = _eval(capsys, "--hf", tmp_path / "hf", "--batches", 1, "--batch-size", 2, *argv)
+    assert r["data"] == f"text:{text}" and r["tokenizer"] == "bytes" and r["seq_len"] == 8 and r["tokens"] == 16
 
 
 @pytest.mark.parametrize(
