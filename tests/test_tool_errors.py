@@ -305,7 +305,8 @@ def test_export_eval_generate_do_not_read_summary_json(fault, run, tmp_path, cap
 
 
 @pytest.mark.parametrize(
-    "module", ["lpt.eval", "lpt.export", "lpt.generate", "lpt.data.prepare", "lpt.data.train_tokenizer"]
+    "module",
+    ["lpt.eval", "lpt.export", "lpt.generate", "lpt.data.prepare", "lpt.data.train_tokenizer", "lpt.train.__main__"],
 )
 def test_help_states_the_whole_first_paragraph(module, capsys):
     """Each command's --help describes it in whole sentences (the docstring's first paragraph, not its first line)."""
@@ -316,3 +317,29 @@ def test_help_states_the_whole_first_paragraph(module, capsys):
     out = capsys.readouterr().out
     description = out.split("\n\n")[1]  # usage, description, options
     assert description.rstrip().endswith("."), description
+
+
+def test_train_tokenizer_prints_its_summary_line_alone(tmp_path, capfd):
+    """Off a terminal, ``lpt.data.train_tokenizer`` writes one line to stdout: no blank lines from the progress bars
+    of ``tokenizers`` (written to the file descriptor, hence capfd)."""
+    (tmp_path / "a.txt").write_text("hello world hello world\nthe quick brown fox\n")
+    argv = ["--vocab-size", "300", "--out", str(tmp_path / "tok.json"), "--input", str(tmp_path / "*.txt")]
+    assert train_tokenizer.main(argv) == 0
+    out = capfd.readouterr().out
+    assert out.splitlines() == [out.strip()] and out.startswith(f"wrote {tmp_path / 'tok.json'}: vocab "), repr(out)
+
+
+def test_the_loss_plot_title_names_the_run():
+    """loss.png's title starts with the run's name (its workdir's), then the model and the precision recipe."""
+    import ml_collections
+
+    from lpt.train import loop
+
+    cfg = ml_collections.ConfigDict(
+        {
+            "model": {"kind": "llama", "d_model": 32, "n_layers": 2},
+            "precision": {"param_dtype": "bfloat16", "update_rule": "kahan"},
+        }
+    )
+    assert loop._title(cfg, Path("/runs/bf16_kahan_seed3")) == "bf16_kahan_seed3: llama d32 L2 | bfloat16 kahan"
+    assert loop._title(cfg, Path("/runs/x/.")).startswith("x: ")

@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged")
     args = parser.parse_args(argv)
     try:
-        r = train_tokenizer(**vars(args))  # the options' dests are train_tokenizer's parameter names
+        # tokenizers' progress bars go to stderr and end each with a newline on stdout, also when the bars are hidden:
+        # shown on a terminal only, so that a piped or logged output holds the summary line alone
+        progress = sys.stdout.isatty() and sys.stderr.isatty()
+        r = train_tokenizer(**vars(args), progress=progress)  # the options' dests are train_tokenizer's parameter names
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

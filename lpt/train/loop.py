@@ -239,7 +239,7 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
         "machine": machine.describe(),  # the last digits of eval_loss depend on the CPU/accelerator (docs/training.md)
     }
     if is_main:
-        metrics.plot_losses(writer.jsonl_path, workdir / "loss.png", baseline=unigram, title=_title(cfg))
+        metrics.plot_losses(writer.jsonl_path, workdir / "loss.png", baseline=unigram, title=_title(cfg, workdir))
         summary_path.write_text(json.dumps(summary, indent=2))
         log.info("done: validation loss %.4f vs unigram baseline %.4f (%.0f s)", eval_loss, unigram, elapsed)
     return summary
@@ -416,6 +416,8 @@ def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None) -> dict:
     }
 
 
-def _title(cfg) -> str:
+def _title(cfg, workdir: Path) -> str:
+    """loss.png's title: the run (its workdir's name), then its model and precision recipe."""
     p = cfg.precision
-    return f"{cfg.model.kind} d{cfg.model.d_model} L{cfg.model.n_layers} | {p.param_dtype} {p.update_rule}"
+    name = Path(workdir).resolve().name
+    return f"{name}: {cfg.model.kind} d{cfg.model.d_model} L{cfg.model.n_layers} | {p.param_dtype} {p.update_rule}"
