@@ -3,7 +3,8 @@
 * Formats (``formats.py``): :data:`FORMATS` and :func:`get_format` give the :class:`FloatFormat` (bits, eps, max,
   smallest normal and subnormal, ...) of every float lpt rounds into; :func:`ulp` its grid spacing at ``x``;
   :func:`exponent_of` (floor(log2|x|)) and :func:`pow2` (2^e), both on the f32 bits.
-* Rounding (``rounding.py``): :func:`round_nearest`, :func:`round_stochastic`, :func:`round_to_bits`.
+* Rounding (``rounding.py``): :func:`round_nearest`, :func:`round_stochastic`, :func:`round_to_bits`; for update
+  rules, the dtype of a parameter's change (:func:`update_dtype`) and the change itself (:func:`change_to`).
 * Random bits (``random.py``): :func:`hash_bits`, the counter-based bits behind stochastic rounding, and
   :func:`random_bits` (``rng="hash"`` or ``"threefry"``).
 """
@@ -17,11 +18,12 @@ from lpt.numerics.formats import (
     ulp,
 )
 from lpt.numerics.random import hash_bits, random_bits
-from lpt.numerics.rounding import round_nearest, round_stochastic, round_to_bits
+from lpt.numerics.rounding import change_to, round_nearest, round_stochastic, round_to_bits, update_dtype
 
 __all__ = [
     "FORMATS",
     "FloatFormat",
+    "change_to",
     "exponent_of",
     "get_format",
     "hash_bits",
@@ -31,4 +33,5 @@ __all__ = [
     "round_stochastic",
     "round_to_bits",
     "ulp",
+    "update_dtype",
 ]

@@ -159,3 +159,23 @@ def round_to_bits(x, mantissa_bits: int, max_abs: float | None = None) -> jax.Ar
     if max_abs is not None:
         r = jnp.clip(r, jnp.float32(-max_abs), jnp.float32(max_abs))
     return jnp.where(jnp.isnan(x32), x32, r)
+
+
+def update_dtype(param_dtype) -> jnp.dtype:
+    """The dtype an update rule emits a parameter's change in: the param's own dtype for 16- and 32-bit floats
+    (what ``jax.grad`` gives as the gradient's dtype, so optax's wrappers that build updates from the gradients
+    see one type), float32 for narrower formats (a difference of two float8 values seldom fits float8)."""
+    dt = jnp.dtype(param_dtype)
+    return dt if dt.itemsize >= 2 else jnp.dtype(jnp.float32)
+
+
+def change_to(p32, new32, param_dtype) -> jax.Array:
+    """The update that moves ``p`` to ``new``, in :func:`update_dtype` of ``param_dtype``: ``RNE(new − p)`` (both f32,
+    on the param's grid). It is exact, and adding it lands on ``new`` bit for bit, whenever ``new − p`` fits the
+    update dtype: always for float32 updates, and for 16-bit ones whenever ``p/2 <= new <= 2p`` (Sterbenz). Otherwise
+    (a weight that more than halves, doubles or changes sign in one step) the change is rounded to nearest: adding it
+    lands within 2^-8 of the change (bf16; 2^-11 for float16) of ``new``."""
+    udt = update_dtype(param_dtype)
+    if udt.itemsize >= 4:
+        return (new32 - p32).astype(udt)  # f32 difference -> update dtype (f32: no-op)
+    return round_nearest(new32 - p32, udt)  # f32 -> 16-bit update, to nearest even

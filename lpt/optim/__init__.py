@@ -1,7 +1,10 @@
 """lpt.optim: optax GradientTransformations for low-precision weight updates.
 
-Each update rule goes **last** in an optax chain and emits ``new_param.astype(f32) - param.astype(f32)``, so that
-``optax.apply_updates`` and ``nnx.Optimizer`` reproduce the rounded new parameters bit for bit::
+Each update rule goes **last** in an optax chain and emits the change ``new_param - param`` in the param's dtype
+(float32 for 8-bit params: :func:`lpt.numerics.update_dtype`), so that ``optax.apply_updates`` and ``nnx.Optimizer``
+reproduce the rounded new parameters bit for bit (unless a weight more than halves or doubles in one step: then
+its change is rounded to the param's dtype, :func:`lpt.numerics.change_to`), and optax's wrappers, which build
+updates from the gradients, see the gradients' dtype::
 
     tx = optax.chain(optax.clip_by_global_norm(1.0), lpt.optim.scale_by_adam(), optax.scale_by_learning_rate(3e-4),
                      lpt.optim.kahan_summation())

@@ -33,7 +33,7 @@ from jax import lax
 
 from lpt import sharding
 from lpt.kernels import adamw_kahan_math as K
-from lpt.numerics import round_nearest, round_stochastic
+from lpt.numerics import change_to, round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
 from lpt.optim.adam import MOMENT_ROUNDINGS, check_hyperparams, moment_dtype_of
 from lpt.optim.leaves import (
@@ -156,8 +156,7 @@ def kahan_adamw(
     params, compensation and moments, for a constant learning rate or a schedule (both keep every product that feeds
     an add out of FMAs; tested over 120 steps), computed in fewer passes over memory (module doc); its state is a
     :class:`KahanAdamWState` with the two moments packed per element. Like every lpt update rule it emits
-    ``new_p.astype(f32) − p.astype(f32)`` (``optax.apply_updates`` reproduces ``new_p`` bit for bit); f32/f64 leaves
-    get plain AdamW in f32.
+    the change ``new_p − p`` in the param's dtype (:mod:`lpt.optim.leaves`); f32/f64 leaves get plain AdamW in f32.
 
     ``mask`` (``weight_decay_mask`` is an alias): None (decay every leaf), a tree of bools like the params, or a
     callable ``params -> tree of bools`` (as optax's): False leaves get no decay. With ``grad_clip`` the result is
@@ -282,7 +281,7 @@ def _round_moment(x32, mdt, key, stochastic: bool):
 
 
 def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, interpret, spec):
-    """One bf16 leaf through the fused kernel: ``(delta_f32, moments', compensation', intended update thunk)``."""
+    """One bf16 leaf through the fused kernel: ``(update, moments', compensation', intended update thunk)``."""
     # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
     from lpt.kernels import adamw_kahan_sharded as sharded
     from lpt.kernels.dispatch import kernel_mesh
@@ -302,7 +301,7 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, 
     else:
         new_p, new_c, new_mv = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw)
     p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
-    delta = new_p.astype(jnp.float32) - p32  # exact: both on the bf16 grid
+    delta = change_to(p32, new_p.astype(jnp.float32), p.dtype)  # bf16 -> f32 (exact)
 
     def intended():
         mq, vq = K.unpack_bf16_pair(new_mv)
@@ -316,7 +315,7 @@ def _direction_hp(hp: dict) -> dict:
 
 
 def _xla_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, cdt, dep, stochastic: bool, sequential: bool):
-    """One leaf in XLA: ``(delta_f32, moments', compensation', intended update thunk, dep')``.
+    """One leaf in XLA: ``(update, moments', compensation', intended update thunk, dep')``.
 
     Rounded leaves take the Kahan step; f32/f64 leaves plain AdamW with no compensation. With ``sequential`` the
     next leaf's target waits for this leaf's compensation through ``dep`` (see :func:`_runtime_one`)."""
@@ -340,7 +339,7 @@ def _xla_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, cdt, dep, stochast
     s32, c_new32 = K.kahan_round(t, p.dtype, cdt)
     if sequential and c_new32.size:  # next leaf's t waits for this c': t's buffer is reused
         dep = lax.bitcast_convert_type(c_new32.reshape(-1)[0], jnp.uint32)  # f32 -> u32 bits
-    delta = s32 - p32  # exact in f32: both on p's grid
+    delta = change_to(p32, s32, p.dtype)
     return delta, mv_new, _narrow_exact(c_new32, cdt), intended, dep  # f32 -> compensation dtype (exact)
 
 

@@ -57,8 +57,9 @@ def kahan_summation(compensation_dtype=None, *, diagnostics: bool = False) -> op
     """Kahan-compensated application of updates to low-precision params. Put it **last** in an optax chain.
 
     For each low-precision leaf ``p`` (bf16, f16, float8_e4m3fn, float8_e5m2, float4_e2m1fn) with incoming update
-    ``u`` and compensation ``c`` (init 0), it computes ``new_p, c`` by :func:`kahan_step` and emits the f32 update
-    ``new_p - p``; ``optax.apply_updates`` (or ``nnx.Optimizer``) then reproduces ``new_p`` bit for bit. Updates
+    ``u`` and compensation ``c`` (init 0), it computes ``new_p, c`` by :func:`kahan_step` and emits the update
+    ``new_p - p`` in the param's dtype (float32 for 8-bit params); ``optax.apply_updates`` (or ``nnx.Optimizer``)
+    then reproduces ``new_p`` bit for bit. Updates
     smaller than half an ulp of ``p`` are not lost: they accumulate in ``c`` until they move ``p``. Anything placed
     before it in the chain (decoupled weight decay, clipping, schedules) is part of ``u`` and so is compensated too.
     f32/f64 leaves pass through unchanged.

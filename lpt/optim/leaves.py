@@ -1,9 +1,12 @@
 """Per-leaf plumbing shared by the update rules that go last in an optax chain.
 
-An update rule turns the incoming update ``u`` of every parameter leaf ``p`` into the change its rounding actually
-makes, ``delta = new_p.astype(f32) - p.astype(f32)``, so that ``optax.apply_updates`` (which adds in f32 and casts back)
-reproduces ``new_p`` bit for bit. This module validates the trees, walks them with their paths, and sums the
-diagnostics; the rules themselves only say how one leaf is rounded.
+An update rule turns the incoming update ``u`` of every parameter leaf ``p`` into the change its rounding makes,
+``new_p − p``, emitted in the dtype of the param (float32 for 8-bit params, :func:`lpt.numerics.update_dtype`), so
+that optax's wrappers, which build updates from the gradients' dtype, see one type. ``optax.apply_updates`` then
+lands on ``new_p`` bit for bit whenever the change fits that dtype (always unless a weight more than halves or
+doubles in one step; then the change is rounded to nearest in that dtype, an error of at most 2^-8 of the change
+for bf16, :func:`lpt.numerics.change_to`). This module validates the trees, walks them
+with their paths, and sums the diagnostics; the rules themselves only say how one leaf is rounded.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lpt.numerics import FORMATS
+from lpt.numerics import FORMATS, change_to
 
 # Leaf dtypes an update rule rounds into; wider floats (f32, f64) pass through unchanged.
 ROUNDED_DTYPES = tuple(sorted(n for n, f in FORMATS.items() if n != "float32" and f.xla_storable))
@@ -140,8 +143,9 @@ def rounded_leaves(fn: Callable[..., tuple]) -> Callable[..., tuple]:
     """An update rule's leaf function for :func:`map_leaves`, from ``fn(name, p, u_f32, *state_leaves) ->
     (new_p_f32, *new_state_leaves)`` that says how one low-precision leaf is rounded.
 
-    ``fn`` is only called for leaves whose dtype needs rounding, with ``delta = new_p − p`` exact in f32 (both on
-    p's grid); f32/f64 leaves get ``delta = u`` (in the update's dtype) and keep their state leaves."""
+    ``fn`` is only called for leaves whose dtype needs rounding; the emitted update is
+    :func:`lpt.numerics.change_to` ``(p, new_p)`` in the param's update dtype. f32/f64 leaves get ``delta = u`` (in
+    the update's dtype) and keep their state leaves."""
 
     def leaf(name, p, u, *state_leaves):
         if not needs_rounding(p.dtype):
@@ -149,7 +153,7 @@ def rounded_leaves(fn: Callable[..., tuple]) -> Callable[..., tuple]:
         u32 = u.astype(jnp.float32)  # update dtype -> f32
         p32 = p.astype(jnp.float32)  # low precision -> f32 (exact)
         new_p32, *new_state_leaves = fn(name, p, u32, *state_leaves)
-        return new_p32 - p32, new_state_leaves, u32  # exact in f32: both on p's grid
+        return change_to(p32, new_p32, p.dtype), new_state_leaves, u32
 
     return leaf
 

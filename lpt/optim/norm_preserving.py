@@ -76,9 +76,9 @@ def norm_preserving_update(
     """The norm-preserving update of the norm-preserving update note. Put it **last** in an optax chain.
 
     For each low-precision leaf, finds ``alpha ∈ [min_scale, max_scale]`` by ``iterations`` bisection steps on
-    log2(alpha) so that ``||round_nearest(p + alpha·u) - p||₂ ≈ ||u||₂`` and emits that change as an exact f32
-    delta. Each iteration is one pass over the leaf, so the cost is ``iterations + 2`` rounding passes. f32/f64
-    leaves pass through unchanged.
+    log2(alpha) so that ``||round_nearest(p + alpha·u) - p||₂ ≈ ||u||₂`` and emits that change in the param's
+    dtype (:mod:`lpt.optim.leaves`). Each iteration is one pass over the leaf, so the cost is ``iterations + 2``
+    rounding passes. f32/f64 leaves pass through unchanged.
     """
     if not (isinstance(iterations, int) and iterations >= 1):
         raise ValueError(f"iterations must be a positive int, got {iterations!r}")

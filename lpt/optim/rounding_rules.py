@@ -27,9 +27,9 @@ class StochasticRoundingState(NamedTuple):
 def nearest_rounding(*, diagnostics: bool = False) -> optax.GradientTransformation:
     """``new_p = round_nearest(p + u)`` in p's dtype: what ``optax.apply_updates`` does to bf16 params anyway.
 
-    It exists as the baseline of the other rules: it emits the exact f32 change (so ``apply_updates`` is bit-exact)
-    and, with ``diagnostics=True``, reports how many elements' updates were cancelled (Zamirai et al., Theorem 1: every
-    |u| below half an ulp of p is lost). f32/f64 leaves pass through unchanged.
+    It exists as the baseline of the other rules: it emits the change in the param's dtype (``apply_updates`` lands
+    on ``new_p``) and, with ``diagnostics=True``, reports how many elements' updates were cancelled (Zamirai et al.,
+    Theorem 1: every |u| below half an ulp of p is lost). f32/f64 leaves pass through unchanged.
     """
 
     def init_fn(params):

@@ -5,8 +5,9 @@ leaf on, apply_if_finite with finite gradients, multi_transform sending every le
 plain optimizer's loss within 1% (not bit for bit: the wrapped step is another XLA program, and optax's own Adam
 computes in float32 once its hyperparameters are float32 arrays); MultiSteps and reduce_on_plateau still converge.
 inject_hyperparams with its default hyperparameter dtype (the params': b2 = 0.999 becomes 1.0 in bf16) is an error
-naming hyperparam_dtype. apply_if_finite needs updates of the gradients' dtype, which lpt's float32 updates of 16-bit
-params are not (docs/optim.md): with float32 gradients it works, and a NaN step changes nothing."""
+naming hyperparam_dtype. apply_if_finite builds its skip branch from the gradients' dtype: every lpt transform emits
+its updates in the params' dtype (the gradients' dtype under jax.grad), so it traces, and a NaN step changes
+nothing."""
 
 import jax
 import jax.numpy as jnp
@@ -33,15 +34,13 @@ def _loss(p):
     return sum(jnp.sum((x.astype(jnp.float32) - 3.0) ** 2) for x in jax.tree.leaves(p))  # param dtype -> f32
 
 
-def _train(tx, dtype, steps=40, f32_grads=False, plateau=False):
+def _train(tx, dtype, steps=40, plateau=False):
     p = _params(dtype)
     st = tx.init(p)
 
     @jax.jit
     def step(p, st):
-        g = jax.grad(_loss)(p)
-        if f32_grads:
-            g = jax.tree.map(lambda x: x.astype(jnp.float32), g)  # grad dtype -> f32
+        g = jax.grad(_loss)(p)  # in the params' dtype
         kw = {"value": _loss(p)} if plateau else {}
         u, st = tx.update(g, st, p, **kw)
         return O.apply_updates(p, u), st
@@ -72,15 +71,20 @@ def test_transparent_wrappers_reach_the_plain_loss(name, dtype):
         "inject_hyperparams": optax.inject_hyperparams(make, hyperparam_dtype=jnp.float32)(learning_rate=1e-2),
         "masked": optax.masked(make(), {"w": True, "b": True}),
         "multi_transform": optax.multi_transform({"lpt": make()}, {"w": "lpt", "b": "lpt"}),
+        "apply_if_finite": optax.apply_if_finite(make(), 3),
     }
     for wname, tx in wrapped.items():
         got, _ = _train(tx, dtype)
         assert _close(got, plain), wname
-    if name.startswith("adam_then"):  # optax.adam stores its moments in the params' dtype only for such gradients
-        return
-    got, _ = _train(optax.apply_if_finite(make(), 3), dtype, f32_grads=True)
-    ref, _ = _train(make(), dtype, f32_grads=True)
-    assert _close(got, ref), "apply_if_finite"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_updates_have_the_gradients_dtype(name, dtype):
+    tx = TRANSFORMS[name]()
+    p = _params(dtype)
+    u, _ = jax.jit(tx.update)(jax.grad(_loss)(p), tx.init(p), p)
+    assert {x.dtype for x in jax.tree.leaves(u)} == {jnp.dtype(dtype)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -107,10 +111,11 @@ def test_inject_hyperparams_in_the_params_dtype_is_an_error_naming_hyperparam_dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_apply_if_finite_skips_a_nan_step_without_changing_the_state(dtype):
-    tx = optax.apply_if_finite(O.kahan_adamw(1e-2), 3)
-    p, st = _train(tx, dtype, steps=5, f32_grads=True)
-    nan = jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, jnp.float32), p)
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_apply_if_finite_skips_a_nan_step_without_changing_the_state(name, dtype):
+    tx = optax.apply_if_finite(TRANSFORMS[name](), 3)
+    p, st = _train(tx, dtype, steps=5)
+    nan = jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), p)  # gradients in the params' dtype
     u, st2 = jax.jit(tx.update)(nan, st, p)
     assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(u))  # optax's zeros_like: exact
     assert _same(st2.inner_state, st.inner_state) and int(st2.total_notfinite) == 1
