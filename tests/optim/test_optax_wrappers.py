@@ -23,6 +23,13 @@ TRANSFORMS = {
     "adamw_stochastic": lambda learning_rate=1e-2: O.adamw(learning_rate, update="stochastic"),
     "adam_then_kahan": lambda learning_rate=1e-2: optax.chain(optax.adam(learning_rate), O.kahan_summation()),
     "adam_then_sr": lambda learning_rate=1e-2: optax.chain(optax.adam(learning_rate), O.stochastic_rounding()),
+    "readme_chain": lambda learning_rate=1e-2: optax.chain(  # the README's chain
+        optax.clip_by_global_norm(1.0),
+        O.scale_by_adam(),
+        O.add_decayed_weights(1e-3),
+        optax.scale_by_learning_rate(learning_rate),
+        O.kahan_summation(),
+    ),
 }
 
 
