@@ -18,10 +18,12 @@ import optax
 from lpt.kernels.adamw_kahan_math import f32, moment_update, round_moments, runtime_zero
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
+from lpt.optim import moments8
 from lpt.optim.leaves import leaf_name
+from lpt.optim.moments8 import MOMENT8, Moment8
 
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
-MOMENT_DTYPES = ("float32", "bfloat16", "float16")  # 8-bit moments need a block scale, which these have no room for
+MOMENT_DTYPES = ("float32", "bfloat16", "float16")  # one number per element; 8-bit moments (MOMENT8) are block-scaled
 
 
 def check_hyperparams(transform: str, **values) -> None:
@@ -38,23 +40,33 @@ def check_hyperparams(transform: str, **values) -> None:
             )
 
 
-def moment_dtype_of(param_dtype, moment_dtype=None) -> jnp.dtype:
+def moment_dtype_of(param_dtype, moment_dtype=None, *, block_scaled: bool = False) -> jnp.dtype | Moment8:
     """The dtype Adam's moments of a ``param_dtype`` parameter are stored in: ``moment_dtype``, else the param's own
-    (float64 params keep float64 moments). ValueError for any other, e.g. an 8-bit float or int: scaled into 8 bits
-    with no block scale, the moments lose the loss (docs/results.md)."""
-    dt = jnp.dtype(param_dtype if moment_dtype is None else moment_dtype)
+    (float64 params keep float64 moments). With ``block_scaled`` (transforms that store them), the 8-bit names of
+    :data:`lpt.optim.moments8.MOMENT8` give their :class:`~lpt.optim.moments8.Moment8`. ValueError for any other, e.g.
+    an 8-bit dtype without a block scale: scaled into 8 bits as one number per element, the moments lose the loss
+    (docs/results.md)."""
+    if isinstance(moment_dtype, str) and moment_dtype in MOMENT8 and block_scaled:
+        return MOMENT8[moment_dtype]
+    allowed = MOMENT_DTYPES + (tuple(MOMENT8) if block_scaled else ())
+    try:
+        dt = jnp.dtype(param_dtype if moment_dtype is None else moment_dtype)
+    except TypeError:
+        raise ValueError(f"moment_dtype={moment_dtype!r}: Adam moments are stored in one of {allowed}") from None
     if dt.name in MOMENT_DTYPES or (moment_dtype is None and dt == jnp.float64):
         return dt
     given = (
         f"moment_dtype={dt.name!r}" if moment_dtype is not None else f"{dt.name} params (moments in the param dtype)"
     )
-    raise ValueError(f"{given}: Adam moments are stored in one of {MOMENT_DTYPES}; pass moment_dtype= one of them")
+    hint = "" if block_scaled else " (8-bit moments with a block scale: kahan_adamw(moment_dtype='float8_e4m3fn'))"
+    raise ValueError(f"{given}: Adam moments are stored in one of {allowed}; pass moment_dtype= one of them{hint}")
 
 
 class ScaleByAdamState(NamedTuple):
     count: jax.Array  # int32 step count (bias correction, rounding key)
-    mu: Any  # first moment, like params, in the moment dtype
-    nu: Any  # second moment, like params, in the moment dtype
+    mu: Any  # first moment, like params, in the moment dtype (8-bit: its uint8 codes)
+    nu: Any  # second moment, like params, in the moment dtype (8-bit: its uint8 codes)
+    scales: Any = None  # 8-bit moments: per block of the last axis, m's and v's f32 scales as complex64
 
 
 def scale_by_adam(
@@ -84,14 +96,22 @@ def scale_by_adam(
     if rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"rounding must be one of {MOMENT_ROUNDINGS}, got {rounding!r}")
     check_hyperparams("scale_by_adam", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+    spec8 = moment_dtype_of(jnp.float32, moment_dtype, block_scaled=True)
+    if not isinstance(spec8, Moment8):
+        spec8 = None
+    elif mu_dtype is not None:
+        raise ValueError(f"moment_dtype={moment_dtype!r} stores both moments in 8 bits; leave mu_dtype unset")
 
     def init_fn(params):
         def zeros(p, first):
+            if spec8 is not None:
+                return jnp.zeros(jnp.shape(p), jnp.uint8)
             dt = mu_dtype if first and mu_dtype is not None else moment_dtype
             return jnp.zeros(jnp.shape(p), moment_dtype_of(jnp.asarray(p).dtype, dt))
 
         mu = jax.tree.map(lambda p: zeros(p, True), params)
-        return ScaleByAdamState(jnp.zeros((), jnp.int32), mu, jax.tree.map(lambda p: zeros(p, False), params))
+        scales = None if spec8 is None else jax.tree.map(lambda p: moments8.zeros(spec8, jnp.shape(p))[1], params)
+        return ScaleByAdamState(jnp.zeros((), jnp.int32), mu, jax.tree.map(lambda p: zeros(p, False), params), scales)
 
     def store(x32, like, key):
         if like.dtype in (jnp.float32, jnp.float64):
@@ -111,20 +131,31 @@ def scale_by_adam(
         zero = runtime_zero(count)  # keeps products out of FMAs: the same bits in every fusion (see no_fma)
         flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
         flat_m, flat_v = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-        out_u, out_m, out_v = [], [], []
-        for (path, g), m, v in zip(flat_g, flat_m, flat_v, strict=True):
+        flat_s = [None] * len(flat_m) if spec8 is None else treedef.flatten_up_to(state.scales)
+        out_u, out_m, out_v, out_s = [], [], [], []
+        for (path, g), m, v, s in zip(flat_g, flat_m, flat_v, flat_s, strict=True):
             key = jax.random.fold_in(step_key, path_id(leaf_name(path), bits=31))
             g32 = jnp.asarray(g).astype(jnp.float32)  # grad dtype -> f32
-            m32, v32 = moment_update(g32, m.astype(jnp.float32), v.astype(jnp.float32), zero, b1=b1, b2=b2)
             km, kv = jax.random.split(key)
-            if m.dtype == v.dtype == jnp.bfloat16:  # both from one hash word per element (see round_moments)
+            if spec8 is not None:  # 8-bit codes with block scales
+                m32, v32 = moment_update(g32, *moments8.load(spec8, m, v, s), zero, b1=b1, b2=b2)
+                keys = dict(km=km, kv=kv) if rounding == "stochastic" else {}
+                m_q, v_q, s = moments8.store(spec8, m32, v32, **keys)
+                m32, v32 = moments8.load(spec8, m_q, v_q, s)  # the stored moments
+                out_s.append(s)
+            else:
+                m32, v32 = moment_update(g32, m.astype(jnp.float32), v.astype(jnp.float32), zero, b1=b1, b2=b2)
+            if spec8 is not None:
+                pass
+            elif m.dtype == v.dtype == jnp.bfloat16:  # both from one hash word per element (see round_moments)
                 mq32, vq32 = round_moments(m32, v32, stochastic=rounding == "stochastic", key_words=key_words(km))
                 m_q, v_q = mq32.astype(jnp.bfloat16), vq32.astype(jnp.bfloat16)  # f32 -> bf16 (exact: on the grid)
             else:
                 m_q, v_q = store(m32, m, km), store(v32, v, kv)
-            # the update uses the stored (rounded) moments: what the next step will see, and on XLA:CPU it lets
-            # the update fusion read the new moments instead of keeping copies of the old ones
-            m32, v32 = m_q.astype(jnp.float32), v_q.astype(jnp.float32)  # moment dtype -> f32 (exact)
+            if spec8 is None:
+                # the update uses the stored (rounded) moments: what the next step will see, and on XLA:CPU it lets
+                # the update fusion read the new moments instead of keeping copies of the old ones
+                m32, v32 = m_q.astype(jnp.float32), v_q.astype(jnp.float32)  # moment dtype -> f32 (exact)
             m_hat = m32 * inv_c1
             if nesterov:
                 m_hat = f32(b1) * (m32 * inv_c1_next) + f32(1.0 - b1) * (g32 * inv_c1)
@@ -135,6 +166,6 @@ def scale_by_adam(
             out_m.append(m_q)
             out_v.append(v_q)
         unf = treedef.unflatten
-        return unf(out_u), ScaleByAdamState(count, unf(out_m), unf(out_v))
+        return unf(out_u), ScaleByAdamState(count, unf(out_m), unf(out_v), None if spec8 is None else unf(out_s))
 
     return optax.GradientTransformation(init_fn, update_fn)

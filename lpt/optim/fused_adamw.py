@@ -35,6 +35,7 @@ from lpt import sharding
 from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import change_to, round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
+from lpt.optim import moments8 as M8
 from lpt.optim.adam import MOMENT_ROUNDINGS, check_hyperparams, moment_dtype_of
 from lpt.optim.leaves import (
     UpdateDiagnostics,
@@ -53,9 +54,10 @@ class KahanAdamWState(NamedTuple):
     """State of :func:`kahan_adamw`; every tree mirrors the params (same shapes)."""
 
     count: jax.Array  # int32 step count
-    moments: Any  # (m, v) packed per element: uint32 for 16-bit moments, complex64 for f32
+    moments: Any  # (m, v) packed per element: uint32 for 16-bit moments, complex64 for f32, uint16 for 8-bit codes
     compensation: Any  # Kahan compensation in the compensation dtype (f32 scalar placeholder for f32 leaves)
     diagnostics: UpdateDiagnostics | None
+    scales: Any = None  # 8-bit moments: per block of the last axis, m's and v's f32 scales as complex64
 
 
 def _uint(bits: int):
@@ -192,7 +194,13 @@ def kahan_adamw(
         )
 
     def mdt_of(pdt):
-        return moment_dtype_of(pdt, moment_dtype)
+        return moment_dtype_of(pdt, moment_dtype, block_scaled=True)
+
+    eight_bit = isinstance(mdt_of(jnp.bfloat16), M8.Moment8)
+    if eight_bit and impl == "pallas":
+        raise ValueError(
+            f"kahan_adamw(impl='pallas') stores 16-bit moments; moment_dtype={moment_dtype!r} needs impl='xla'"
+        )
 
     def cdt_of(pdt):
         return jnp.dtype(pdt if compensation_dtype is None else compensation_dtype)
@@ -201,13 +209,20 @@ def kahan_adamw(
         def moments(p):
             p = jnp.asarray(p)
             needs_rounding(p.dtype)  # raises for unsupported dtypes
-            return jnp.zeros(p.shape, packed_dtype(mdt_of(p.dtype)))
+            mdt = mdt_of(p.dtype)
+            if isinstance(mdt, M8.Moment8):
+                return jnp.zeros(p.shape, jnp.uint16)  # both moments' 8-bit codes (M8.pack_codes)
+            return jnp.zeros(p.shape, packed_dtype(mdt))
 
+        scales = None
+        if eight_bit:
+            scales = jax.tree.map(lambda p: M8.zeros(mdt_of(jnp.asarray(p).dtype), jnp.shape(p))[1], params)
         return KahanAdamWState(
             count=jnp.zeros((), jnp.int32),
             moments=jax.tree.map(moments, params),
             compensation=zeros_like_rounded(params, cdt_of),
             diagnostics=UpdateDiagnostics(*(jnp.zeros((), jnp.float32),) * 3) if diagnostics else None,
+            scales=scales,
         )
 
     def update_fn(updates, state, params=None):
@@ -228,8 +243,9 @@ def kahan_adamw(
         keys = treedef.unflatten(_leaf_keys(step_key, [leaf_name(path) for path, _ in flat_p]))
         dep = jnp.uint32(0)
 
-        def leaf(name, p, g, mv, c, decay, spec, leaf_keys):
+        def leaf(name, p, g, mv, c, *rest):
             nonlocal dep
+            scl, (decay, spec, leaf_keys) = (rest[0], rest[1:]) if eight_bit else (None, rest)
             hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if decay else 0.0)
             mdt, cdt = mdt_of(p.dtype), cdt_of(p.dtype)
             if impl == "pallas" and needs_rounding(p.dtype):
@@ -242,22 +258,24 @@ def kahan_adamw(
                     g, p, c, mv, sc, leaf_keys[0], hp, stochastic=stochastic, interpret=interpret, spec=spec
                 )
             else:
-                delta, new_mv, new_c, u, dep = _xla_leaf(
-                    g, p, c, mv, sc, leaf_keys, hp, mdt, cdt, dep, stochastic, sequential_leaves
+                delta, (new_mv, scl), new_c, u, dep = _xla_leaf(
+                    g, p, c, (mv, scl), sc, leaf_keys, hp, mdt, cdt, dep, stochastic, sequential_leaves
                 )
-            return delta, (new_mv, new_c), u
+            return delta, (new_mv, new_c) + ((scl,) if eight_bit else ()), u
 
-        deltas, (moments, compensation), diag = map_leaves(
+        extra = (state.scales,) if eight_bit else ()
+        deltas, (moments, compensation, *scales), diag = map_leaves(
             "kahan_adamw",
             leaf,
             updates,
             params,
             state.moments,
             state.compensation,
+            *extra,
             inputs=(decays, specs, keys),
             diagnostics=diagnostics,
         )
-        return deltas, KahanAdamWState(count, moments, compensation, diag)
+        return deltas, KahanAdamWState(count, moments, compensation, diag, scales[0] if eight_bit else None)
 
     fused = optax.GradientTransformation(init_fn, update_fn)
     return fused if grad_clip is None else optax.chain(optax.clip_by_global_norm(grad_clip), fused)
@@ -322,13 +340,22 @@ def _xla_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, cdt, dep, stochast
     km, kv = keys
     g32 = g.astype(jnp.float32)  # grad dtype -> f32
     p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
-    m_new, v_new = K.moment_update(g32, *unpack_moments(mv, mdt), sc.zero, b1=hp["b1"], b2=hp["b2"])
-    if mdt == jnp.bfloat16:  # one hash word per element for both moments (K.round_moments)
-        mq, vq = K.round_moments(m_new, v_new, stochastic=stochastic, key_words=key_words(km))
+    mv, scl = mv
+    if isinstance(mdt, M8.Moment8):  # 8-bit codes with block scales
+        m_old, v_old = M8.load(mdt, *M8.unpack_codes(mv), scl)
+        m_new, v_new = K.moment_update(g32, m_old, v_old, sc.zero, b1=hp["b1"], b2=hp["b2"])
+        mc, vc, scl = M8.store(mdt, m_new, v_new, **(dict(km=km, kv=kv) if stochastic else {}))
+        mv_new = M8.pack_codes(mc, vc)
+        mq, vq = M8.load(mdt, mc, vc, scl)  # the stored moments
     else:
-        mq, vq = _round_moment(m_new, mdt, km, stochastic), _round_moment(v_new, mdt, kv, stochastic)
-    mv_new = pack_moments(mq, vq, mdt)
-    mq, vq = unpack_moments(mv_new, mdt)  # read back the stored moments: XLA reuses their pass
+        m_new, v_new = K.moment_update(g32, *unpack_moments(mv, mdt), sc.zero, b1=hp["b1"], b2=hp["b2"])
+        if mdt == jnp.bfloat16:  # one hash word per element for both moments (K.round_moments)
+            mq, vq = K.round_moments(m_new, v_new, stochastic=stochastic, key_words=key_words(km))
+        else:
+            mq, vq = _round_moment(m_new, mdt, km, stochastic), _round_moment(v_new, mdt, kv, stochastic)
+        mv_new = pack_moments(mq, vq, mdt)
+        mq, vq = unpack_moments(mv_new, mdt)  # read back the stored moments: XLA reuses their pass
+    mv_new = (mv_new, scl)
     dhp = _direction_hp(hp)
     intended = lambda: sc.neg_lr * K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **dhp)
     if not needs_rounding(p.dtype):  # f32/f64 leaf: plain AdamW, no compensation

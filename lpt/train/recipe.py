@@ -15,6 +15,7 @@ import dataclasses
 from lpt.models.config import Numerics, PrecisionSpec
 from lpt.optim.adam import MOMENT_DTYPES, MOMENT_ROUNDINGS
 from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
+from lpt.optim.moments8 import MOMENT8
 from lpt.optim.recipes import UPDATE_RULES as ROUNDING_RULES
 from lpt.options import build, option, section
 
@@ -32,8 +33,9 @@ class PrecisionConfig(Numerics):
     update_impl: str = option("xla", 'kahan only: the fused step in "xla" or the "pallas" kernel', UPDATE_IMPLS)
     moment_dtype: str = option(
         "auto",
-        'Adam moments: "auto" (16-bit params: their dtype; else float32) | float32 | bfloat16 | float16',
-        ("auto", *MOMENT_DTYPES),
+        'Adam moments: "auto" (16-bit params: their dtype; else float32), a 16/32-bit float, or 8 bits with a '
+        "block scale (float8_e4m3fn: m and sqrt(v) in e4m3 with an f32 scale per 128; lpt.optim.moments8)",
+        ("auto", *MOMENT_DTYPES, *MOMENT8),
     )
 
     def check(self):
@@ -43,6 +45,11 @@ class PrecisionConfig(Numerics):
                 f"config key precision.moment_dtype={self.moment_dtype!r} needs 16-bit params with a rounding update "
                 f"rule; with update_rule={self.update_rule!r} and param_dtype={self.param_dtype!r} the moments are "
                 "float32 (use 'auto' or 'float32')"
+            )
+        if self.moment_dtype in MOMENT8 and self.update_rule == "kahan" and self.update_impl == "pallas":
+            raise ValueError(
+                f"config key precision.moment_dtype={self.moment_dtype!r} (8-bit moments) runs in the XLA update "
+                "step only: set precision.update_impl='xla'"
             )
 
 

@@ -1,0 +1,154 @@
+"""Adam moments in 8 bits with a block scale (lpt.optim.moments8): rounding bounds, unbiased requantization, blocks
+that stay inside a row piece, the state's bytes per parameter, and the loss gap of a second moment stored directly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lpt.optim as O
+from lpt.numerics import ulp
+from lpt.optim import moments8 as M8
+
+E4M3 = "float8_e4m3fn"
+
+
+def _x(shape, seed=0, decades=3.0):
+    rng = np.random.default_rng(seed)
+    mag = 10.0 ** rng.uniform(-decades, 0, shape)
+    return jnp.asarray(mag * rng.choice([-1.0, 1.0], shape), jnp.float32)
+
+
+def test_nearest_codes_keep_e4m3_precision_relative_to_the_block():
+    """Within a block, an element at least 2^-6 of the block's largest (e4m3's normal range after the scale) comes
+    back within e4m3's unit roundoff 2^-4 (3 mantissa bits), plus f32 slack for the scale product."""
+    x = _x((8, 512))
+    codes, scales = M8.encode(x, E4M3, 128, sqrt=False)
+    assert codes.dtype == jnp.uint8 and scales.shape == (8, 4)
+    back = np.asarray(M8.decode(codes, scales, E4M3, 128, sqrt=False))
+    xb = np.asarray(x).reshape(8, 4, 128)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    normal = (np.abs(xb) >= amax * 2.0**-6).reshape(8, 512)
+    rel = np.abs(back - np.asarray(x)) / np.abs(np.asarray(x))
+    assert np.all(rel[normal] <= 2.0**-4 * (1 + 2.0**-20))
+    # the block's largest element maps onto e4m3's 448: back within the two f32 roundings of amax / 448 · 448
+    np.testing.assert_allclose(np.abs(back).reshape(8, 4, 128).max(-1), amax[..., 0], rtol=2.0**-22)
+
+
+def test_stochastic_requantization_is_unbiased():
+    """Mean of 2,000 independent stochastic encodings of the same values: within 5 standard errors of each value
+    (a draw's standard deviation is at most half the e4m3 spacing at the scaled value, times the scale), plus 4 f32
+    ulps for the scale's own roundings."""
+    x = _x((4, 128), seed=1, decades=2.0)
+    keys = jax.random.split(jax.random.key(3), 2000)
+    one = lambda k: M8.decode(*M8.encode(x, E4M3, 128, sqrt=False, key=k), E4M3, 128, sqrt=False)
+    draws = np.asarray(jax.jit(jax.vmap(one))(keys))
+    mean, xs = draws.mean(0), np.asarray(x)
+    scale = np.abs(xs).max(-1, keepdims=True) / 448.0  # one block per row
+    half_step = np.asarray(ulp(xs / scale, E4M3)) * scale / 2
+    assert np.all(np.abs(mean - xs) <= 5 * half_step / np.sqrt(len(keys)) + 4 * np.spacing(np.abs(xs)))
+    nearest = np.asarray(M8.decode(*M8.encode(x, E4M3, 128, sqrt=False), E4M3, 128, sqrt=False))
+    assert np.mean(np.abs(mean - xs)) < 0.1 * np.mean(np.abs(nearest - xs))  # far below nearest rounding's error
+
+
+def test_a_block_depends_only_on_its_own_elements():
+    """Blocks are whole pieces of the last axis: changing block 0 of a row leaves every other block's codes and scale
+    unchanged, so a row split into shards of whole blocks quantizes the same on each shard."""
+    x = _x((3, 384), seed=2)
+    y = x.at[1, :128].multiply(1000.0)
+    (cx, sx), (cy, sy) = M8.encode(x, E4M3, 128, sqrt=False), M8.encode(y, E4M3, 128, sqrt=False)
+    same = np.ones((3, 3), bool)
+    same[1, 0] = False
+    np.testing.assert_array_equal(np.asarray(sx)[same], np.asarray(sy)[same])
+    cx, cy = np.asarray(cx).reshape(3, 3, 128), np.asarray(cy).reshape(3, 3, 128)
+    np.testing.assert_array_equal(cx[same], cy[same])
+    assert not np.array_equal(np.asarray(sx)[1, 0], np.asarray(sy)[1, 0])
+
+
+def _state_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_state_bytes_per_param():
+    """Counted from the actual pytrees (scales included) of a model-like tree of bf16 params: Kahan weights + 8-bit
+    moments <= 6.1 bytes/param, stochastic-rounding weights + 8-bit moments <= 4.1."""
+    shapes = [(512, 1536), (512, 512), (512, 1408), (1408, 512), (512,), (4096, 512)]
+    params = {f"w{i}": jnp.zeros(s, jnp.bfloat16) for i, s in enumerate(shapes)}
+    n = sum(int(np.prod(s)) for s in shapes)
+    kahan = O.kahan_adamw(1e-3, moment_dtype=E4M3).init(params)
+    sr = O.adamw(1e-3, moment_dtype=E4M3, update="stochastic").init(params)
+    kahan_bytes = (_state_bytes(params) + _state_bytes(kahan)) / n
+    sr_bytes = (_state_bytes(params) + _state_bytes(sr)) / n
+    assert kahan_bytes <= 6.1 and sr_bytes <= 4.1, (kahan_bytes, sr_bytes)
+    bf16 = (_state_bytes(params) + _state_bytes(O.kahan_adamw(1e-3).init(params))) / n
+    assert bf16 >= 7.99  # the 16-bit moments' 8 bytes/param, the baseline
+
+
+def _least_squares(tx, dtype, steps=1500, seed=0):
+    """0.5·mean((A w − b)²), A 512 × 64 with column scales spanning four decades: the gradients of one 64-element
+    block span four decades, their squares eight (beyond e4m3's 2^17.8 dynamic range)."""
+    rng = np.random.default_rng(seed)
+    A = jnp.asarray(rng.standard_normal((512, 64)) * np.logspace(-2, 2, 64)[None, :], jnp.float32)
+    b = A @ jnp.asarray(rng.standard_normal(64), jnp.float32) + 0.01 * jnp.asarray(rng.standard_normal(512))
+
+    def loss(w):
+        r = A @ w.astype(jnp.float32) - b  # param dtype -> f32
+        return 0.5 * jnp.mean(r * r)
+
+    @jax.jit
+    def go(w):
+        def step(c, _):
+            w, st = c
+            u, st = tx.update(jax.grad(loss)(w), st, w)
+            return (optax.apply_updates(w, u), st), None
+
+        (w, _), _ = jax.lax.scan(step, (w, tx.init(w)), None, length=steps)
+        return loss(w)
+
+    return float(go(jnp.zeros(64, dtype)))
+
+
+def test_a_second_moment_stored_directly_loses_the_loss():
+    """v stored directly in e4m3 underflows for the small-gradient coordinates while their m does not, and m / eps
+    blows the run up; stored as sqrt(v) (the default) the run stays within 1.5x of float32 AdamW."""
+    f32 = _least_squares(optax.adamw(3e-3, weight_decay=0.0), jnp.float32)
+    kw = dict(weight_decay=0.0, moment_rounding="nearest")
+    sqrt_v = _least_squares(O.kahan_adamw(3e-3, moment_dtype=E4M3, **kw), jnp.bfloat16)
+    direct = _least_squares(O.kahan_adamw(3e-3, moment_dtype="e4m3_v_direct", **kw), jnp.bfloat16)
+    assert sqrt_v <= 1.5 * f32, (sqrt_v, f32)
+    assert not direct <= 100 * f32, (direct, f32)  # NaN or far above
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_adamw_chain_and_fused_kahan_adamw_agree_with_8bit_moments(rounding):
+    """scale_by_adam and kahan_adamw store the same codes and scales, so the chain and the fused step give the same
+    params and state bit for bit (as with 16-bit moments)."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((16, 256)), jnp.bfloat16)}
+    kw = dict(weight_decay=1e-2, moment_dtype=E4M3, moment_rounding=rounding)
+    fused, chain = O.kahan_adamw(1e-2, **kw), O.adamw(1e-2, update="kahan", **kw)
+    g = jax.tree.map(lambda x: (x.astype(jnp.float32) * 0.1).astype(jnp.bfloat16), p)  # bf16 -> f32 -> bf16
+
+    def run(tx):
+        st, q = tx.init(p), p
+        for _ in range(3):
+            u, st = jax.jit(tx.update)(g, st, q)
+            q = optax.apply_updates(q, u)
+        return q, st
+
+    (qf, sf), (qc, sc) = run(fused), run(chain)
+    np.testing.assert_array_equal(np.asarray(qf["w"], np.float32), np.asarray(qc["w"], np.float32))
+    adam = sc[0]  # chain state: (scale_by_adam, decay, lr, kahan)
+    m_codes, v_codes = M8.unpack_codes(sf.moments["w"])
+    np.testing.assert_array_equal(np.asarray(m_codes), np.asarray(adam.mu["w"]))
+    np.testing.assert_array_equal(np.asarray(v_codes), np.asarray(adam.nu["w"]))
+    np.testing.assert_array_equal(np.asarray(sf.scales["w"]), np.asarray(adam.scales["w"]))
+
+
+def test_8bit_moments_are_refused_where_they_are_not_stored():
+    with pytest.raises(ValueError, match=r"impl='xla'"):
+        O.kahan_adamw(1e-3, moment_dtype=E4M3, impl="pallas")
+    with pytest.raises(ValueError, match=r"moment_dtype='float8_e5m2'.*one of"):
+        O.scale_by_adam(mu_dtype=jnp.float8_e5m2).init({"w": jnp.zeros(4)})
+    with pytest.raises(ValueError, match=r"leave mu_dtype unset"):
+        O.scale_by_adam(moment_dtype=E4M3, mu_dtype=jnp.bfloat16)
