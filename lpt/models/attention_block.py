@@ -1,5 +1,8 @@
 """Causal self-attention with grouped-query heads (GQA), RoPE for Llama, and the attention switch of the recipe.
 
+Llama's options: ``qkv_bias`` (biases on q, k, v; Qwen2), ``qk_norm`` (RMSNorm over each head of q and k, before
+RoPE; Qwen3) and ``head_dim`` (heads of any even width, ``H · head_dim`` need not equal ``d_model``).
+
 ``precision.attention.impl`` ("xla": blockwise XLA twin of the flash kernel, "pallas": the flash kernel,
 "softmax": plain f32 softmax attention), ``stable`` and ``beta`` (Qiu & Yao's fix) go to
 ``lpt.attention.dot_product_attention``. ``Attention.decode`` is the KV-cache path (:mod:`lpt.models.decode`): plain
@@ -15,7 +18,7 @@ import lpt.attention
 from lpt.models import probes
 from lpt.models.config import ModelSpec, PrecisionSpec
 from lpt.models.decode import cached_attention
-from lpt.models.layers import block_linears, rope, rope_inv_freq
+from lpt.models.layers import RMSNorm, block_linears, rope, rope_inv_freq
 from lpt.sharding import constrain
 
 
@@ -39,22 +42,26 @@ class Attention(nnx.Module):
     """x -> (q, k, v) projections (layer kind "qkv") -> [RoPE] -> causal GQA attention -> out projection ("out")."""
 
     def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
-        D, H, K, Dh = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        D, H, K, Dh = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_width
         self.spec, self.prec = spec, prec
         mk = block_linears(spec, prec, path=f"blocks/{block}/attn", rngs=rngs)
-        self.q = mk(D, H * Dh, ("embed", "heads"), "qkv", "q")
-        self.k = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", "k")
-        self.v = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", "v")
+        self.q = mk(D, H * Dh, ("embed", "heads"), "qkv", "q", bias=spec.qkv_bias)
+        self.k = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", "k", bias=spec.qkv_bias)
+        self.v = mk(D, K * Dh, ("embed", "kv_heads"), "qkv", "v", bias=spec.qkv_bias)
         self.o = mk(H * Dh, D, ("heads", "embed"), "out", "o", residual=True)
+        norm = lambda: RMSNorm(Dh, eps=spec.norm_eps, prec=prec, axes=("head_dim",))
+        self.q_norm, self.k_norm = (norm(), norm()) if spec.qk_norm else (None, None)
 
     def _qkv(self, x_BTD: jax.Array, key: jax.Array | None, positions_BT: jax.Array | None = None):
-        """q[B, T, H, Dh], k, v[B, T, K, Dh] in the compute dtype; Llama's q and k rotated at ``positions_BT``
-        (default ``0 … T−1`` in every row)."""
+        """q[B, T, H, Dh], k, v[B, T, K, Dh] in the compute dtype; with ``qk_norm`` q and k normalized per head;
+        Llama's q and k rotated at ``positions_BT`` (default ``0 … T−1`` in every row)."""
         B, T, _ = x_BTD.shape
-        H, K, Dh = self.spec.n_heads, self.spec.n_kv_heads, self.spec.head_dim
+        H, K, Dh = self.spec.n_heads, self.spec.n_kv_heads, self.spec.head_width
         q = self.q(x_BTD, key=key).reshape(B, T, H, Dh)
         k = self.k(x_BTD, key=key).reshape(B, T, K, Dh)
         v = self.v(x_BTD, key=key).reshape(B, T, K, Dh)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.spec.kind == "llama":
             inv_freq = rope_inv_freq(Dh, self.spec.rope_theta, self.spec.rope_scaling)
             q, k = rope(q, inv_freq, positions_BT), rope(k, inv_freq, positions_BT)
@@ -62,7 +69,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, *, key: jax.Array | None) -> jax.Array:
         B, T, _ = x_BTD.shape
-        H, Dh = self.spec.n_heads, self.spec.head_dim
+        H, Dh = self.spec.n_heads, self.spec.head_width
         q, k, v = self._qkv(x_BTD, key)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
@@ -80,7 +87,7 @@ class Attention(nnx.Module):
         at slots ``index … index + T − 1`` of ``k_BSKD`` / ``v_BSKD``, then each query attends the keys of
         ``mask_BTS`` (masked float32 softmax). Returns ``(y_BTD, k_BSKD, v_BSKD)``; no weight noise."""
         B, T, _ = x_BTD.shape
-        H, Dh = self.spec.n_heads, self.spec.head_dim
+        H, Dh = self.spec.n_heads, self.spec.head_width
         q, k, v = self._qkv(x_BTD, None, positions_BT)
         if k.dtype != k_BSKD.dtype:
             raise ValueError(f"the cache holds {k_BSKD.dtype} keys but the layer computes in {k.dtype}")

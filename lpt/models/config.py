@@ -68,8 +68,11 @@ class ModelSpec:
     vocab_size: int = option(0, "0: the tokenizer's vocabulary size (256 for data.tokenizer=bytes)")
     d_model: int = option(128, "residual stream width")
     n_layers: int = option(2, "transformer blocks")
-    n_heads: int = option(4, "query heads (head_dim = d_model / n_heads)")
+    n_heads: int = option(4, "query heads")
     n_kv_heads: int = option(0, "key/value heads (GQA); 0: n_heads")
+    head_dim: int = option(0, "width of each q, k, v head; 0: d_model / n_heads (llama may set another, e.g. Qwen3)")
+    qkv_bias: bool = option(False, "llama: biases on the q, k, v projections, none on the output one (Qwen2)")
+    qk_norm: bool = option(False, "llama: RMSNorm over each head of q and k, before RoPE (Qwen3)")
     d_ff: int = option(384, "MLP hidden width (SwiGLU for llama, GELU for gpt2)")
     max_seq_len: int = option(64, "longest sequence the model accepts (RoPE table / position embedding size)")
     rope_theta: float = option(10000.0, "RoPE base frequency (llama only)")
@@ -88,20 +91,29 @@ class ModelSpec:
         for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"config key model.{k}={getattr(self, k)!r} must be a positive int")
+        if self.head_dim < 0:
+            raise ValueError(f"config key model.head_dim={self.head_dim} must be >= 0 (0 = d_model / n_heads)")
         if self.kind == "gpt2" and self.n_kv_heads != self.n_heads:
             raise ValueError(f"gpt2 has no GQA: n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"config key model.d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        for k, plain in (("qkv_bias", False), ("qk_norm", False), ("head_dim", 0)):
+            if self.kind == "gpt2" and getattr(self, k) != plain:
+                raise ValueError(f"config key model.{k}={getattr(self, k)!r} is a llama option; gpt2 allows {plain!r}")
+        if not self.head_dim and self.d_model % self.n_heads:
+            hint = " (or set model.head_dim)" if self.kind == "llama" else ""
+            raise ValueError(
+                f"config key model.d_model={self.d_model} is not divisible by n_heads={self.n_heads}{hint}"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"config key model.n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
-        if self.kind == "llama" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.kind == "llama" and self.head_width % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_width}")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_width(self) -> int:
+        """The width of each q, k, v head: ``head_dim``, or ``d_model / n_heads`` when it is 0."""
+        return self.head_dim or self.d_model // self.n_heads
 
 
 @section("precision.matmul")

@@ -68,7 +68,7 @@ def init_cache(model, batch: int, length: int, *, start=None) -> KVCache:
         raise ValueError(f"batch={batch!r} must be a positive int")
     if not isinstance(length, int) or not 1 <= length <= spec.max_seq_len:
         raise ValueError(f"cache length={length!r} must be an int in [1, config.model.max_seq_len={spec.max_seq_len}]")
-    shape = (spec.n_layers, batch, length, spec.n_kv_heads, spec.head_dim)
+    shape = (spec.n_layers, batch, length, spec.n_kv_heads, spec.head_width)
     start_B = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)  # int -> int32
     if start_B.shape != (batch,):
         raise ValueError(f"start must have shape ({batch},), got {start_B.shape}")

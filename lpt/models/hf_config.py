@@ -338,7 +338,7 @@ def hf_config(model_cfg, *, dtype: str = "float32", token_ids: dict | None = Non
         "num_hidden_layers": s.n_layers,
         "num_attention_heads": s.n_heads,
         "num_key_value_heads": s.n_kv_heads,
-        "head_dim": s.head_dim,
+        "head_dim": s.head_width,
         "intermediate_size": s.d_ff,
         "hidden_act": "silu",
         "max_position_embeddings": s.max_seq_len,

@@ -184,13 +184,15 @@ class Linear(nnx.Module):
 
 
 def block_linears(spec: ModelSpec, prec: PrecisionSpec, *, path: str, rngs: nnx.Rngs):
-    """The maker of one block's projections: ``make(d_in, d_out, axes, layer_kind, name, residual=False)`` is the
-    :class:`Linear` at layer path ``f"{path}/{name}"``, with biases for GPT-2, init std ``spec.init_std``, or
-    ``init_std / sqrt(2 n_layers)`` for a ``residual`` projection (one that writes the residual stream: "out" and
-    "down", as GPT-2)."""
+    """The maker of one block's projections: ``make(d_in, d_out, axes, layer_kind, name, residual=False,
+    bias=False)`` is the :class:`Linear` at layer path ``f"{path}/{name}"``, with a bias for GPT-2 or when ``bias``
+    (Qwen2's q, k, v), init std ``spec.init_std``, or ``init_std / sqrt(2 n_layers)`` for a ``residual`` projection
+    (one that writes the residual stream: "out" and "down", as GPT-2)."""
     std, residual_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
 
-    def make(d_in: int, d_out: int, axes: tuple, layer_kind: str, name: str, *, residual: bool = False) -> Linear:
+    def make(
+        d_in: int, d_out: int, axes: tuple, layer_kind: str, name: str, *, residual: bool = False, bias: bool = False
+    ) -> Linear:
         return Linear(
             d_in,
             d_out,
@@ -199,7 +201,7 @@ def block_linears(spec: ModelSpec, prec: PrecisionSpec, *, path: str, rngs: nnx.
             std=residual_std if residual else std,
             prec=prec,
             path=f"{path}/{name}",
-            use_bias=spec.kind == "gpt2",
+            use_bias=bias or spec.kind == "gpt2",
             rngs=rngs,
         )
 
@@ -218,12 +220,13 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """``y = x / sqrt(mean(x²) + eps) * g`` with the statistics in float32."""
+    """``y = x / sqrt(mean(x²) + eps) * g`` over the last axis, with the statistics in float32. ``axes``: the
+    logical axis of ``g`` ("embed" for the residual stream, "head_dim" for Qwen3's per-head q / k norms)."""
 
-    def __init__(self, dim: int, *, eps: float, prec: PrecisionSpec):
+    def __init__(self, dim: int, *, eps: float, prec: PrecisionSpec, axes: tuple = ("embed",)):
         self.prec = prec
         self.eps = eps
-        self.scale = make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=1.0)
+        self.scale = make_param(None, (dim,), 0.0, axes, prec.store_dtype, const=1.0)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x_f32 = x.astype(jnp.float32)  # compute -> f32 statistics

@@ -15,6 +15,8 @@ from lpt.sharding import LOGICAL_AXES
 
 LLAMA = dict(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=16)
 GPT2 = dict(kind="gpt2", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=16)
+QWEN2 = {**LLAMA, "qkv_bias": True}
+QWEN3 = {**LLAMA, "qk_norm": True, "head_dim": 24}  # heads 24 wide: H * head_dim = 96 != d_model
 TOKENS = np.array([[3, 17, 200, 5, 9, 9, 1, 0], [255, 4, 8, 15, 16, 23, 42, 7]], np.int32)
 
 
@@ -146,8 +148,29 @@ def test_gqa_equals_repeated_kv_heads():
     assert np.abs(gqa - wrong).max() > 0.1
 
 
+def test_llama_options_under_every_attention_impl():
+    """q, k, v biases, q / k norms and heads 24 wide (H · head_dim = 96 != d_model = 32) run under the softmax, XLA
+    and Pallas attention (interpreted on CPU): the same f32 logits and finite gradients, which reach the biases and
+    the norm scales."""
+    cfg = {**QWEN3, "qkv_bias": True, "init_std": 0.3}
+    logits = {}
+    for impl in ("softmax", "xla", "pallas"):
+        model = M.build_model(cfg, {"attention": {"impl": impl}}, rngs=nnx.Rngs(0))
+        state = nnx.state(model, nnx.Param)  # biases and norm scales away from their 0 / 1 init
+        nnx.update(model, jax.tree.map(lambda x: x + 0.1 * jnp.cos(jnp.arange(x.size) * 0.7).reshape(x.shape), state))
+        logits[impl] = np.asarray(model(TOKENS))
+        grads = nnx.to_pure_dict(nnx.grad(lambda m: jnp.mean(jnp.square(m(TOKENS))))(model))
+        assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+        attn = grads["blocks"][1]["attn"]
+        assert attn["q_norm"]["scale"].shape == (24,) and attn["k"]["bias"].shape == (2 * 24,)
+        assert min(np.abs(attn[n][p]).max() for n, p in (("q_norm", "scale"), ("k_norm", "scale"), ("v", "bias"))) > 0
+    assert np.abs(logits["softmax"]).max() > 1.0
+    for impl in ("xla", "pallas"):
+        np.testing.assert_allclose(logits[impl], logits["softmax"], atol=1e-4, rtol=0)
+
+
 def test_every_param_has_logical_axes_matching_its_rank():
-    for cfg in (LLAMA, GPT2):
+    for cfg in (LLAMA, GPT2, QWEN2, QWEN3):
         model = nnx.eval_shape(lambda c=cfg: M.build_model(c, {}, rngs=nnx.Rngs(0)))
         params = nnx.state(model, nnx.Param)
         leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -160,7 +183,7 @@ def test_every_param_has_logical_axes_matching_its_rank():
 
 
 def test_param_count_matches_built_model():
-    for cfg in (LLAMA, GPT2, {**LLAMA, "tie_embeddings": True}):
+    for cfg in (LLAMA, GPT2, {**LLAMA, "tie_embeddings": True}, QWEN2, QWEN3, {**QWEN3, "scan_layers": True}):
         model = nnx.eval_shape(lambda c=cfg: M.build_model(c, {}, rngs=nnx.Rngs(0)))
         n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         assert M.param_count(cfg) == n
@@ -171,6 +194,10 @@ def test_flops_per_token_formula():
     n = 2 * (64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 96) + 64 * 256
     assert M.matmul_params(cfg) == n
     assert M.flops_per_token(cfg, 32) == 6 * n + 12 * 2 * 4 * 16 * 32
+    wide = {**cfg, "head_dim": 24}  # the attention projections and QKᵀ, PV follow the heads' width
+    n = 2 * (64 * 24 * (2 * 4 + 2 * 2) + 3 * 64 * 96) + 64 * 256
+    assert M.matmul_params(wide) == n
+    assert M.flops_per_token(wide, 32) == 6 * n + 12 * 2 * 4 * 24 * 32
 
 
 def test_bad_configs_raise_clear_errors():
@@ -180,6 +207,16 @@ def test_bad_configs_raise_clear_errors():
         M.build_model({**LLAMA, "kind": "bert"}, {}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="n_heads=4 is not divisible by n_kv_heads=3"):
         M.build_model({**LLAMA, "n_kv_heads": 3}, {}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"d_model=32 is not divisible by n_heads=3 \(or set model.head_dim\)$"):
+        M.build_model({**LLAMA, "n_heads": 3, "n_kv_heads": 3}, {}, rngs=nnx.Rngs(0))
+    M.build_model({**LLAMA, "n_heads": 3, "n_kv_heads": 3, "head_dim": 8}, {}, rngs=nnx.Rngs(0))  # fine with it
+    with pytest.raises(ValueError, match="RoPE needs an even head_dim, got 7"):
+        M.build_model({**LLAMA, "head_dim": 7}, {}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"model.head_dim=-8 must be >= 0 \(0 = d_model / n_heads\)"):
+        M.build_model({**LLAMA, "head_dim": -8}, {}, rngs=nnx.Rngs(0))
+    for key, value in (("qkv_bias", True), ("qk_norm", True), ("head_dim", 8)):
+        with pytest.raises(ValueError, match=rf"model.{key}={value!r} is a llama option; gpt2 allows"):
+            M.build_model({**GPT2, key: value}, {}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="param_dtype='int8'"):
         M.build_model(LLAMA, {"param_dtype": "int8"}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"matmul.qkv='int4'"):
