@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: GPT-2 (``GPT2LMHeadModel``) and Llama (``LlamaForCausalLM``) directories.
+"""Hugging Face checkpoints in and out: GPT-2 (``GPT2LMHeadModel``), Llama (``LlamaForCausalLM``), Qwen2
+(``Qwen2ForCausalLM``) and Qwen3 (``Qwen3ForCausalLM``) directories.
 
 A Hugging Face model directory holds ``config.json`` and the weights as ``model.safetensors`` (or shards listed by
 ``model.safetensors.index.json``). The weights never pass through PyTorch: :mod:`lpt.models.hf_files` reads and
@@ -13,6 +14,8 @@ Tensor names, lpt parameter paths (``blocks/<i>/...``; ``scan_layers`` stacks th
   ``mlp/{gate,up,down}/kernel``ᵀ; ``model.norm.weight`` = ``final_norm/scale``; ``lm_head.weight`` =
   ``lm_head/kernel``ᵀ (absent when tied). torch ``Linear`` stores [out, in], lpt [in, out]: hence the transposes.
   Hugging Face's Llama weights are already in the rotate-half RoPE layout that lpt uses.
+* Qwen2 and Qwen3: Llama's names, and Qwen2's ``self_attn.{q,k,v}_proj.bias`` = ``attn/{q,k,v}/bias``
+  (``qkv_bias``), Qwen3's ``self_attn.{q,k}_norm.weight`` = ``attn/{q,k}_norm/scale`` (``qk_norm``).
 * GPT-2: ``transformer.wte.weight`` = ``embed/embedding``, ``transformer.wpe.weight`` = ``pos_embed/embedding``; per
   layer ``transformer.h.<i>.`` ``ln_1`` = ``norm1``, ``attn.c_attn`` = ``attn/{q,k,v}`` concatenated on the output
   axis, ``attn.c_proj`` = ``attn/o``, ``ln_2`` = ``norm2``, ``mlp.c_fc`` = ``mlp/up``, ``mlp.c_proj`` = ``mlp/down``
@@ -104,6 +107,10 @@ def _mapping(spec: ModelSpec) -> list[tuple[str, tuple[str, ...], str]]:
             m.append((p + "input_layernorm.weight", (b + "norm1/scale",), "id"))
             for j in "qkvo":
                 m.append((p + f"self_attn.{j}_proj.weight", (b + f"attn/{j}/kernel",), "T"))
+            for j in "qkv" if spec.qkv_bias else "":
+                m.append((p + f"self_attn.{j}_proj.bias", (b + f"attn/{j}/bias",), "id"))
+            for j in "qk" if spec.qk_norm else "":
+                m.append((p + f"self_attn.{j}_norm.weight", (b + f"attn/{j}_norm/scale",), "id"))
             m.append((p + "post_attention_layernorm.weight", (b + "norm2/scale",), "id"))
             for j in ("gate", "up", "down"):
                 m.append((p + f"mlp.{j}_proj.weight", (b + f"mlp/{j}/kernel",), "T"))
@@ -287,7 +294,7 @@ def model_from_params(model_cfg, precision_cfg, params: dict) -> Transformer:
 
 def from_pretrained(path: str | Path, *, param_dtype: str = "float32") -> tuple[Transformer, ml_collections.ConfigDict]:
     """``(model, model_cfg)``: an lpt :class:`~lpt.models.Transformer` with the weights of the Hugging Face model
-    directory ``path`` (GPT-2 or Llama; see :func:`read_config`), and its ``config.model``.
+    directory ``path`` (GPT-2, Llama, Qwen2 or Qwen3; see :func:`read_config`), and its ``config.model``.
 
     Precision of the returned model: ``param_dtype="float32"``: float32 parameters and float32 compute (the weights
     widened exactly from the file's dtype); ``"bfloat16"``: parameters stored in bfloat16 (rounded to nearest even
@@ -327,8 +334,9 @@ def save_params(
 
     The tensors keep the parameters' dtype when they all share float32, bfloat16 or float16; otherwise (float8
     storage, mixed dtypes) they are widened to float32 exactly. PQT bitwidths (``.../bitwidth``) are not written;
-    a tied model writes no ``lm_head.weight``. ValueError on a missing or mis-shaped parameter, naming it, and on a
-    token id that is not an id of the model's vocabulary; nothing is written then.
+    a tied model writes no ``lm_head.weight``. ValueError on a missing or mis-shaped parameter, naming it, on a
+    token id that is not an id of the model's vocabulary and on a model no architecture holds
+    (:func:`lpt.models.hf_config.hf_family`); nothing is written then.
     """
     spec = model_spec(model_cfg)
     ids = {}
@@ -348,9 +356,9 @@ def save_params(
     for name, paths, op in _mapping(spec):
         xs = [flat[p].astype(dtype) for p in paths]  # stored dtype -> dtype (the same, or exact widening to f32)
         tensors[name] = np.ascontiguousarray(xs[0].T if op == "T" else np.concatenate(xs, -1) if op == "cat" else xs[0])
+    config = hf_config(model_cfg, dtype=_SAVE_DTYPES[dtype], token_ids=ids)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config(model_cfg, dtype=_SAVE_DTYPES[dtype], token_ids=ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if ids:
         (out / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2) + "\n")
@@ -370,9 +378,11 @@ def save_pretrained(
     token_ids: dict | None = None,
 ) -> None:
     """Write ``model`` as a Hugging Face model directory that ``transformers.AutoModelForCausalLM.from_pretrained``
-    loads (``GPT2LMHeadModel`` or ``LlamaForCausalLM``): see :func:`save_params`. The stored parameters are written
-    (float32 masters under ``f32_master``, not their ``param_dtype`` view). A model from :func:`from_pretrained`
-    keeps its directory's special tokens with ``token_ids=read_token_ids(that directory)``."""
+    loads (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` with ``qkv_bias`` or
+    ``Qwen3ForCausalLM`` with ``qk_norm``; :func:`lpt.models.hf_config.hf_family`): see :func:`save_params`. The
+    stored parameters are written (float32 masters under ``f32_master``, not their ``param_dtype`` view). A model
+    from :func:`from_pretrained` keeps its directory's special tokens with
+    ``token_ids=read_token_ids(that directory)``."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     params = jax.tree.map(np.asarray, params)  # device -> host, stored dtype
     save_params(path, params, _spec_cfg(model.spec), tokenizer_file=tokenizer_file, token_ids=token_ids)

@@ -1,4 +1,7 @@
-"""A Hugging Face ``config.json`` (GPT-2 or Llama) <-> lpt's ``config.model``.
+"""A Hugging Face ``config.json`` (GPT-2, Llama, Qwen2 or Qwen3) <-> lpt's ``config.model``.
+
+Llama, Qwen2 and Qwen3 are all lpt's ``kind="llama"``: Qwen2 is a Llama with ``qkv_bias``, Qwen3 one with
+``qk_norm`` and (usually) a ``head_dim`` other than ``hidden_size / num_attention_heads``.
 
 :func:`read_config` maps a directory's config.json to ``config.model`` (keys the file leaves out take transformers'
 defaults; what lpt's models cannot express is a one-line ValueError); :func:`hf_config` is its inverse. The
@@ -18,14 +21,21 @@ from lpt.models.hf_files import _is_index as _is_id
 from lpt.models.hf_files import read_json
 from lpt.options import to_dict
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+# Hugging Face architecture -> its family (the config.json keys it reads); every family but gpt2 is lpt's kind "llama"
+ARCHITECTURES = {
+    "GPT2LMHeadModel": "gpt2",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # the special token ids of config.json
 # end-of-text tokens by the names common tokenizers give them, in the order lpt.data.tokenizer looks for them: the
 # first one a tokenizer.json has is the separator lpt packs between documents
 END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
+_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> family
+_CLASSES = {family: arch for arch, family in ARCHITECTURES.items()}  # family -> architecture
 
-# defaults of transformers' GPT2Config / LlamaConfig, for keys a config.json leaves out
+# defaults of transformers' GPT2Config / LlamaConfig / Qwen2Config / Qwen3Config, for keys a config.json leaves out
 _GPT2_DEFAULTS = {
     "vocab_size": 50257,
     "n_positions": 1024,
@@ -58,12 +68,28 @@ _LLAMA_DEFAULTS = {
     "mlp_bias": False,
     "head_dim": None,
 }
+_QWEN_DEFAULTS = {  # Qwen2Config's (it reads head_dim when the file has one: d / h otherwise)
+    **{k: v for k, v in _LLAMA_DEFAULTS.items() if k not in ("attention_bias", "mlp_bias")},
+    "vocab_size": 151936,
+    "intermediate_size": 22016,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+_DEFAULTS = {
+    "llama": _LLAMA_DEFAULTS,
+    "qwen2": _QWEN_DEFAULTS,
+    "qwen3": {**_QWEN_DEFAULTS, "head_dim": 128, "attention_bias": False},
+}
+_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window")  # null: the derived value (h, d / h) or no window
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation (lpt's GPT-2 MLP)
 _ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # Hugging Face rope_type -> lpt's
 
 
-def model_kind(hf: dict, where) -> str:
-    """lpt's ``config.model.kind`` ("gpt2" or "llama") of a config.json dict, from ``architectures`` or else
+def model_family(hf: dict, where) -> str:
+    """The family of a config.json dict ("gpt2", "llama", "qwen2", "qwen3"), from ``architectures`` or else
     ``model_type``; ``where`` names the file in the ValueError when neither is supported."""
     archs = hf.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -79,6 +105,11 @@ def model_kind(hf: dict, where) -> str:
             f"{where}: model_type={model_type!r} (no architectures) is not supported; allowed: {list(_MODEL_TYPES)}"
         )
     return _MODEL_TYPES[model_type]
+
+
+def model_kind(hf: dict, where) -> str:
+    """lpt's ``config.model.kind`` ("gpt2" or "llama") of a config.json dict (:func:`model_family`)."""
+    return "gpt2" if model_family(hf, where) == "gpt2" else "llama"
 
 
 def _model_cfg(where, **kw) -> ml_collections.ConfigDict:
@@ -102,10 +133,13 @@ _JSON_TYPES = {
 
 def _typed(hf: dict, defaults: dict, where) -> dict:
     """``hf`` over ``defaults``, each default's key checked to hold a JSON value of the default's type (JSON true
-    and false are not numbers); ValueError naming ``where`` and the key."""
+    and false are not numbers; the keys of :data:`_NULLABLE` may be null too); ValueError naming ``where`` and the
+    key."""
     c = {**defaults, **hf}
     for key, default in defaults.items():
         types, name = _JSON_TYPES[type(default)]
+        if key in _NULLABLE and default is not None:
+            types, name = (*types, type(None)), f"{name} or null"
         if not isinstance(c[key], types) or (isinstance(c[key], bool) and bool not in types):
             raise ValueError(f"{where}: {key}={c[key]!r} is not {name}")
     return c
@@ -177,19 +211,49 @@ def _rope(c: dict, where) -> tuple[float, dict]:
     return theta, out
 
 
-def _llama_config(hf: dict, where) -> ml_collections.ConfigDict:
-    c = _typed(hf, _LLAMA_DEFAULTS, where)
+def _check_no_window(hf: dict, c: dict, where) -> None:
+    """ValueError when a Qwen2 / Qwen3 config.json has a layer that attends through a sliding window shorter than
+    ``max_position_embeddings`` (transformers: ``use_sliding_window`` true, and ``layer_types`` naming a
+    "sliding_attention" layer or, without ``layer_types``, layers from ``max_window_layers`` on)."""
+    window = c["sliding_window"]
+    if not c["use_sliding_window"] or window is None or window >= c["max_position_embeddings"]:
+        return
+    types = hf.get("layer_types")
+    if types is None:
+        sliding = c["num_hidden_layers"] > c["max_window_layers"]
+    elif isinstance(types, list) and all(t in ("full_attention", "sliding_attention") for t in types):
+        sliding = "sliding_attention" in types
+    else:
+        raise ValueError(f"{where}: layer_types={types!r} is not a list of 'full_attention' / 'sliding_attention'")
+    if sliding:
+        raise ValueError(
+            f"{where}: use_sliding_window=true with sliding_window={window} < max_position_embeddings="
+            f"{c['max_position_embeddings']} is not supported (lpt has no sliding-window attention)"
+        )
+
+
+def _llama_config(hf: dict, where, family: str) -> ml_collections.ConfigDict:
+    """``config.model`` of a Llama, Qwen2 or Qwen3 config.json (kind "llama"; Qwen2: ``qkv_bias``, Qwen3:
+    ``qk_norm``)."""
+    c = _typed(hf, _DEFAULTS[family], where)
     if c["hidden_act"] != "silu":
         raise ValueError(f"{where}: hidden_act={c['hidden_act']!r} is not supported; allowed: ['silu']")
-    for key in ("attention_bias", "mlp_bias"):
-        if c[key]:
-            raise ValueError(f"{where}: {key}={c[key]!r} is not supported (lpt's Llama has no biases); allowed: false")
-    d, h = int(c["hidden_size"]), int(c["num_attention_heads"])
-    if c["head_dim"] is not None and h > 0 and int(c["head_dim"]) != d // h:  # h <= 0: refused by _model_cfg
+    if c.get("attention_bias"):
         raise ValueError(
-            f"{where}: head_dim={c['head_dim']} is not supported; lpt needs head_dim = hidden_size / "
-            f"num_attention_heads = {d // h}"
+            f"{where}: attention_bias={c['attention_bias']!r} is not supported (lpt has no bias on o_proj); "
+            "allowed: false"
         )
+    if c.get("mlp_bias"):
+        raise ValueError(
+            f"{where}: mlp_bias={c['mlp_bias']!r} is not supported (lpt's MLP has no biases); allowed: false"
+        )
+    if family != "llama":
+        _check_no_window(hf, c, where)
+    d, h, head_dim = int(c["hidden_size"]), int(c["num_attention_heads"]), c["head_dim"]
+    if head_dim is not None and head_dim <= 0:
+        raise ValueError(f"{where}: head_dim={head_dim} must be a positive integer")
+    if head_dim is not None and h > 0 and d == h * head_dim:  # h <= 0: refused by _model_cfg
+        head_dim = None  # lpt's head_dim=0: d / h
     theta, scaling = _rope(c, where)
     return _model_cfg(
         where,
@@ -199,6 +263,9 @@ def _llama_config(hf: dict, where) -> ml_collections.ConfigDict:
         n_layers=int(c["num_hidden_layers"]),
         n_heads=h,
         n_kv_heads=int(c["num_key_value_heads"] or h),
+        head_dim=int(head_dim or 0),
+        qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
         d_ff=int(c["intermediate_size"]),
         max_seq_len=int(c["max_position_embeddings"]),
         rope_theta=theta,
@@ -215,13 +282,14 @@ def read_config(path: str | Path) -> ml_collections.ConfigDict:
 
     GPT-2: ``n_embd``, ``n_layer``, ``n_head``, ``n_inner`` (None: 4 n_embd), ``n_positions``,
     ``layer_norm_epsilon``, ``tie_word_embeddings``, ``initializer_range``; ``activation_function`` must be a tanh
-    GELU. Llama: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+    GELU. Llama, Qwen2, Qwen3: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim`` (0 in lpt when it is hidden_size / num_attention_heads),
     ``intermediate_size``, ``max_position_embeddings``, ``rms_norm_eps``, ``tie_word_embeddings``, ``rope_theta`` and
     ``rope_scaling`` / ``rope_parameters`` (type default, linear or llama3); ``hidden_act`` must be silu,
-    ``attention_bias`` / ``mlp_bias`` false, ``head_dim`` (if given) hidden_size / num_attention_heads. Keys a
-    config.json leaves out take transformers' defaults. Anything else, or a file that is not a JSON object or holds
-    a value of another type than transformers' default (a string for an integer, ...): a one-line ValueError naming
-    the file.
+    ``attention_bias`` / ``mlp_bias`` false; Qwen2 sets ``qkv_bias``, Qwen3 ``qk_norm``; a Qwen2 / Qwen3 layer
+    with a sliding window shorter than ``max_position_embeddings`` is refused. Keys a config.json leaves out take
+    transformers' defaults. Anything else, or a file that is not a JSON object or holds a value of another type than
+    transformers' default (a string for an integer, ...): a one-line ValueError naming the file.
     """
     file = Path(path) / "config.json"
     if not file.is_file():
@@ -229,7 +297,8 @@ def read_config(path: str | Path) -> ml_collections.ConfigDict:
             f"{path} has no config.json (a Hugging Face model directory holds config.json and model.safetensors)"
         )
     hf = read_json(file)
-    return _gpt2_config(hf, file) if model_kind(hf, file) == "gpt2" else _llama_config(hf, file)
+    family = model_family(hf, file)
+    return _gpt2_config(hf, file) if family == "gpt2" else _llama_config(hf, file, family)
 
 
 def check_token_ids(token_ids: dict, where, vocab_size: int | None = None) -> dict:
@@ -287,11 +356,34 @@ def generation_config(token_ids: dict) -> dict:
     return {k: token_ids[k] for k in TOKEN_KEYS if token_ids.get(k) is not None}
 
 
-def hf_config(model_cfg, *, dtype: str = "float32", token_ids: dict | None = None) -> dict:
-    """The ``config.json`` dict of ``config.model`` (the inverse of :func:`read_config`). Llama's RoPE goes both into
-    ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5). ``token_ids``: the
-    ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to write (null for the ones it leaves out)."""
+def hf_family(model_cfg) -> str:
+    """The Hugging Face family that writes ``config.model``: "gpt2"; for kind "llama" "qwen2" with ``qkv_bias``,
+    "qwen3" with ``qk_norm``, else "llama". ValueError for a model no architecture holds: ``qkv_bias`` and
+    ``qk_norm`` together, or a Llama whose ``d_model`` is not divisible by ``n_heads``."""
     s = model_spec(model_cfg)
+    if s.kind == "gpt2":
+        return "gpt2"
+    if s.qkv_bias and s.qk_norm:
+        raise ValueError(
+            "config.model.qkv_bias=True and qk_norm=True have no Hugging Face architecture (Qwen2: qkv_bias, "
+            "Qwen3: qk_norm)"
+        )
+    if s.qkv_bias or s.qk_norm:
+        return "qwen2" if s.qkv_bias else "qwen3"
+    if s.d_model % s.n_heads:
+        raise ValueError(
+            f"config.model.d_model={s.d_model} is not divisible by n_heads={s.n_heads}: LlamaForCausalLM needs "
+            "hidden_size divisible by num_attention_heads (whatever head_dim)"
+        )
+    return "llama"
+
+
+def hf_config(model_cfg, *, dtype: str = "float32", token_ids: dict | None = None) -> dict:
+    """The ``config.json`` dict of ``config.model`` (the inverse of :func:`read_config`), for the architecture of
+    :func:`hf_family`. Llama's, Qwen2's and Qwen3's RoPE goes both into ``rope_theta`` / ``rope_scaling``
+    (transformers 4) and ``rope_parameters`` (transformers 5). ``token_ids``: the ``bos_token_id`` /
+    ``eos_token_id`` / ``pad_token_id`` to write (null for the ones it leaves out)."""
+    s, family = model_spec(model_cfg), hf_family(model_cfg)
     ids = token_ids or {}
     common = {
         "vocab_size": s.vocab_size,
@@ -331,9 +423,14 @@ def hf_config(model_cfg, *, dtype: str = "float32", token_ids: dict | None = Non
             original_max_position_embeddings=rs.original_max_len,
         )
     scaling = None if rs.type == "none" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    if family == "llama":
+        extra = {"attention_bias": False, "mlp_bias": False}
+    else:  # Qwen2 (biases on q, k, v: always) and Qwen3 (q_norm, k_norm: always), without sliding windows
+        bias = {"attention_bias": False} if family == "qwen3" else {}
+        extra = {**bias, "use_sliding_window": False, "sliding_window": None, "max_window_layers": s.n_layers}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_CLASSES[family]],
+        "model_type": family,
         "hidden_size": s.d_model,
         "num_hidden_layers": s.n_layers,
         "num_attention_heads": s.n_heads,
@@ -346,8 +443,7 @@ def hf_config(model_cfg, *, dtype: str = "float32", token_ids: dict | None = Non
         "rope_theta": s.rope_theta,
         "rope_scaling": scaling,
         "rope_parameters": rope,
-        "attention_bias": False,
-        "mlp_bias": False,
+        **extra,
         "attention_dropout": 0.0,
         **common,
     }

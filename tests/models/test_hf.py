@@ -1,7 +1,10 @@
 """Hugging Face weights both ways (lpt.models.hf) against transformers' PyTorch models, built offline from config
 objects: float32 logits agree within 1e-4 on a right-padded batch (every non-pad position), for GPT-2, Llama with GQA
-(untied, tied), and Llama with linear and llama3 RoPE scaling; lpt -> save_pretrained -> transformers gives the same
-logits and from_pretrained gives the same bits back; BF16 and sharded files load; bad files fail naming the tensor.
+(untied, tied), Llama with linear and llama3 RoPE scaling, Qwen2 (q, k, v biases, rope_theta 1e6; untied, tied) and
+Qwen3 (q / k norms, head_dim != hidden_size / heads; untied, tied); greedy decoding of Qwen2 and Qwen3 through
+lpt.generate (the KV cache) gives transformers' greedy tokens, one prompt at a time and as a left-padded batch;
+lpt -> save_pretrained -> transformers gives the same logits and from_pretrained gives the same bits back; BF16 and
+sharded files load; bad files fail naming the tensor or the key.
 
 The models are random with weights of order one (so the logits are too, and a wrong mapping shows)."""
 
@@ -26,6 +29,7 @@ V, D, L = 160, 64, 2
 LLAMA = dict(vocab_size=V, hidden_size=D, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4)
 GPT2 = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=4, n_positions=64, bos_token_id=None, eos_token_id=None)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+QWEN = {**LLAMA, "num_key_value_heads": 2, "max_position_embeddings": 64, "rope_theta": 1e6}
 CASES = {
     "gpt2": ("gpt2", GPT2, 40),
     "llama_gqa": ("llama", {**LLAMA, "num_key_value_heads": 2, "max_position_embeddings": 64}, 40),
@@ -33,17 +37,23 @@ CASES = {
     "llama_linear": ("llama", {**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 64),
     # wavelengths above 64 (the low-frequency dims) are stretched 8x: they matter at positions of tens
     "llama3": ("llama", {**LLAMA, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 64}}, 128),
+    "qwen2": ("qwen2", QWEN, 40),
+    "qwen2_tied": ("qwen2", {**QWEN, "num_key_value_heads": 1, "tie_word_embeddings": True}, 40),
+    "qwen3": ("qwen3", {**QWEN, "head_dim": 32}, 40),  # heads wider than hidden_size / heads = 16
+    "qwen3_tied": ("qwen3", {**QWEN, "head_dim": 8, "tie_word_embeddings": True}, 40),  # and narrower
+}
+CLASSES = {
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 
 
 def _torch_model(kind, cfg, seed=0):
-    """A transformers model with random O(1) weights: matrices N(0, 1/fan_in), embeddings N(0, 1), norm scales
-    1 + N(0, 0.2²), biases N(0, 0.1²)."""
-    config_cls, model_cls = (
-        (transformers.GPT2Config, transformers.GPT2LMHeadModel)
-        if kind == "gpt2"
-        else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
-    )
+    """A transformers model (``kind``: a family of :data:`CLASSES`) with random O(1) weights: matrices
+    N(0, 1/fan_in), embeddings N(0, 1), norm scales 1 + N(0, 0.2²), biases N(0, 0.1²)."""
+    config_cls, model_cls = CLASSES[kind]
     config = config_cls(**cfg, attn_implementation="eager")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -102,7 +112,8 @@ def test_logits_match_transformers(case, tmp_path):
     kind, cfg, T = CASES[case]
     tm = _torch_model(kind, cfg)
     model, model_cfg = M.from_pretrained(_save_torch(tm, tmp_path / "hf"))
-    assert model_cfg.kind == kind and model_cfg.n_layers == L and not model_cfg.scan_layers
+    assert model_cfg.kind == ("gpt2" if kind == "gpt2" else "llama") and model_cfg.n_layers == L
+    assert not model_cfg.scan_layers
     assert jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype == np.float32
     tokens, mask = _batch(T)
     ref = _torch_logits(tm, tokens, mask)
@@ -114,8 +125,18 @@ def test_logits_match_transformers(case, tmp_path):
     )
     assert np.abs(ref).max() > 1.0  # logits of order one: a wrong mapping could not hide below the tolerance
     assert diff <= TOL
-    if case == "llama_gqa_tied":
+    if case.endswith("_tied"):
         assert model.lm_head is None and model_cfg.tie_embeddings
+    if kind in ("qwen2", "qwen3"):  # one Llama block with options: Qwen2 adds q, k, v biases, Qwen3 q / k norms
+        assert (model_cfg.qkv_bias, model_cfg.qk_norm) == (kind == "qwen2", kind == "qwen3")
+        assert model_cfg.head_dim == cfg.get("head_dim", 0) and model_cfg.rope_theta == 1e6
+        assert model.blocks[0].attn.q.kernel.shape == (D, 4 * (cfg.get("head_dim") or D // 4))
+        # rope_theta 1e6 changes the logits: without it lpt would fail above
+        plain_cfg = {**model_cfg.to_dict(), "rope_theta": 10000.0}
+        plain = hf.model_from_params(plain_cfg, {}, hf.load_params(tmp_path / "hf", plain_cfg))
+        effect = _max_diff(_lpt_logits(plain, tokens), ref, mask)
+        print(f"{case}: the same weights with rope_theta 1e4 differ by {effect:.3g}")
+        assert effect > 100 * TOL
     if case in ("llama_linear", "llama3"):  # the scaling changes the logits: without it lpt would fail above
         unscaled = {**model_cfg.to_dict(), "rope_scaling": {"type": "none"}}
         plain = hf.model_from_params(unscaled, {}, hf.load_params(tmp_path / "hf", unscaled))
@@ -124,8 +145,58 @@ def test_logits_match_transformers(case, tmp_path):
         assert effect > 100 * TOL
 
 
+@pytest.mark.parametrize("case", ["qwen2", "qwen3"])
+def test_greedy_decoding_matches_transformers(case, tmp_path):
+    """lpt.generate's greedy tokens (the KV-cache path that ``--hf`` runs) equal transformers' ``generate``, for each
+    prompt alone and for the three as one left-padded batch (rows of different lengths). Untied models: the tied
+    ones, with their N(0, 1) embeddings, greedily repeat their last token."""
+    from lpt.generate import generate_tokens
+
+    kind, cfg, _ = CASES[case]
+    tm = _torch_model(kind, cfg)
+    model, _ = M.from_pretrained(_save_torch(tm, tmp_path / "hf"))
+    prompts, n = [[5, 9, 100, 17, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7]], 12
+    batched = generate_tokens(model, prompts, max_new_tokens=n, temperature=0.0)
+    P = max(map(len, prompts))
+    ids, attn = np.zeros((3, P), np.int64), np.zeros((3, P), np.int64)
+    for row, p in enumerate(prompts):
+        ids[row, P - len(p) :], attn[row, P - len(p) :] = p, 1
+    kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref_batched = tm.generate(torch.tensor(ids), attention_mask=torch.tensor(attn), **kw)[:, P:].tolist()
+        ref_single = [tm.generate(torch.tensor([p]), **kw)[0, len(p) :].tolist() for p in prompts]
+    single = [generate_tokens(model, [p], max_new_tokens=n, temperature=0.0)[0] for p in prompts]
+    print(f"\n{case}: greedy tokens {batched}")
+    assert batched == ref_batched and single == ref_single and batched == single
+    assert all(len(row) == n and len(set(row)) > 3 for row in batched) and len({tuple(r) for r in batched}) == 3
+
+
 def _lpt_model(cfg, seed=0):
-    return M.build_model(cfg, {}, rngs=nnx.Rngs(seed))
+    """A fresh lpt model whose biases and norm scales are random too (N(0, 0.3²), 1 + N(0, 0.2²)): a mapping that
+    drops or swaps them changes the logits."""
+    model = M.build_model(cfg, {}, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    rng = np.random.RandomState(seed)
+
+    def perturb(path, x):
+        name = path[-1].key
+        if name not in ("bias", "scale"):
+            return x
+        noise = rng.standard_normal(x.shape).astype(np.float32)
+        return x + (0.3 if name == "bias" else 0.2) * noise
+
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(perturb, nnx.to_pure_dict(state)))
+    nnx.update(model, state)
+    return model
+
+
+def _architecture(cfg):
+    """The Hugging Face class save_pretrained writes for an lpt ``config.model``."""
+    if cfg["kind"] == "gpt2":
+        return "GPT2LMHeadModel"
+    return (
+        "Qwen2ForCausalLM" if cfg.get("qkv_bias") else "Qwen3ForCausalLM" if cfg.get("qk_norm") else "LlamaForCausalLM"
+    )
 
 
 LPT_LLAMA = dict(
@@ -152,15 +223,31 @@ LPT_GPT2 = dict(
         {**LPT_LLAMA, "rope_scaling": {"type": "llama3", "factor": 4.0, "original_max_len": 32}},
         LPT_GPT2,
         {**LPT_GPT2, "tie_embeddings": True, "scan_layers": True},
+        {**LPT_LLAMA, "head_dim": 32},
+        {**LPT_LLAMA, "qkv_bias": True, "rope_theta": 1e6},
+        {**LPT_LLAMA, "qkv_bias": True, "tie_embeddings": True, "scan_layers": True},
+        {**LPT_LLAMA, "qk_norm": True, "head_dim": 32},
+        {**LPT_LLAMA, "qk_norm": True, "head_dim": 8, "tie_embeddings": True, "scan_layers": True},
     ],
-    ids=["llama_scan_tied", "llama3_untied", "gpt2_untied", "gpt2_scan_tied"],
+    ids=[
+        "llama_scan_tied",
+        "llama3_untied",
+        "gpt2_untied",
+        "gpt2_scan_tied",
+        "llama_head_dim",
+        "qwen2_untied",
+        "qwen2_scan_tied",
+        "qwen3_head_dim",
+        "qwen3_scan_tied",
+    ],
 )
 def test_save_pretrained_round_trip(cfg, tmp_path, request):
     model = _lpt_model(cfg)
     M.save_pretrained(model, tmp_path / "hf")
     hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert hf_cfg["architectures"] == [{"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[cfg["kind"]]]
+    assert hf_cfg["architectures"] == [_architecture(cfg)]
     tm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert type(tm).__name__ == _architecture(cfg)
     assert tm.config.tie_word_embeddings == cfg.get("tie_embeddings", False)
     tokens, mask = _batch(cfg["max_seq_len"], seed=1)
     got, ref = _lpt_logits(model, tokens), _torch_logits(tm, tokens, mask)
@@ -320,11 +407,12 @@ def _copy(src, dst, *, drop=(), replace=None, config=None):
         ),
         (
             dict(config={"architectures": ["BertForMaskedLM"]}),
-            r"architectures=\['BertForMaskedLM'\] is not supported; allowed: \['GPT2LMHeadModel', 'LlamaForCausalLM'\]",
+            r"architectures=\['BertForMaskedLM'\] is not supported; allowed: \['GPT2LMHeadModel', 'LlamaForCausalLM', "
+            r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]",
         ),
         (
             dict(config={"architectures": None, "model_type": "mistral"}),
-            r"model_type='mistral'.*allowed: \['gpt2', 'llama'\]",
+            r"model_type='mistral'.*allowed: \['gpt2', 'llama', 'qwen2', 'qwen3'\]",
         ),
         (
             dict(config={"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}),
@@ -333,10 +421,11 @@ def _copy(src, dst, *, drop=(), replace=None, config=None):
         (dict(config={"hidden_act": "gelu"}), r"hidden_act='gelu' is not supported; allowed: \['silu'\]"),
         (dict(config={"attention_bias": True}), r"attention_bias=True is not supported"),
         (dict(config={"mlp_bias": True}), r"mlp_bias=True is not supported"),
-        (
+        (  # head_dim is read: the file's q_proj, made for heads of 16, does not fit heads of 32
             dict(config={"head_dim": 32}),
-            r"head_dim=32 is not supported; lpt needs head_dim = hidden_size / num_attention_heads = 16",
+            r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape \(64, 64\); expected \(128, 64\)",
         ),
+        (dict(config={"head_dim": 0}), r"head_dim=0 must be a positive integer"),
     ],
     ids=[
         "missing",
@@ -349,6 +438,7 @@ def _copy(src, dst, *, drop=(), replace=None, config=None):
         "attention_bias",
         "mlp_bias",
         "head_dim",
+        "head_dim_0",
     ],
 )
 def test_bad_checkpoints_raise_one_line_errors(llama_dir, tmp_path, change, message):
@@ -356,6 +446,74 @@ def test_bad_checkpoints_raise_one_line_errors(llama_dir, tmp_path, change, mess
     with pytest.raises(ValueError, match=message) as e:
         M.from_pretrained(bad)
     assert "\n" not in str(e.value)
+
+
+def test_qwen_configs_load_or_raise_one_line_errors(tmp_path):
+    """Qwen2 / Qwen3 config.json keys: a sliding window that some layer uses and that is shorter than
+    max_position_embeddings is refused, one that no layer uses or that never masks loads; Qwen3's attention_bias
+    (a bias on o_proj too) is refused; without architectures, model_type names the family; a Qwen2 directory read
+    as a bias-free Llama names the bias it did not expect."""
+    qwen2 = _save_torch(_torch_model("qwen2", QWEN), tmp_path / "qwen2")
+    qwen3 = _save_torch(_torch_model("qwen3", {**QWEN, "head_dim": 32}), tmp_path / "qwen3")
+    window = {"use_sliding_window": True, "sliding_window": 16}
+    refused = [
+        (
+            qwen2,
+            {**window, "layer_types": ["full_attention", "sliding_attention"]},
+            r"use_sliding_window=true with sliding_window=16 < max_position_embeddings=64 is not supported \(lpt has "
+            r"no sliding-window attention\)$",
+        ),
+        (qwen3, {**window, "layer_types": None, "max_window_layers": 1}, "sliding_window=16"),  # layers >= 1 slide
+        (qwen2, {**window, "layer_types": ["full_attention", "local"]}, r"layer_types=\['full_attention', 'local'\]"),
+        (qwen3, {"attention_bias": True}, r"attention_bias=True is not supported \(lpt has no bias on o_proj\)"),
+        (qwen2, {"num_key_value_heads": "2"}, r"num_key_value_heads='2' is not an integer or null"),
+    ]
+    for i, (src, config, message) in enumerate(refused):
+        bad = _copy(src, tmp_path / f"bad{i}", config=config)
+        with pytest.raises(ValueError, match=message) as e:
+            M.from_pretrained(bad)
+        assert "\n" not in str(e.value) and str(bad / "config.json") in str(e.value)
+    want = hf.load_params(qwen2, hf.read_config(qwen2))
+    for i, config in enumerate(
+        [
+            {**window, "layer_types": ["full_attention"] * L},  # no layer slides
+            {**window, "layer_types": None, "max_window_layers": L},
+            {**window, "sliding_window": 64},  # the window covers max_position_embeddings = 64
+            {"architectures": None},  # model_type qwen2
+        ]
+    ):
+        ok = _copy(qwen2, tmp_path / f"ok{i}", config=config)
+        assert hf.read_config(ok) == hf.read_config(qwen2)
+        jax.tree.map(np.testing.assert_array_equal, hf.load_params(ok, hf.read_config(ok)), want)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model.layers.0.self_attn.k_proj.bias' \(shape \(32,\)\)"):
+        hf.load_params(qwen2, {**hf.read_config(qwen2).to_dict(), "qkv_bias": False})
+    with pytest.raises(
+        ValueError, match=r"tensor 'model.layers.0.self_attn.k_norm.weight' \(shape \(32,\)\) is missing"
+    ):
+        hf.load_params(
+            _copy(qwen3, tmp_path / "no_norm", drop=["model.layers.0.self_attn.k_norm.weight"]), hf.read_config(qwen3)
+        )
+
+
+def test_models_without_an_architecture_are_not_saved(tmp_path):
+    """save_pretrained refuses, before writing anything, a model no Hugging Face class holds: q, k, v biases with
+    q / k norms, and a Llama whose d_model is not divisible by n_heads (transformers' LlamaConfig refuses it)."""
+    for cfg, message in (
+        ({**LPT_LLAMA, "qkv_bias": True, "qk_norm": True}, r"qkv_bias=True and qk_norm=True have no Hugging Face"),
+        (
+            {**LPT_LLAMA, "n_heads": 3, "n_kv_heads": 1, "head_dim": 16},
+            r"d_model=64 is not divisible by n_heads=3: LlamaForCausalLM needs hidden_size divisible",
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            M.save_pretrained(_lpt_model(cfg), tmp_path / "x")
+        assert not (tmp_path / "x").exists()
+    # the same heads with q / k norms are a Qwen3, which has no such rule
+    M.save_pretrained(
+        _lpt_model({**LPT_LLAMA, "n_heads": 3, "n_kv_heads": 1, "head_dim": 16, "qk_norm": True}), tmp_path / "q3"
+    )
+    tm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q3")
+    assert type(tm).__name__ == "Qwen3ForCausalLM" and tm.config.head_dim == 16
 
 
 def test_bad_arguments_raise(llama_dir, tmp_path):
