@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     console.setup()
     parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")
+    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/), local or gs://BUCKET/PATH")
     src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--step", type=int, default=None, help="--workdir: checkpoint step (default: the newest)")
     parser.add_argument("--batches", type=int, default=None, help="batches (default: the run's train.eval_batches)")

@@ -146,7 +146,9 @@ def check(out: str | Path, params: dict, model_cfg, *, rows: int = 2, max_len: i
 def main(argv: list[str] | None = None) -> int:
     console.setup()
     parser = argparse.ArgumentParser(prog="python -m lpt.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", required=True, help="the lpt run directory (holds checkpoints/)")
+    parser.add_argument(
+        "--workdir", required=True, help="the lpt run directory (holds checkpoints/), local or gs://BUCKET/PATH"
+    )
     parser.add_argument("--out", required=True, help="the Hugging Face model directory to write")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (as a whole)")

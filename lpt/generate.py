@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     console.setup()
     parser = argparse.ArgumentParser(prog="python -m lpt.generate", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/)")
+    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/), local or gs://BUCKET/PATH")
     src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: fill the model's context")

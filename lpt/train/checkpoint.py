@@ -34,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lpt.train import config as config_lib
-from lpt.train import console
+from lpt.train import console, paths
 from lpt.train import guard as guard_lib
 from lpt.train.state import TrainState
 
@@ -126,7 +126,7 @@ class Checkpointer:
     """
 
     def __init__(self, workdir: str | Path, *, keep: int, async_save: bool = True):
-        self.directory = Path(workdir).resolve() / "checkpoints"
+        self.directory = paths.resolve(workdir) / "checkpoints"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
         )
@@ -236,7 +236,10 @@ class Checkpointer:
         target = self.directory.parent / "checkpoints_damaged" / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
         if jax.process_index() == 0:
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(self.directory / str(step)), str(target))
+            if paths.is_remote(target):  # object storage: a copy of every object, then a delete
+                (self.directory / str(step)).rename(target)
+            else:
+                shutil.move(str(self.directory / str(step)), str(target))
             log.warning("checkpoint step %d is unreadable (%s); moved it to %s", step, _one_line(error), target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -269,11 +272,16 @@ def _one_line(e: Exception) -> str:
 
 def steps(workdir: str | Path) -> list[int]:
     """The checkpoint steps of the run ``workdir`` (its ``checkpoints/<step>`` directories; orbax renames a step
-    into that name only once it is complete), sorted; ``[]`` when there are none. Reads only: creates nothing."""
-    directory = Path(workdir) / "checkpoints"
+    into that name only once it is complete, and on object storage, where a rename is a copy, writes the step's
+    ``commit_success.txt`` last: only steps holding it count), sorted; ``[]`` when there are none. Reads only:
+    creates nothing."""
+    directory = paths.run_path(workdir) / "checkpoints"
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+    found = [p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()]
+    if paths.is_remote(directory):
+        found = [p for p in found if ocp.step.is_path_finalized(p)]
+    return sorted(int(p.name) for p in found)
 
 
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any]:
@@ -283,9 +291,9 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any
     The config is the one saved with the checkpoint, else the run's ``config.json`` (ValueError when neither
     exists). Its ``model.vocab_size`` is the embedding's row count when it says 0 (the tokenizer's size); a nonzero
     size that disagrees with the embedding is a ValueError."""
-    directory = Path(workdir).resolve() / "checkpoints"
+    directory = paths.resolve(workdir) / "checkpoints"
     if not directory.is_dir():  # read-only: create nothing (CheckpointManager would make the directory)
-        what = "does not exist" if not Path(workdir).exists() else "holds no checkpoints/ directory"
+        what = "does not exist" if not directory.parent.exists() else "holds no checkpoints/ directory"
         raise ValueError(f"--workdir {str(workdir)!r} {what}; give the directory of an lpt run")
     found = steps(workdir)
     if not found:
@@ -308,7 +316,7 @@ def run_config(workdir: str | Path, saved: dict | None, params: dict):
     ``config.json``), every key present (an older run's config lacks the keys added since: they take their defaults),
     with ``model.vocab_size`` checked against the rows of ``params``' embedding (0: set to them)."""
     if not saved:
-        file = Path(workdir) / "config.json"
+        file = paths.run_path(workdir) / "config.json"
         if not file.is_file():
             raise ValueError(f"{workdir}: the checkpoint records no config and there is no {file.name}")
         saved = json.loads(file.read_text())

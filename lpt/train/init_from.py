@@ -2,8 +2,9 @@
 
 ``config.init_from`` names the source (at most one of the two is set; ``lpt.train.config.validate`` checks that):
 
-* ``init_from.workdir``: an lpt run directory; its checkpoint at ``init_from.step`` (-1 = the newest), read with
-  :func:`lpt.train.load_params` (verified against the checkpoint's checksums);
+* ``init_from.workdir``: an lpt run directory (a local path or a ``gs://`` URL, :mod:`lpt.train.paths`); its
+  checkpoint at ``init_from.step`` (-1 = the newest), read with :func:`lpt.train.load_params` (verified against the
+  checkpoint's checksums);
 * ``init_from.hf``: a Hugging Face model directory (``config.json`` + safetensors), read with
   :func:`lpt.models.hf.load_params`.
 
@@ -35,6 +36,7 @@ every checkpoint's metadata and in ``summary.json`` (``{"seed": 0}``, ``{"workdi
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ import lpt.optim
 from lpt import numerics
 from lpt.models import hf
 from lpt.train import checkpoint as ckpt_lib
+from lpt.train import paths
 from lpt.train import state as state_lib
 
 log = logging.getLogger("lpt.train")
@@ -82,7 +85,7 @@ def load_source(cfg) -> tuple[dict, dict]:
     """``(params, origin)``: the source's params (nested dict of numpy arrays, any float dtype) after checking its
     model's shape keys against ``cfg.model``."""
     if cfg.init_from.workdir:
-        workdir = Path(cfg.init_from.workdir).expanduser().resolve()
+        workdir = paths.resolve(os.path.expanduser(cfg.init_from.workdir), what="init_from.workdir")
         step = _source_step(workdir, cfg.init_from.step)
         where = f"init_from.workdir={cfg.init_from.workdir!r} (step {step})"
         params, run_cfg = ckpt_lib.load_params(workdir, step)

@@ -31,7 +31,7 @@ from lpt import data as data_lib
 from lpt import models
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import config as config_lib
-from lpt.train import distributed, init_from, machine, metrics, optimizer
+from lpt.train import distributed, init_from, machine, metrics, optimizer, paths
 from lpt.train import mesh as mesh_lib
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
@@ -93,15 +93,16 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
     """Train per ``cfg`` in ``workdir`` (resuming from its newest checkpoint); return the run summary.
 
     The workdir is locked for the run (a second trainer on it fails at once, naming the holder); a run that already
-    finished returns its summary without writing anything."""
+    finished returns its summary without writing anything. ``workdir`` is a local path or a ``gs://`` URL
+    (:mod:`lpt.train.paths`)."""
     cfg = config_lib.resolve(cfg)  # model.vocab_size 0 -> the tokenizer's, so config.json records the size
     is_main = jax.process_index() == 0
     created = workdir_lib.first_missing(workdir)  # the directory this run creates, if any
     try:
-        with workdir_lib.WorkdirLock(workdir, enabled=is_main):
+        with workdir_lib.WorkdirLock(workdir, enabled=is_main) as lock:
             preempt = distributed.PreemptionFlag()  # from the start: a SIGTERM or Ctrl-C during start-up exits cleanly
             try:
-                return _train(cfg, Path(workdir), hooks, preempt)
+                return _train(cfg, paths.run_path(workdir), hooks, preempt, lock)
             finally:
                 preempt.restore()
     except BaseException:
@@ -110,7 +111,9 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
         raise
 
 
-def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.PreemptionFlag) -> dict:
+def _train(
+    cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.PreemptionFlag, lock: workdir_lib.WorkdirLock
+) -> dict:
     t_start = time.time()
     is_main = jax.process_index() == 0
     steps, seq_len, global_batch = cfg.train.steps, cfg.data.seq_len, cfg.train.global_batch
@@ -209,6 +212,8 @@ def _train(cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.Preem
                 eval_loss = evaluate(s)
             if s % cfg.train.checkpoint_every == 0 or s == steps or stop:
                 logger.drain()
+                writer.sync()  # object storage: the records of the steps the checkpoint holds are stored first
+                lock.refresh()  # object storage: stop here if another trainer took the workdir's lease over
                 ckpt.save(s, state, _metadata(cfg, mesh, s, origin), force=True)
             if stop:
                 ckpt.wait()
@@ -419,5 +424,5 @@ def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None) -> dict:
 def _title(cfg, workdir: Path) -> str:
     """loss.png's title: the run (its workdir's name), then its model and precision recipe."""
     p = cfg.precision
-    name = Path(workdir).resolve().name
+    name = paths.resolve(workdir).name
     return f"{name}: {cfg.model.kind} d{cfg.model.d_model} L{cfg.model.n_layers} | {p.param_dtype} {p.update_rule}"

@@ -1,6 +1,8 @@
 """Metrics: JSONL + TensorBoard event files, the loss-curve PNG, throughput, FLOPs and MFU.
 
-Only process 0 writes. ``metrics.jsonl`` holds one JSON object per line: ``{"step": s, "loss": ..., ...}`` for
+Only process 0 writes. On object storage (a ``gs://`` workdir, :mod:`lpt.train.paths`), which cannot append to an
+object, both are written in a local staging directory and uploaded as whole objects (:meth:`MetricsWriter.sync`).
+``metrics.jsonl`` holds one JSON object per line: ``{"step": s, "loss": ..., ...}`` for
 training logs and ``{"step": s, "eval_loss": ...}`` for evaluations; TensorBoard gets the same scalars under
 ``train/`` and ``eval/``. MFU = (tokens/s * FLOPs per token) / (devices * peak FLOP/s per device), reported only when
 the device's peak is known (:func:`lpt.targets.peak_flops`, dense bf16 numbers from the vendors' data sheets).
@@ -8,18 +10,24 @@ the device's peak is known (:func:`lpt.targets.peak_flops`, dense bf16 numbers f
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import jax
 
 from lpt import targets
+from lpt.train import paths
 
 log = logging.getLogger("lpt.train")
+
+SYNC_SECONDS = 60.0  # on object storage, :meth:`MetricsWriter.write` uploads the files at most this often
 
 
 def device_peak_flops(device: jax.Device | None = None) -> float | None:
@@ -28,24 +36,42 @@ def device_peak_flops(device: jax.Device | None = None) -> float | None:
 
 
 class MetricsWriter:
-    """Appends scalars to ``<workdir>/metrics.jsonl`` and TensorBoard event files in ``<workdir>/tensorboard``."""
+    """Appends scalars to ``<workdir>/metrics.jsonl`` and TensorBoard event files in ``<workdir>/tensorboard``.
+
+    On object storage the two are appended to in a local staging directory, and :meth:`sync` uploads every file of it
+    that changed as a whole object: :meth:`write` at most every :data:`SYNC_SECONDS`, the trainer before every
+    checkpoint (so the records of the steps a checkpoint holds are stored before it is), and :meth:`close`.
+    ``jsonl_path`` is the file appended to (the staging copy on object storage); :meth:`sync` is a no-op locally,
+    where every record is flushed as it is written.
+    """
 
     def __init__(self, workdir: str | Path, *, enabled: bool = True, drop_after: int | None = None):
         """``drop_after``: on resume from step r, records with step > r (written before a crash) are removed."""
         self.enabled = enabled
-        self.workdir = Path(workdir)
+        self.workdir = paths.run_path(workdir)
+        self.remote = paths.is_remote(self.workdir)
         self.jsonl_path = self.workdir / "metrics.jsonl"
         self._file = None
         self._tb = None
+        self._staging: Path | None = None
+        self._uploaded: dict[Path, int] = {}  # staged file -> its size when it was last uploaded
+        self._synced = time.time()
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self.workdir.mkdir(parents=True, exist_ok=True)
-            if drop_after is not None and self.jsonl_path.exists():
-                kept = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= drop_after]
-                rewrite_jsonl(self.jsonl_path, kept)
+            local = self.workdir
+            if self.remote:
+                local = self._staging = Path(tempfile.mkdtemp(prefix="lpt-metrics-"))
+                stored = read_jsonl(self.jsonl_path)  # [] when there is none
+                self.jsonl_path = local / "metrics.jsonl"
+                rewrite_jsonl(self.jsonl_path, [r for r in stored if drop_after is None or r["step"] <= drop_after])
+            else:
+                self.workdir.mkdir(parents=True, exist_ok=True)
+                if drop_after is not None and self.jsonl_path.exists():
+                    kept = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= drop_after]
+                    rewrite_jsonl(self.jsonl_path, kept)
             self._file = self.jsonl_path.open("a")
-            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+            self._tb = SummaryWriter(str(local / "tensorboard"))
 
     def write(self, step: int, scalars: dict, *, prefix: str = "train") -> None:
         if not self.enabled:
@@ -57,6 +83,8 @@ class MetricsWriter:
             if k not in ("step", "wall_time") and isinstance(v, int | float) and math.isfinite(v):
                 self._tb.add_scalar(f"{prefix}/{k}", v, int(step))
         self._tb.flush()
+        if self.remote and time.time() - self._synced >= SYNC_SECONDS:
+            self.sync()
 
     def text(self, tag: str, text: str, step: int) -> None:
         """A text summary in TensorBoard (e.g. the resolved config), as Markdown code."""
@@ -64,10 +92,35 @@ class MetricsWriter:
             self._tb.add_text(tag, "```\n" + text + "\n```", int(step))
             self._tb.flush()
 
+    def sync(self) -> None:
+        """On object storage: upload every staged file that changed since its last upload (whole objects)."""
+        if not (self.enabled and self.remote):
+            return
+        self._file.flush()
+        self._tb.flush()
+        self._upload()
+
+    def _upload(self) -> None:
+        for f in sorted(self._staging.rglob("*")):
+            size = f.stat().st_size if f.is_file() else None
+            if size is None or self._uploaded.get(f) == size:
+                continue
+            target = self.workdir / f.relative_to(self._staging).as_posix()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(f.read_bytes())
+            self._uploaded[f] = size
+        self._synced = time.time()
+
     def close(self) -> None:
         if self.enabled:
-            self._file.close()
-            self._tb.close()
+            try:
+                self._file.close()
+                self._tb.close()
+                if self.remote:
+                    self._upload()
+            finally:
+                if self._staging is not None:
+                    shutil.rmtree(self._staging, ignore_errors=True)
 
 
 def _py(v):
@@ -78,9 +131,9 @@ def _py(v):
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a metrics file. A torn last line (a crash mid-write) is skipped with a warning; a damaged line
-    elsewhere raises ValueError naming the file and the line."""
-    path = Path(path)
+    """The records of a metrics file (local, or a URL of :mod:`lpt.train.paths`). A torn last line (a crash mid-write)
+    is skipped with a warning; a damaged line elsewhere raises ValueError naming the file and the line."""
+    path = paths.run_path(path)
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
@@ -100,8 +153,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def rewrite_jsonl(path: str | Path, records: list[dict]) -> None:
     """Replace ``path`` with ``records`` atomically (a temp file, fsync, rename): a crash leaves the old or the new
-    file, never a partial one."""
-    path = Path(path)
+    file, never a partial one. On object storage one whole-object write, which is atomic there."""
+    path = paths.run_path(path)
+    if paths.is_remote(path):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records))
@@ -131,4 +187,9 @@ def plot_losses(jsonl_path: str | Path, png_path: str | Path, *, baseline: float
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path)
+    if paths.is_remote(png_path):  # one whole-object write
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        paths.run_path(png_path).write_bytes(buffer.getvalue())
+    else:
+        fig.savefig(png_path)
