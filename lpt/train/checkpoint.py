@@ -55,6 +55,8 @@ def _mix32(x: jax.Array) -> jax.Array:
 def _leaf_sum(x: jax.Array) -> jax.Array:
     """uint32[2]: sums over elements i of mix(w_i + mix(i ^ c)) for two constants c, w_i the element's bits."""
     x = jnp.asarray(x)
+    if jnp.iscomplexobj(x):  # complex64 (packed f32 Adam moments, 8-bit moments' scales): its two f32 parts
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
     if x.dtype == jnp.bool_:
         words = x.astype(jnp.uint32)  # bool -> 0/1
     else:

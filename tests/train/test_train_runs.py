@@ -88,7 +88,7 @@ def records(workdir) -> tuple[dict, dict]:
     return train, evals
 
 
-def params_at(workdir, step) -> dict:
+def params_at(workdir, step, part="params") -> dict:
     state = ocp.StandardCheckpointer().restore(Path(workdir).resolve() / "checkpoints" / str(step) / "state")
     leaves = {}
 
@@ -96,10 +96,13 @@ def params_at(workdir, step) -> dict:
         if isinstance(node, dict):
             for k, v in node.items():
                 collect(f"{prefix}/{k}", v)
-        else:
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                collect(f"{prefix}/{i}", v)
+        elif node is not None:  # None: an empty optimizer-state field
             leaves[prefix] = np.asarray(node)
 
-    collect("", state["params"])
+    collect("", state[part])
     return leaves
 
 
@@ -232,3 +235,22 @@ def test_bf16_kahan_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir)
     run(sharded, cache_dir, *mesh, devices=2, **kahan)
     (ref_train, _), (train, _) = records(ref), records(sharded)
     np.testing.assert_allclose([train[s] for s in range(1, 5)], [ref_train[s] for s in range(1, 5)], rtol=1e-3)
+
+
+def test_8bit_moments_resume_exactly_from_their_codes_and_scales(tmp_path, cache_dir):
+    """Adam moments in 8 bits (precision.moment_dtype=float8_e4m3fn): the checkpoint holds the uint16 codes and the
+    complex64 block scales, and a preempted run resumes to the same losses, params and optimizer state bit for bit."""
+    cfg = dict(config="configs/tiny_cpu_bf16_kahan.py")
+    eight = ("--config.train.steps=4", "--config.precision.moment_dtype=float8_e4m3fn")
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    run(ref, cache_dir, *eight, **cfg)
+    run(resumed, cache_dir, *eight, faults=["--sigterm-at=3"], **cfg)
+    p = run(resumed, cache_dir, *eight, **cfg)
+    assert "resumed from step 3" in p.stderr
+    assert records(resumed) == records(ref)
+    a, b = params_at(ref, 4, "opt_state"), params_at(resumed, 4, "opt_state")
+    dtypes = {v.dtype.name for v in a.values()}
+    assert {"uint16", "complex64"} <= dtypes, dtypes
+    assert a.keys() == b.keys()
+    for k in a:  # bitwise: the codes, the scales, the compensation and the count
+        assert b[k].dtype == a[k].dtype and b[k].tobytes() == a[k].tobytes(), k
