@@ -1,7 +1,7 @@
 """Fine-grained FP8 quantization: 1 x B tiles (activations, gradients), B x B blocks (weights), one scale per tile.
 
 For a tile ``t`` (B consecutive elements along one axis, or a B x B block) and FP8 format with largest finite value
-``F`` (448 for float8_e4m3fn, 57344 for float8_e5m2)::
+``F`` (448 for float8_e4m3fn, 57344 for float8_e5m2), with the scale of :func:`lpt.numerics.block_scale`::
 
     amax  = max |t|
     r     = max(amax / F, 2^-126)             (f32; 2^-126 is the smallest normal f32)
@@ -34,13 +34,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lpt.numerics import exponent_of, get_format, pow2, round_nearest
+from lpt.numerics import get_format, round_nearest
+from lpt.numerics.scaling import SCALE_FORMATS, check_scale_format
+from lpt.numerics.scaling import block_scale as compute_scale
 
 __all__ = [
     "FP8_DTYPES",
     "SCALE_FORMATS",
     "QuantStats",
     "check_fp8_dtype",
+    "check_scale_format",
     "compute_scale",
     "dequantize_blocks",
     "dequantize_tiles",
@@ -51,8 +54,6 @@ __all__ = [
 ]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-SCALE_FORMATS = ("f32", "pow2")
-_F32_SMALLEST_NORMAL = 2.0**-126  # the smallest scale: t / scale stays exact and finite for every normal f32 t
 
 
 def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
@@ -65,30 +66,11 @@ def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
     return d
 
 
-def check_scale_format(scale_format: str) -> None:
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
-
-
 def _check_float(x, what: str) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{what} must be a floating-point array, got dtype {x.dtype}")
     return x
-
-
-def compute_scale(amax_f32: jax.Array, dtype, scale_format: str = "f32") -> jax.Array:
-    """f32 scale with ``amax / scale <= max(dtype)``, never below 2^-126; 1 where amax == 0 (see module docstring)."""
-    fmax = jnp.float32(get_format(dtype).max)
-    check_scale_format(scale_format)
-    # f32 / f32, floored at the smallest normal f32: a subnormal quotient would be flushed to 0 (x / 0 = inf).
-    # maximum() propagates NaN, so a NaN amax still gives a NaN scale.
-    ratio = jnp.maximum(amax_f32 / fmax, jnp.float32(_F32_SMALLEST_NORMAL))
-    if scale_format == "pow2":
-        e = exponent_of(ratio)  # floor(log2 ratio) from the f32 bits
-        e = e + (ratio > pow2(e)).astype(jnp.int32)  # bool -> int32: ceil(log2 ratio)
-        ratio = jnp.where(jnp.isfinite(ratio), pow2(e), ratio)
-    return jnp.where(amax_f32 == 0, jnp.float32(1.0), ratio)  # NaN / inf amax stay non-finite
 
 
 def _quantize_grouped(x_f32: jax.Array, dtype, scale_format: str, reduce_axes: tuple[int, ...]):

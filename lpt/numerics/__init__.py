@@ -5,6 +5,8 @@
   :func:`exponent_of` (floor(log2|x|)) and :func:`pow2` (2^e), both on the f32 bits.
 * Rounding (``rounding.py``): :func:`round_nearest`, :func:`round_stochastic`, :func:`round_to_bits`; for update
   rules, the dtype of a parameter's change (:func:`update_dtype`) and the change itself (:func:`change_to`).
+* Block scales (``scaling.py``): :func:`block_scale`, the f32 or power-of-two scale of a block stored in a narrow
+  float (blockwise FP8, 8-bit Adam moments).
 * Random bits (``random.py``): :func:`hash_bits`, the counter-based bits behind stochastic rounding, and
   :func:`random_bits` (``rng="hash"`` or ``"threefry"``).
 """
@@ -19,10 +21,12 @@ from lpt.numerics.formats import (
 )
 from lpt.numerics.random import hash_bits, random_bits
 from lpt.numerics.rounding import change_to, round_nearest, round_stochastic, round_to_bits, update_dtype
+from lpt.numerics.scaling import block_scale
 
 __all__ = [
     "FORMATS",
     "FloatFormat",
+    "block_scale",
     "change_to",
     "exponent_of",
     "get_format",

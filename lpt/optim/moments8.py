@@ -4,8 +4,8 @@ A moment ``x`` of a leaf is cut into blocks of ``block`` consecutive elements of
 whole block; a leaf whose last axis is shorter than ``block`` is one block per row). Per block, in f32::
 
     y     = sqrt(x) if v_sqrt (second moment) else x
-    scale = amax(|y|) / F_max                                (F_max: the format's largest value, 448 for e4m3)
-    code  = Q_F(y · (F_max / amax))                          (stochastic or nearest rounding into F, saturating)
+    scale = max(amax(|y|) / F_max, 2^-126), 1 if amax = 0    (lpt.numerics.block_scale; F_max 448 for e4m3)
+    code  = Q_F(y / scale)                                   (stochastic or nearest rounding into F, saturating)
     y'    = code · scale                 x' = y'^2 if v_sqrt else y'
 
 The block's largest element maps onto ``F_max`` and keeps the format's full relative precision; an element more than
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lpt.numerics import get_format, round_nearest, round_stochastic
+from lpt.numerics import block_scale, get_format, round_nearest, round_stochastic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,8 @@ MOMENT8 = {
         Moment8("float8_e5m2", "float8_e5m2", "float8_e5m2"),
         Moment8("e4m3_v_direct", v_sqrt=False),
         Moment8("e4m3_m_e5m2_v_direct", v_format="float8_e5m2", v_sqrt=False),
+        Moment8("x_block1", block=1),
+        Moment8("x_block16", block=16),
     )
 }
 
@@ -92,14 +94,10 @@ def _unblocked(xb, shape):
 
 def encode(x32, fmt: str, block: int, *, sqrt: bool, key=None):
     """f32 moment -> ``(codes uint8, scales f32)``; stochastic rounding with ``key``, nearest without."""
-    f = get_format(fmt)
-    fmax = jnp.float32(f.max)
     y = jnp.sqrt(x32) if sqrt else x32
     yb = _blocked(y, block)
-    amax = jnp.max(jnp.abs(yb), axis=-1)
-    scale = amax / fmax  # f32
-    inv = jnp.where(amax > 0, fmax / jnp.where(amax > 0, amax, 1.0), 0.0)  # an all-zero block stays 0
-    z = yb * inv[..., None]
+    scale = block_scale(jnp.max(jnp.abs(yb), axis=-1), fmt)  # f32, 1 for an all-zero block
+    z = yb / scale[..., None]
     if key is None:
         q = round_nearest(z, fmt, saturate=True)  # f32 -> fp8
     else:
