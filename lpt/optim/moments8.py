@@ -69,8 +69,6 @@ MOMENT8 = {
         Moment8("float8_e5m2", "float8_e5m2", "float8_e5m2"),
         Moment8("e4m3_v_direct", v_sqrt=False),
         Moment8("e4m3_m_e5m2_v_direct", v_format="float8_e5m2", v_sqrt=False),
-        Moment8("x_block1", block=1),
-        Moment8("x_block16", block=16),
     )
 }
 
