@@ -22,6 +22,7 @@ SECTIONS = {
     "recipes": "lpt.lab.recipes",
     "cost": "lpt.lab.cost",
     "finetune": "lpt.lab.finetune",
+    "states": "lpt.lab.states",
 }
 RECIPE_SECTIONS = ("recipes", "cost")
 

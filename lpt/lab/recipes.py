@@ -44,7 +44,7 @@ QUICK = {  # ~15 s per recipe on 2 quiet cores (mostly compiling): a one-layer m
 QUICK_RECIPES = ("fp32", "bf16_nearest", "bf16_kahan", "bf16_sr")
 
 
-def _read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(train series, eval series) of a run's metrics.jsonl, each ``{key: values}`` with a ``step`` array."""
     train, evals = [], []
     for line in path.read_text().splitlines():
@@ -61,7 +61,7 @@ def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, 
     for name in names:
         cfg = runs.recipe_config(name, overrides)
         summary = loop.train(cfg, workdir / name)
-        tr, ev = _read_metrics(workdir / name / "metrics.jsonl")
+        tr, ev = read_metrics(workdir / name / "metrics.jsonl")
         out[name] = {"eval_loss": summary["eval_loss"], "unigram": summary["unigram_loss"], "train": tr, "eval": ev}
     return out
 
