@@ -32,9 +32,9 @@ Public API
     trainer's ``precision`` section adds the optimizer's update rule and derives ``storage`` from it
     (:mod:`lpt.train.recipe`).
 ``from_pretrained(path, *, param_dtype="float32") -> (model, model_cfg)``
-    a Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 directory (config.json + safetensors) as an lpt model (f32 params
-    and compute, or
-    bf16 params and compute) and its ``config.model``; lower-level pieces in :mod:`lpt.models.hf`.
+    a Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 / Mistral directory (config.json + safetensors) as an lpt model
+    (f32 params and compute, or bf16 params and compute) and its ``config.model``; lower-level pieces in
+    :mod:`lpt.models.hf`.
 ``save_pretrained(model, path, *, tokenizer_file=None)``
     the model as a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads. See
     docs/huggingface.md.

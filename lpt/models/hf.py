@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: GPT-2 (``GPT2LMHeadModel``), Llama (``LlamaForCausalLM``), Qwen2
-(``Qwen2ForCausalLM``) and Qwen3 (``Qwen3ForCausalLM``) directories.
+(``Qwen2ForCausalLM``) and Qwen3 (``Qwen3ForCausalLM``) directories; Mistral (``MistralForCausalLM`` without a
+sliding window shorter than its context, a Llama) in, written back as ``LlamaForCausalLM``.
 
 A Hugging Face model directory holds ``config.json`` and the weights as ``model.safetensors`` (or shards listed by
 ``model.safetensors.index.json``). The weights never pass through PyTorch: :mod:`lpt.models.hf_files` reads and
@@ -14,7 +15,7 @@ Tensor names, lpt parameter paths (``blocks/<i>/...``; ``scan_layers`` stacks th
   ``mlp/{gate,up,down}/kernel``ᵀ; ``model.norm.weight`` = ``final_norm/scale``; ``lm_head.weight`` =
   ``lm_head/kernel``ᵀ (absent when tied). torch ``Linear`` stores [out, in], lpt [in, out]: hence the transposes.
   Hugging Face's Llama weights are already in the rotate-half RoPE layout that lpt uses.
-* Qwen2 and Qwen3: Llama's names, and Qwen2's ``self_attn.{q,k,v}_proj.bias`` = ``attn/{q,k,v}/bias``
+* Qwen2, Qwen3 and Mistral: Llama's names, and Qwen2's ``self_attn.{q,k,v}_proj.bias`` = ``attn/{q,k,v}/bias``
   (``qkv_bias``), Qwen3's ``self_attn.{q,k}_norm.weight`` = ``attn/{q,k}_norm/scale`` (``qk_norm``).
 * GPT-2: ``transformer.wte.weight`` = ``embed/embedding``, ``transformer.wpe.weight`` = ``pos_embed/embedding``; per
   layer ``transformer.h.<i>.`` ``ln_1`` = ``norm1``, ``attn.c_attn`` = ``attn/{q,k,v}`` concatenated on the output
@@ -294,7 +295,7 @@ def model_from_params(model_cfg, precision_cfg, params: dict) -> Transformer:
 
 def from_pretrained(path: str | Path, *, param_dtype: str = "float32") -> tuple[Transformer, ml_collections.ConfigDict]:
     """``(model, model_cfg)``: an lpt :class:`~lpt.models.Transformer` with the weights of the Hugging Face model
-    directory ``path`` (GPT-2, Llama, Qwen2 or Qwen3; see :func:`read_config`), and its ``config.model``.
+    directory ``path`` (GPT-2, Llama, Qwen2, Qwen3 or Mistral; see :func:`read_config`), and its ``config.model``.
 
     Precision of the returned model: ``param_dtype="float32"``: float32 parameters and float32 compute (the weights
     widened exactly from the file's dtype); ``"bfloat16"``: parameters stored in bfloat16 (rounded to nearest even

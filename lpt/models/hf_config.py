@@ -1,7 +1,9 @@
-"""A Hugging Face ``config.json`` (GPT-2, Llama, Qwen2 or Qwen3) <-> lpt's ``config.model``.
+"""A Hugging Face ``config.json`` (GPT-2, Llama, Qwen2, Qwen3 or Mistral) <-> lpt's ``config.model``.
 
-Llama, Qwen2 and Qwen3 are all lpt's ``kind="llama"``: Qwen2 is a Llama with ``qkv_bias``, Qwen3 one with
-``qk_norm`` and (usually) a ``head_dim`` other than ``hidden_size / num_attention_heads``.
+Llama, Qwen2, Qwen3 and Mistral are all lpt's ``kind="llama"``: Qwen2 is a Llama with ``qkv_bias``, Qwen3 one with
+``qk_norm`` and (usually) a ``head_dim`` other than ``hidden_size / num_attention_heads``, Mistral without a sliding
+window shorter than ``max_position_embeddings`` a Llama (lpt has no sliding-window attention: a shorter window is
+refused).
 
 :func:`read_config` maps a directory's config.json to ``config.model`` (keys the file leaves out take transformers'
 defaults; what lpt's models cannot express is a one-line ValueError); :func:`hf_config` is its inverse. The
@@ -27,15 +29,17 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
 }
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # the special token ids of config.json
 # end-of-text tokens by the names common tokenizers give them, in the order lpt.data.tokenizer looks for them: the
 # first one a tokenizer.json has is the separator lpt packs between documents
 END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> family
+_MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}  # model_type -> family (the same names)
 _CLASSES = {family: arch for arch, family in ARCHITECTURES.items()}  # family -> architecture
 
-# defaults of transformers' GPT2Config / LlamaConfig / Qwen2Config / Qwen3Config, for keys a config.json leaves out
+# defaults of transformers' GPT2Config / LlamaConfig / Qwen2Config / Qwen3Config / MistralConfig, for keys a
+# config.json leaves out
 _GPT2_DEFAULTS = {
     "vocab_size": 50257,
     "n_positions": 1024,
@@ -82,6 +86,13 @@ _DEFAULTS = {
     "llama": _LLAMA_DEFAULTS,
     "qwen2": _QWEN_DEFAULTS,
     "qwen3": {**_QWEN_DEFAULTS, "head_dim": 128, "attention_bias": False},
+    "mistral": {
+        **{k: v for k, v in _LLAMA_DEFAULTS.items() if k not in ("attention_bias", "mlp_bias")},
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+    },
 }
 _NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window")  # null: the derived value (h, d / h) or no window
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation (lpt's GPT-2 MLP)
@@ -211,12 +222,21 @@ def _rope(c: dict, where) -> tuple[float, dict]:
     return theta, out
 
 
-def _check_no_window(hf: dict, c: dict, where) -> None:
-    """ValueError when a Qwen2 / Qwen3 config.json has a layer that attends through a sliding window shorter than
-    ``max_position_embeddings`` (transformers: ``use_sliding_window`` true, and ``layer_types`` naming a
-    "sliding_attention" layer or, without ``layer_types``, layers from ``max_window_layers`` on)."""
+def _check_no_window(hf: dict, c: dict, where, family: str) -> None:
+    """ValueError when a Qwen2, Qwen3 or Mistral config.json has a layer that attends through a sliding window
+    shorter than ``max_position_embeddings`` (as transformers reads them: Mistral's ``sliding_window`` applies to
+    every layer; Qwen's only with ``use_sliding_window`` true, to the layers ``layer_types`` names
+    "sliding_attention" or, without ``layer_types``, to the layers from ``max_window_layers`` on). A window at least
+    ``max_position_embeddings`` long masks no key of any sequence the model accepts."""
     window = c["sliding_window"]
-    if not c["use_sliding_window"] or window is None or window >= c["max_position_embeddings"]:
+    if window is None or window >= c["max_position_embeddings"]:
+        return
+    if family == "mistral":
+        raise ValueError(
+            f"{where}: sliding_window={window} < max_position_embeddings={c['max_position_embeddings']} is not "
+            "supported (lpt has no sliding-window attention)"
+        )
+    if not c["use_sliding_window"]:
         return
     types = hf.get("layer_types")
     if types is None:
@@ -233,7 +253,7 @@ def _check_no_window(hf: dict, c: dict, where) -> None:
 
 
 def _llama_config(hf: dict, where, family: str) -> ml_collections.ConfigDict:
-    """``config.model`` of a Llama, Qwen2 or Qwen3 config.json (kind "llama"; Qwen2: ``qkv_bias``, Qwen3:
+    """``config.model`` of a Llama, Qwen2, Qwen3 or Mistral config.json (kind "llama"; Qwen2: ``qkv_bias``, Qwen3:
     ``qk_norm``)."""
     c = _typed(hf, _DEFAULTS[family], where)
     if c["hidden_act"] != "silu":
@@ -248,7 +268,7 @@ def _llama_config(hf: dict, where, family: str) -> ml_collections.ConfigDict:
             f"{where}: mlp_bias={c['mlp_bias']!r} is not supported (lpt's MLP has no biases); allowed: false"
         )
     if family != "llama":
-        _check_no_window(hf, c, where)
+        _check_no_window(hf, c, where, family)
     d, h, head_dim = int(c["hidden_size"]), int(c["num_attention_heads"]), c["head_dim"]
     if head_dim is not None and head_dim <= 0:
         raise ValueError(f"{where}: head_dim={head_dim} must be a positive integer")
@@ -282,12 +302,12 @@ def read_config(path: str | Path) -> ml_collections.ConfigDict:
 
     GPT-2: ``n_embd``, ``n_layer``, ``n_head``, ``n_inner`` (None: 4 n_embd), ``n_positions``,
     ``layer_norm_epsilon``, ``tie_word_embeddings``, ``initializer_range``; ``activation_function`` must be a tanh
-    GELU. Llama, Qwen2, Qwen3: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    GELU. Llama, Qwen2, Qwen3, Mistral: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim`` (0 in lpt when it is hidden_size / num_attention_heads),
     ``intermediate_size``, ``max_position_embeddings``, ``rms_norm_eps``, ``tie_word_embeddings``, ``rope_theta`` and
     ``rope_scaling`` / ``rope_parameters`` (type default, linear or llama3); ``hidden_act`` must be silu,
-    ``attention_bias`` / ``mlp_bias`` false; Qwen2 sets ``qkv_bias``, Qwen3 ``qk_norm``; a Qwen2 / Qwen3 layer
-    with a sliding window shorter than ``max_position_embeddings`` is refused. Keys a config.json leaves out take
+    ``attention_bias`` / ``mlp_bias`` false; Qwen2 sets ``qkv_bias``, Qwen3 ``qk_norm``; a Qwen2 / Qwen3 / Mistral
+    layer with a sliding window shorter than ``max_position_embeddings`` is refused. Keys a config.json leaves out take
     transformers' defaults. Anything else, or a file that is not a JSON object or holds a value of another type than
     transformers' default (a string for an integer, ...): a one-line ValueError naming the file.
     """
@@ -358,8 +378,9 @@ def generation_config(token_ids: dict) -> dict:
 
 def hf_family(model_cfg) -> str:
     """The Hugging Face family that writes ``config.model``: "gpt2"; for kind "llama" "qwen2" with ``qkv_bias``,
-    "qwen3" with ``qk_norm``, else "llama". ValueError for a model no architecture holds: ``qkv_bias`` and
-    ``qk_norm`` together, or a Llama whose ``d_model`` is not divisible by ``n_heads``."""
+    "qwen3" with ``qk_norm``, else "llama" (a Mistral read by :func:`read_config` is written as the Llama it is).
+    ValueError for a model no architecture holds: ``qkv_bias`` and ``qk_norm`` together, or a Llama whose
+    ``d_model`` is not divisible by ``n_heads``."""
     s = model_spec(model_cfg)
     if s.kind == "gpt2":
         return "gpt2"
