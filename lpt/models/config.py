@@ -36,6 +36,20 @@ ATTENTION_IMPLS = ("xla", "pallas", "softmax")
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# the model keys that shape the parameters: a fine-tune (init_from) must keep the source's values
+SHAPE_KEYS = (
+    "kind",
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "tie_embeddings",
+    "head_dim",
+    "qkv_bias",
+    "qk_norm",
+)
 
 
 @section("model.rope_scaling")

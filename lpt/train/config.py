@@ -27,7 +27,7 @@ import lpt.configs
 from lpt import options
 from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
-from lpt.models.config import ModelSpec
+from lpt.models.config import SHAPE_KEYS, ModelSpec
 from lpt.models.hf_config import read_config as read_hf_config
 from lpt.options import option, section
 from lpt.train.guard import BAD_STEPS
@@ -225,8 +225,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.seq_len={typed.data.seq_len} exceeds model.max_seq_len={typed.model.max_seq_len}")
 
 
-# model keys that shape the parameters: with init_from.hf a config may not set them to other values than the source's
-HF_SHAPE_KEYS = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
 
 
 def from_hf(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -247,7 +245,7 @@ def from_hf(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         mine = mine.to_dict() if isinstance(mine, ml_collections.ConfigDict) else mine
         if mine == default_model[key] or mine == value:
             out.model[key] = value
-        elif key in HF_SHAPE_KEYS:
+        elif key in SHAPE_KEYS:
             conflicts.append(f"model.{key}={mine!r} (the source has {value!r})")
     if conflicts:
         raise ValueError(

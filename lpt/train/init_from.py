@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import lpt.optim
-from lpt import numerics
+from lpt import numerics, options
 from lpt.models import hf
+from lpt.models.config import SHAPE_KEYS, ModelSpec
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import paths
 from lpt.train import state as state_lib
@@ -54,7 +55,6 @@ from lpt.train import state as state_lib
 log = logging.getLogger("lpt.train")
 
 # config.model keys that decide the parameters' paths and shapes (max_seq_len too for gpt2's learned positions)
-SHAPE_KEYS = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
 # keys compared for information only: they change the function, not the shapes
 OTHER_KEYS = ("max_seq_len", "rope_theta", "rope_scaling", "norm_eps")
 
@@ -119,8 +119,9 @@ def check_model(source: dict, model: dict, where: str, *, scan: bool) -> None:
     """ValueError naming the first key of :data:`SHAPE_KEYS` (and ``scan_layers`` if ``scan``; ``max_seq_len`` for
     gpt2) where the source's ``config.model`` and this run's differ; the other differing keys are logged."""
     keys = SHAPE_KEYS + (("scan_layers",) if scan else ()) + (("max_seq_len",) if model["kind"] == "gpt2" else ())
+    default = options.to_dict(ModelSpec())
     for k in keys:
-        if source.get(k) != model[k]:
+        if source.get(k, default.get(k)) != model[k]:  # a key the source's config predates has its default
             raise ValueError(
                 f"{where} has model.{k}={source.get(k)!r} but config.model.{k}={model[k]!r}; a fine-tune keeps the "
                 f"source's shape (set config.model.{k}={source.get(k)!r})"
