@@ -3,8 +3,9 @@ Hugging Face model directory.
 
 Reads the run's checkpoint (the newest, or ``--step``) with :func:`lpt.train.load_params` and its config (the one
 recorded with the checkpoint, else ``RUN/config.json``) and writes ``DIR/{config.json, model.safetensors}`` with
-:func:`lpt.models.hf.save_params`: GPT-2, Llama, Qwen2 or Qwen3 (by the model's options), tensors in the parameters' stored dtype (float32, or bfloat16
-for the bf16 recipes). If ``config.data.tokenizer`` is a tokenizer.json file it is copied to ``DIR/tokenizer.json``.
+:func:`lpt.models.hf.save_params`: GPT-2, Llama, Qwen2 or Qwen3 (by the model's options), tensors in the
+parameters' stored dtype (float32, or bfloat16 for the bf16 recipes). If ``config.data.tokenizer`` is a
+tokenizer.json file it is copied to ``DIR/tokenizer.json``.
 ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` go into config.json and ``DIR/generation_config.json``
 (:func:`token_ids`), so that ``transformers.generate`` stops where lpt's generation stops: at the separator the run
 packed between documents, or the ids of the ``init_from.hf`` directory the run started from.
