@@ -3,6 +3,9 @@
 * Quantization: 1x128 tiles (activations, gradients), 128x128 blocks (weights), f32 or power-of-two scales:
   :func:`quantize_tiles`, :func:`quantize_blocks`, :func:`quantize_tensor` and their inverses
   :func:`dequantize_tiles`, :func:`dequantize_blocks`.
+* Block formats (OCP MX v1.0 and NVFP4): :func:`mx_quantize` / :func:`mx_dequantize` (e4m3, e5m2 or e2m1 codes,
+  e8m0 power-of-two scales per 32 elements) and :func:`nvfp4_quantize` / :func:`nvfp4_dequantize` (e2m1 codes,
+  e4m3 scales per 16 elements, one f32 tensor scale); 1-D blocks or 2-D weight tiles, nearest or stochastic.
 * :func:`blockwise_dot`: differentiable ``x[..., K] @ w[K, N]``; forward, dX and dW are all blockwise FP8 GEMMs.
   :class:`BlockwiseConfig` holds its static options and their defaults.
 * :func:`emulated_dot`: matmul through an emulated limited-precision accumulator (reproduces the FP8 accumulation
@@ -15,6 +18,7 @@ The rest stays importable from its module (:mod:`lpt.fp8.quantize`: ``compute_sc
 ``scaled_matmul``). See docs/fp8.md.
 """
 
+from lpt.fp8.block_formats import mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
 from lpt.fp8.blockwise import BlockwiseConfig, blockwise_dot
 from lpt.fp8.diagnostics import fp8_gemm_diagnostics
 from lpt.fp8.emulate import emulated_dot
@@ -30,6 +34,10 @@ __all__ = [
     "emulated_dot",
     "fp8_gemm_diagnostics",
     "make_fp8_dot_general",
+    "mx_dequantize",
+    "mx_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_quantize",
     "quantize_blocks",
     "quantize_tensor",
     "quantize_tiles",
