@@ -1,4 +1,4 @@
-"""Fused AdamW + Kahan update of bf16 params with 16-bit moments as one Pallas kernel per leaf.
+"""Fused AdamW + Kahan update of bf16 params with 16-bit or 8-bit moments as one Pallas kernel per leaf.
 
 The math (the update equations, :func:`~lpt.kernels.adamw_kahan_math.moment_update`, ``round_moments``,
 ``kahan_target``, ``kahan_round``) and the kernel's XLA twin (``adamw_kahan_reference``) are in
@@ -11,6 +11,17 @@ compute copy = 28). Leaves are flattened and zero-padded to whole ``(rows, 128)`
 off. Stochastic moment rounding draws one ``hash_bits`` word per element from its global flat index (block base +
 in-block index, or a shard's global index map), so the kernel draws the same bits as the XLA path. The platform
 switch is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in :mod:`lpt.kernels.adamw_kahan_sharded`.
+
+8-bit moments (``moments8=(m_format, v_format, v_sqrt)``, :mod:`lpt.optim.moments8`): ``mv`` is the uint16 pair of
+FP8 codes per element and ``scales`` one complex64 per block of 128 along the last axis (m's scale real, v's
+imaginary). The last axis must be a multiple of 128: a ``(rows, 128)`` tile row is then exactly one block, and the
+kernel requantizes each row from its own amax (:func:`~lpt.kernels.adamw_kahan_math.leaf_math8`). The scales enter
+as two f32 arrays, lane-dense ``(rows / 128, 128)`` on TPU and in the interpreter (:func:`_chunks8`; a ``(rows, 1)``
+f32 array would be tiled (8, 128) in TPU memory, 128 times its size) and ``(rows, 1)`` columns on Triton (the same
+bytes, row-major). Memory traffic: reads g 2, p 2, c 2, codes 2, scales 8/128;
+writes p 2, c 2, codes 2, scales 8/128 = 14.125 bytes/param (18 with 16-bit moments). Stochastic rounding hashes the
+element's global flat index with m's and v's key words (``words`` uint32[4]), one word per moment and element: what
+``round_stochastic`` draws for the blocked leaf.
 """
 
 from __future__ import annotations
@@ -20,59 +31,108 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
-from lpt.kernels.adamw_kahan_math import LANES, check_leaf, leaf_math, shard_index_map
+from lpt.kernels.adamw_kahan_math import LANES, check_leaf, leaf_math, leaf_math8, shard_index_map
 
-__all__ = ["TPU_BLOCK_ROWS", "TRITON_BLOCK_ROWS", "adamw_kahan"]
+__all__ = ["TPU_BLOCK_ROWS", "TPU_BLOCK_ROWS_8BIT", "TRITON_BLOCK_ROWS", "adamw_kahan"]
 
 
-def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, p_out, c_out, mv_out, *, block, hp, shapes):
+def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, *refs, block, hp, shapes, chunked):
+    """One tile. 16-bit moments: ``refs`` = the outputs ``(p, c, mv)``; 8-bit: the scales ``(ms, vs)``, then the
+    outputs ``(p, c, codes, ms, vs)``, the scales as ``(rows, 1)`` columns (Triton) or lane-dense ``(rows / 128,
+    128)`` rows (Mosaic and the interpreter: see :func:`_chunks8`)."""
+    eight_bit = hp.get("moments8") is not None
     scalars = (sc_ref[0], sc_ref[1], sc_ref[2], sc_ref[3])
-    words = (w_ref[0], w_ref[1])
+    nw = 4 if eight_bit else 2  # key words: m's and v's (8-bit) or one key for both moments
+    words = tuple(w_ref[i] for i in range(nw))
     base = (pl.program_id(0) * block).astype(jnp.uint32) if hp["stochastic"] else None  # int32 -> u32
-    index_map = None if shapes is None else shard_index_map(*shapes, w_ref[2])
-    p_new, c_new, mv_new = leaf_math(
-        g_ref[...], p_ref[...], c_ref[...], mv_ref[...], scalars, words, base=base, index_map=index_map, **hp
-    )
-    p_out[...] = p_new
-    c_out[...] = c_new
-    mv_out[...] = mv_new
+    index_map = None if shapes is None else shard_index_map(*shapes, w_ref[nw])
+    if chunked:
+        ctx = dict(scalars=scalars, words=words, base=base, index_map=index_map, hp=hp)
+        _chunks8(g_ref, p_ref, c_ref, mv_ref, *refs, **ctx)
+        return
+    leaf = (g_ref[...], p_ref[...], c_ref[...], mv_ref[...])
+    if eight_bit:
+        ms_ref, vs_ref, *outs = refs
+        new = leaf_math8(*leaf, ms_ref[...], vs_ref[...], scalars, words, base=base, index_map=index_map, **hp)
+    else:
+        outs = refs
+        new = leaf_math(*leaf, scalars, words, base=base, index_map=index_map, **hp)
+    for ref, x in zip(outs, new, strict=True):
+        ref[...] = x
 
 
-def _pallas(sc, w, g2, p2, c2, mv2, *, block_rows, hp, shapes, mode):
-    rows = p2.shape[0]
+def _chunks8(g_ref, p_ref, c_ref, mv_ref, ms_ref, vs_ref, *outs, scalars, words, base, index_map, hp):
+    """8-bit moments with lane-dense scales: scale row ``a`` holds the scales of the tile's rows ``128a ..
+    128a + 127``, and the tile is updated in chunks of 128 rows. A chunk's scales become a column by a broadcast and
+    a 128 x 128 transpose, and its new scales (a column: the rows' amax) a row the same way: exact data movement,
+    so the numbers are those of :func:`leaf_math8` on ``(rows, 1)`` columns."""
+    p_out, c_out, mv_out, ms_out, vs_out = outs
+    square = (LANES, LANES)
+    for a in range(ms_ref.shape[0]):
+        rows = slice(a * LANES, (a + 1) * LANES)
+        leaf = tuple(ref[rows, :] for ref in (g_ref, p_ref, c_ref, mv_ref))
+        ms, vs = (jnp.transpose(jnp.broadcast_to(ref[a : a + 1, :], square)) for ref in (ms_ref, vs_ref))
+        chunk = None if base is None else base + jnp.uint32(a * LANES * LANES)
+        new = leaf_math8(*leaf, ms, vs, scalars, words, base=chunk, index_map=index_map, **hp)
+        for ref, x in zip((p_out, c_out, mv_out), new[:3], strict=True):
+            ref[rows, :] = x
+        for ref, col in zip((ms_out, vs_out), new[3:], strict=True):
+            ref[a : a + 1, :] = jnp.transpose(jnp.broadcast_to(col, square))[0:1, :]
+
+
+def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
+    rows, n = p2.shape[0], p2.size
     tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
+    columns = mode == "triton"  # 8-bit moments' scales: (rows, 1) columns on Triton, lane-dense rows elsewhere
+    if scales and columns:
+        scales = tuple(s.reshape(rows, 1) for s in scales)  # (rows / 128, 128) -> (rows, 1): row-major, a bitcast
+        scale_spec = pl.BlockSpec((block_rows, 1), lambda i: (i, 0))
+    else:
+        scale_spec = pl.BlockSpec((block_rows // LANES, LANES), lambda i: (i, 0))
     if mode == "mosaic":
         scalar_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)] * 2
     else:
         scalar_specs = [pl.BlockSpec((4,), lambda i: (0,)), pl.BlockSpec(w.shape, lambda i: (0,))]
-    kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp, shapes=shapes)
-    return pl.pallas_call(
+    chunked = bool(scales) and not columns
+    kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp, shapes=shapes, chunked=chunked)
+    leaf_out = [jax.ShapeDtypeStruct(p2.shape, jnp.bfloat16), jax.ShapeDtypeStruct(c2.shape, jnp.bfloat16)]
+    leaf_out.append(jax.ShapeDtypeStruct(mv2.shape, mv2.dtype))
+    scale_out = [jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in scales]
+    g_bytes = g2.dtype.itemsize
+    if scales:
+        # per element: ~130 elementwise flops (two hashes, two requantizations), two sqrt and three divisions;
+        # reads g, p, c, the codes (2 bytes) and 2 f32 scales per 128; writes p, c, the codes and the scales
+        cost = pl.CostEstimate(
+            flops=130 * n, transcendentals=5 * n, bytes_accessed=n * (g_bytes + 2 + 2 + 2 + 2 + 2 + 2) + rows * 16
+        )
+    else:
+        # per element: ~40 elementwise flops, one sqrt; reads g, p, c, mv and writes p, c, mv
+        cost = pl.CostEstimate(flops=40 * n, transcendentals=n, bytes_accessed=n * (g_bytes + 2 + 2 + 4 + 2 + 2 + 4))
+    aliases = {3 + i: i for i in range(3 + len(scales))}  # p, c, mv (and the scales) updated in place
+    outs = pl.pallas_call(
         kernel,
         grid=(rows // block_rows,),
-        in_specs=[*scalar_specs, tile, tile, tile, tile],
-        out_specs=[tile, tile, tile],
-        out_shape=[
-            jax.ShapeDtypeStruct(p2.shape, jnp.bfloat16),
-            jax.ShapeDtypeStruct(c2.shape, jnp.bfloat16),
-            jax.ShapeDtypeStruct(mv2.shape, jnp.uint32),
-        ],
-        input_output_aliases={3: 0, 4: 1, 5: 2},
-        name="lpt_adamw_kahan",
-        # per element: ~40 elementwise flops, one sqrt; reads g, p, c, mv and writes p, c, mv
-        cost_estimate=pl.CostEstimate(
-            flops=40 * p2.size,
-            transcendentals=p2.size,
-            bytes_accessed=p2.size * (g2.dtype.itemsize + 2 + 2 + 4 + 2 + 2 + 4),
-        ),
+        in_specs=[*scalar_specs, tile, tile, tile, tile, *[scale_spec] * len(scales)],
+        out_specs=[tile, tile, tile, *[scale_spec] * len(scales)],
+        out_shape=[*leaf_out, *scale_out],
+        input_output_aliases=aliases,
+        name="lpt_adamw_kahan8" if scales else "lpt_adamw_kahan",
+        cost_estimate=cost,
         **dispatch.mode_kwargs(mode, grid_rank=1),
-    )(sc, w, g2, p2, c2, mv2)
+    )(sc, w, g2, p2, c2, mv2, *scales)
+    if scales and columns:
+        outs = (*outs[:3], *(s.reshape(rows // LANES, LANES) for s in outs[3:]))  # (rows, 1) -> (rows / 128, 128)
+    return outs
 
 
 TPU_BLOCK_ROWS = 512  # 64K elements per program: ~1.2 MB of VMEM per buffer set, double-buffered
+TPU_BLOCK_ROWS_8BIT = 1024  # 8-bit moments: 128K elements, whose scales are one (8, 128) f32 tile per moment
+# (a leaf of fewer rows is one block of the next power of two >= 128 rows)
 TRITON_BLOCK_ROWS = 16  # 2K elements per program: 16 per thread with 4 warps (a big block would spill registers)
 
 
@@ -93,22 +153,32 @@ def adamw_kahan(
     interpret=None,
     global_shape=None,
     offset=None,
+    scales=None,
+    moments8=None,
 ):
-    """Pallas kernel: one pass ``(g, p, c, mv) -> (p', c', mv')`` for one leaf of any shape (see module doc).
+    """Pallas kernel: one pass ``(g, p, c, mv) -> (p', c', mv')`` for one leaf of any shape (see module doc); with
+    8-bit moments ``(g, p, c, mv, scales) -> (p', c', mv', scales')``.
 
     Args:
-      g, p, c, mv: gradient (any float dtype), bf16 param, bf16 compensation, packed bf16 moments (uint32).
+      g, p, c, mv: gradient (any float dtype), bf16 param, bf16 compensation, packed bf16 moments (uint32), or
+        with ``moments8`` the two moments' FP8 codes (uint16, m's high: ``lpt.optim.moments8.pack_codes``).
       scalars: f32[4] ``(1/c1, 1/c2, -lr, 0)`` (the 0 is :func:`no_fma`'s runtime zero).
-      words: uint32[2], the raw key of the moments' stochastic rounding (see :func:`round_moments`).
+      words: uint32[2], the raw key of the moments' stochastic rounding (see :func:`round_moments`); with
+        ``moments8`` uint32[4], m's key words then v's.
+      scales, moments8: 8-bit moments: complex64 ``p.shape[:-1] + (p.shape[-1] // 128,)``, m's and v's scale per
+        block of 128 of the last axis (which must be a multiple of 128), and ``(m_format, v_format, v_sqrt)`` of
+        the ``lpt.optim.moments8.Moment8`` that stores them. None: 16-bit moments.
       block_rows: rows of 128 lanes per program, a power of two >= 16 (shrinks for small leaves). None: per
-        platform, :data:`TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`TRITON_BLOCK_ROWS` on CUDA.
+        platform, :data:`TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`TRITON_BLOCK_ROWS` on CUDA. 8-bit
+        moments on TPU and in the interpreter: at least :data:`TPU_BLOCK_ROWS_8BIT` (whole (8, 128) scale tiles),
+        or one block of the leaf's rows (at least 128) when it has fewer.
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform
         (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Triton on CUDA, Mosaic on TPU.
       global_shape, offset: the arrays are one shard of a leaf of ``global_shape`` whose first element has global
         flat index ``offset`` (u32 scalar); the stochastic rounding hashes each element's global flat index, so
         the bits do not depend on the sharding. None: the arrays are the whole leaf.
     """
-    check_leaf(g, p, c, mv, scalars, words)
+    check_leaf(g, p, c, mv, scalars, words, scales=scales, moments8=moments8)
     if (global_shape is None) != (offset is None):
         raise ValueError(f"pass global_shape and offset together, got {global_shape=} and offset={offset!r}")
     shapes = None if global_shape is None or tuple(global_shape) == p.shape else (p.shape, tuple(global_shape))
@@ -118,20 +188,35 @@ def adamw_kahan(
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
     dispatch.check_interpret(interpret)
     n = math.prod(p.shape)
+    eight_bit = moments8 is not None
     if n == 0:
-        return p, c, mv
+        return (p, c, mv, scales) if eight_bit else (p, c, mv)
     rows = -(-n // LANES)
     fit = max(16, 1 << (rows - 1).bit_length())  # blocks never exceed the next power of two of the leaf's rows
     big = min(TPU_BLOCK_ROWS if block_rows is None else block_rows, fit)
+    if eight_bit:  # lane-dense scales: whole (8, 128) tiles of them per block, or one block holding the whole leaf
+        big = max(TPU_BLOCK_ROWS_8BIT, block_rows or 0)
+        big = big if rows > big else max(LANES, fit)  # one block: its (rows / 128, 128) scales are the whole array
     small = min(TRITON_BLOCK_ROWS if block_rows is None else block_rows, fit)
     rows_pad = -(-rows // big) * big  # a multiple of both block sizes (powers of two, small <= big)
 
     def flat(x):
         return jnp.pad(x.reshape(-1), (0, rows_pad * LANES - n)).reshape(rows_pad, LANES)
 
+    def lane_dense(s):  # one f32 scale per row of 128 (the last axis is whole blocks), 128 rows' scales per row
+        return jnp.pad(s.reshape(-1), (0, rows_pad - rows)).reshape(rows_pad // LANES, LANES)
+
     args = (scalars, words, flat(g), flat(p), flat(c), flat(mv))
+    if eight_bit:
+        args += (lane_dense(jnp.real(scales)), lane_dense(jnp.imag(scales)))  # complex64 -> its two f32 parts
     hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
+    if eight_bit:
+        hp["moments8"] = tuple(moments8)
     rows_of = lambda mode: small if mode == "triton" else big
     build = lambda mode: functools.partial(_pallas, block_rows=rows_of(mode), hp=hp, shapes=shapes, mode=mode)
     outs = dispatch.platform_call(build, *args, interpret=interpret)
-    return tuple(x.reshape(-1)[:n].reshape(p.shape) for x in outs)
+    leaf = tuple(x.reshape(-1)[:n].reshape(p.shape) for x in outs[:3])
+    if not eight_bit:
+        return leaf
+    ms, vs = (x.reshape(-1)[:rows] for x in outs[3:])
+    return (*leaf, lax.complex(ms, vs).reshape(scales.shape))  # f32 -> complex64 (m + i·v)

@@ -12,6 +12,12 @@ One step for a parameter ``p`` with gradient ``g``, compensation ``c`` and momen
 Every product that feeds an add is kept out of FMAs (:func:`no_fma`), so that every fusion and backend computes the
 same bits. Both moments of an element travel packed in one ``uint32`` (m's bf16 bits high, v's low).
 :func:`adamw_kahan_reference` is the kernel's XLA twin on one leaf (any shape).
+
+8-bit moments (:mod:`lpt.optim.moments8`): ``Q_m`` stores each moment as FP8 codes with one f32 scale per block of
+128 consecutive elements of the last axis (:func:`encode_blocks`, :func:`decode_blocks`; :func:`leaf_math8` is the
+kernel's step, ``lpt.optim.moments8`` calls the same block functions on the leaf blocked as ``(..., blocks, 128)``).
+Their rounding (:func:`round_fp8`) and code conversions (:func:`fp8_code`, :func:`fp8_value`) are integer and f32
+operations that Mosaic and Triton lower: the kernel holds no float8 arrays.
 """
 
 from __future__ import annotations
@@ -20,22 +26,30 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from lpt.numerics import hash_bits, round_nearest
+from lpt.numerics import block_scale, get_format, hash_bits, round_nearest
 from lpt.numerics.random import hash_index  # hash_bits' keyed hash (Triton cannot lower hash_bits' key handling)
 
 __all__ = [
     "adamw_direction",
     "adamw_kahan_reference",
     "check_leaf",
+    "check_moments8",
+    "decode_blocks",
+    "encode_blocks",
     "f32",
+    "fp8_code",
+    "fp8_value",
     "kahan_round",
     "kahan_target",
     "leaf_math",
+    "leaf_math8",
     "moment_update",
     "no_fma",
     "pack_bf16_pair",
+    "round_fp8",
     "round_moments",
     "runtime_zero",
     "stochastic_bf16",
@@ -195,6 +209,157 @@ def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, inde
     return stochastic_bf16(m32, rnd >> jnp.uint32(16)), stochastic_bf16(v32, rnd & jnp.uint32(0xFFFF))
 
 
+# 8-bit moments. Every function takes blocks along the LAST axis of its arrays: values ``y[..., b]`` and their scales
+# ``s[..., 1]`` (lpt.optim.moments8 passes a leaf blocked as (..., blocks, 128), the kernel its (rows, 128) tiles).
+Moments8 = tuple  # (m's format, v's format, v stored as sqrt(v)): the kernel's view of a lpt.optim.moments8.Moment8
+_SIGN, _ABS, _EXP, _QNAN = 0x80000000, 0x7FFFFFFF, 0x7F800000, 0x7FC00000
+
+
+def _bits(x32):
+    return lax.bitcast_convert_type(x32, jnp.uint32)  # f32 -> u32 bits
+
+
+def _from_bits(b):
+    return lax.bitcast_convert_type(b, jnp.float32)  # u32 bits -> f32
+
+
+def _bits_of(x: float) -> int:
+    """The f32 bits of a Python number, at trace time (Triton cannot bitcast a constant)."""
+    return int(np.float32(x).view(np.uint32))  # f32 -> u32 bits
+
+
+def _fp8(dtype):
+    fmt = get_format(dtype)
+    if fmt.bits != 8:
+        raise ValueError(f"8-bit moments need an 8-bit float format, got {fmt.name}")
+    return fmt
+
+
+def fp8_code(q32, dtype):
+    """f32 values on the grid of the 8-bit float ``dtype`` (±inf and NaN pass) -> their 8-bit codes, in a u32.
+
+    Normal values: the f32 exponent rebiased and the top mantissa bits, one integer subtraction and shift (exact on
+    the grid); subnormal ones: ``|q| / smallest_subnormal`` as an integer (exact); non-finite ones: the format's inf
+    or NaN code (e4m3fn, which has no inf: NaN, 0x7F). The sign goes to bit 7."""
+    fmt = _fp8(dtype)
+    mb = fmt.mantissa_bits
+    b = _bits(q32)
+    mag = b & jnp.uint32(_ABS)
+    normal = (mag - jnp.uint32((126 + fmt.emin) << 23)) >> jnp.uint32(23 - mb)  # exponent rebiased to 1 - emin
+    tiny = mag < jnp.uint32(_bits_of(fmt.smallest_normal))
+    small = _from_bits(jnp.where(tiny, mag, jnp.uint32(0)))  # |q| below the smallest normal (else 0)
+    sub = (small * jnp.float32(1 / fmt.smallest_subnormal)).astype(jnp.int32).astype(jnp.uint32)  # f32 -> i32 -> u32
+    top = ((1 << fmt.exponent_bits) - 1) << mb  # the all-ones exponent
+    if fmt.has_inf:
+        special = jnp.where(mag > jnp.uint32(_EXP), jnp.uint32(top | 1 << (mb - 1)), jnp.uint32(top))  # NaN, inf
+    else:
+        special = jnp.uint32(0x7F)  # NaN (inf has no code: it becomes NaN, as XLA's convert does)
+    code = jnp.where(mag >= jnp.uint32(_EXP), special, jnp.where(tiny, sub, normal))
+    return ((b >> jnp.uint32(31)) << jnp.uint32(7)) | code
+
+
+def fp8_value(code_u32, dtype):
+    """Inverse of :func:`fp8_code`: 8-bit codes of ``dtype`` (u32 < 256) -> their f32 values (exact)."""
+    fmt = _fp8(dtype)
+    mb = fmt.mantissa_bits
+    mag = code_u32 & jnp.uint32(0x7F)
+    normal = (mag << jnp.uint32(23 - mb)) + jnp.uint32((126 + fmt.emin) << 23)
+    sub = _bits(mag.astype(jnp.int32).astype(jnp.float32) * jnp.float32(fmt.smallest_subnormal))  # u32 -> i32 -> f32
+    top = ((1 << fmt.exponent_bits) - 1) << mb
+    if fmt.has_inf:
+        special_code = mag >= jnp.uint32(top)  # the all-ones exponent: inf, or NaN with a nonzero mantissa
+        special = jnp.uint32(_EXP) | ((mag - jnp.uint32(top)) << jnp.uint32(23 - mb))
+    else:
+        special_code, special = mag == jnp.uint32(0x7F), jnp.uint32(_QNAN)
+    bits = jnp.where(special_code, special, jnp.where(mag < jnp.uint32(1 << mb), sub, normal))
+    return _from_bits(((code_u32 >> jnp.uint32(7)) << jnp.uint32(31)) | bits)
+
+
+def _with_sign_of(mag32, b):
+    """|mag| with the sign bit of the u32 bits ``b``."""
+    return _from_bits((_bits(mag32) & jnp.uint32(_ABS)) | (b & jnp.uint32(_SIGN)))
+
+
+def round_fp8(x32, dtype, rnd=None):
+    """``x`` rounded into the 8-bit float ``dtype``, saturating, as f32 on its grid.
+
+    ``rnd`` None: to nearest even, equal to ``lpt.numerics.round_nearest(x, dtype, saturate=True)``; else a uniform
+    u32 per element: stochastic, equal to ``lpt.numerics.round_stochastic(x, dtype, key, saturate=True)`` when
+    ``rnd`` is its ``hash_bits(key, x.shape)`` (both tested). Their algorithms, in operations Mosaic and Triton lower
+    (no ``lax.round``, ``sign`` or ``isfinite``; below the smallest normal, ``floor`` and the fraction's comparison with
+    1/2 round ``|x| / s`` to the nearest integer, ties to even)."""
+    fmt = _fp8(dtype)
+    drop = 23 - fmt.mantissa_bits
+    b = _bits(x32)
+    a32 = _from_bits(b & jnp.uint32(_ABS))  # |x|
+    keep = jnp.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)
+    s = fmt.smallest_subnormal
+    y = a32 * jnp.float32(1.0 / s)  # |x| in units of the subnormal spacing: exact power-of-two scaling
+    fl = jnp.floor(y)
+    if rnd is None:
+        lsb = (b >> jnp.uint32(drop)) & jnp.uint32(1)
+        r = _from_bits((b + jnp.uint32((1 << (drop - 1)) - 1) + lsb) & keep)
+        odd = (fl.astype(jnp.int32) & 1) == 1  # f32 -> i32 (an integer below 2^mantissa_bits where it is used)
+        up = (y - fl > jnp.float32(0.5)) | ((y - fl == jnp.float32(0.5)) & odd)  # ties to even
+    else:
+        r = _from_bits((b + (rnd >> jnp.uint32(32 - drop))) & keep)
+        u = (rnd >> jnp.uint32(8)).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)  # u32 -> f32, < 2^24
+        up = u < y - fl
+    r_sub = _with_sign_of((fl + up.astype(jnp.float32)) * jnp.float32(s), b)  # bool -> f32
+    r = jnp.where(a32 < jnp.float32(fmt.smallest_normal), r_sub, r)
+    big = _from_bits(_bits(r) & jnp.uint32(_ABS)) > jnp.float32(fmt.max)
+    r = jnp.where(big, _from_bits(jnp.uint32(_bits_of(fmt.max)) | (b & jnp.uint32(_SIGN))), r)  # saturate
+    return jnp.where((b & jnp.uint32(_EXP)) == jnp.uint32(_EXP), x32, r)  # inf and NaN pass
+
+
+def encode_blocks(y32, dtype, rnd=None):
+    """f32 blocks ``y[..., b]`` -> ``(codes u32, scales f32[..., 1])``: per block ``scale = block_scale(amax)`` and
+    ``code = Q(y / scale)`` (:func:`round_fp8`: nearest without ``rnd``, stochastic with it)."""
+    scale = block_scale(jnp.max(jnp.abs(y32), axis=-1, keepdims=True), dtype)  # f32, 1 for an all-zero block
+    return fp8_code(round_fp8(y32 / scale, dtype, rnd), dtype), scale
+
+
+def decode_blocks(codes_u32, scale, dtype):
+    """Inverse of :func:`encode_blocks` (up to its rounding): ``code · scale`` in f32."""
+    return fp8_value(codes_u32, dtype) * scale
+
+
+def _load8(codes_u32, ms, vs, moments8: Moments8):
+    """Packed codes (m's high byte, v's low) and their scales -> both moments in f32."""
+    m_format, v_format, v_sqrt = moments8
+    m = decode_blocks(codes_u32 >> jnp.uint32(8), ms, m_format)
+    y = decode_blocks(codes_u32 & jnp.uint32(0xFF), vs, v_format)
+    return m, (y * y if v_sqrt else y)
+
+
+def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, base=None, index_map=None, **hp):
+    """One step with 8-bit moments on ``(rows, 128)`` arrays, one block per row: ``codes`` u16 (m's code high, v's
+    low, as ``lpt.optim.moments8.pack_codes``), ``ms``/``vs`` the rows' f32 scales ``[rows, 1]``. Stochastic
+    rounding: ``m`` from :func:`moment_bits` of key words ``words[0:2]``, ``v`` of ``words[2:4]``, one word per
+    element each (what ``round_stochastic`` draws for the blocked leaf, whose flat index is the leaf's when its last
+    axis is a multiple of 128). ``hp``: ``b1, b2, eps, weight_decay``. Returns ``(p', c', codes', ms', vs')``."""
+    m_format, v_format, v_sqrt = moments8
+    inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
+    zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
+    g32 = g.astype(jnp.float32)  # grad dtype -> f32
+    p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
+    c32 = c.astype(jnp.float32)  # bf16 -> f32 (exact)
+    codes32 = codes.astype(jnp.uint32)  # u16 -> u32
+    m_new, v_new = moment_update(g32, *_load8(codes32, ms, vs, moments8), zero, b1=hp["b1"], b2=hp["b2"])
+    rnd_m = rnd_v = None
+    if stochastic:
+        rnd_m = moment_bits(m_new.shape, (words[0], words[1]), base, index_map)
+        rnd_v = moment_bits(m_new.shape, (words[2], words[3]), base, index_map)
+    mc, ms_new = encode_blocks(m_new, m_format, rnd_m)
+    vc, vs_new = encode_blocks(jnp.sqrt(v_new) if v_sqrt else v_new, v_format, rnd_v)
+    packed = (mc << jnp.uint32(8)) | vc
+    mq, vq = _load8(packed, ms_new, vs_new, moments8)  # the stored moments
+    t = kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, eps=hp["eps"], weight_decay=hp["weight_decay"])
+    s32, c_new32 = kahan_round(t, jnp.bfloat16, jnp.bfloat16)
+    # f32 -> bf16 casts below are exact: the values are on the bf16 grid; u32 -> u16 keeps the two 8-bit codes
+    return s32.astype(jnp.bfloat16), c_new32.astype(jnp.bfloat16), packed.astype(jnp.uint16), ms_new, vs_new
+
+
 def leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, base=None, index_map=None):
     """One step on arrays of any (equal) shape; returns ``(p', c', mv')`` in bf16, bf16, u32."""
     inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
@@ -212,10 +377,35 @@ def leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochas
     return s32.astype(jnp.bfloat16), c_new32.astype(jnp.bfloat16), pack_bf16_pair(mq, vq)
 
 
-def check_leaf(g, p, c, mv, scalars, words):
+def check_moments8(shape, moments8, scales=None, what="adamw_kahan"):
+    """ValueError unless a leaf of ``shape`` can take 8-bit moments in the kernel: a last axis of whole blocks of
+    128 (one block per tile row), ``moments8`` = ``(m_format, v_format, v_sqrt)`` with 8-bit formats, and
+    ``scales`` (if given) complex64 of shape ``shape[:-1] + (shape[-1] // 128,)``."""
+    if not shape or shape[-1] % LANES:
+        raise ValueError(
+            f"{what} with 8-bit moments needs a last axis that is a multiple of {LANES}, got a leaf of shape "
+            f"{tuple(shape)}"
+        )
+    if len(moments8) != 3:
+        raise ValueError(f"moments8 must be (m_format, v_format, v_sqrt), got {moments8!r}")
+    for fmt in moments8[:2]:
+        _fp8(fmt)
+    blocks = (*shape[:-1], shape[-1] // LANES)
+    if scales is not None and (scales.dtype != jnp.complex64 or scales.shape != blocks):
+        raise ValueError(f"{what}: scales must be complex64{list(blocks)}, got {scales.dtype}{list(scales.shape)}")
+
+
+def check_leaf(g, p, c, mv, scalars, words, *, scales=None, moments8=None):
     if p.dtype != jnp.bfloat16 or c.dtype != jnp.bfloat16:
         raise ValueError(f"adamw_kahan needs bf16 params and compensation, got {p.dtype} and {c.dtype}")
-    if mv.dtype != jnp.uint32:
+    if (scales is None) != (moments8 is None):
+        raise ValueError(f"pass scales and moments8 together (8-bit moments), got scales={scales!r} and {moments8=}")
+    nw = 2 if moments8 is None else 4
+    if moments8 is not None:
+        check_moments8(p.shape, moments8, scales)
+        if mv.dtype != jnp.uint16:
+            raise ValueError(f"adamw_kahan needs the 8-bit moments' codes packed as uint16, got {mv.dtype}")
+    elif mv.dtype != jnp.uint32:
         raise ValueError(f"adamw_kahan needs the packed bf16 moments as uint32, got {mv.dtype}")
     if not jnp.issubdtype(g.dtype, jnp.floating):
         raise ValueError(f"adamw_kahan: gradient dtype {g.dtype} is not floating point")
@@ -223,12 +413,23 @@ def check_leaf(g, p, c, mv, scalars, words):
         raise ValueError(f"adamw_kahan: shapes differ: g {g.shape}, p {p.shape}, c {c.shape}, mv {mv.shape}")
     if scalars.shape != (4,) or scalars.dtype != jnp.float32:
         raise ValueError(f"scalars must be f32[4] (1/c1, 1/c2, -lr, 0), got {scalars.dtype}{list(scalars.shape)}")
-    if words.shape != (2,) or words.dtype != jnp.uint32:
-        raise ValueError(f"words must be uint32[2] (the moments' raw key), got {words.dtype}{list(words.shape)}")
+    if words.shape != (nw,) or words.dtype != jnp.uint32:
+        raise ValueError(f"words must be uint32[{nw}] (the moments' raw keys), got {words.dtype}{list(words.shape)}")
 
 
-def adamw_kahan_reference(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic):
-    """XLA twin of :func:`adamw_kahan`: the same math on the whole leaf, in the same order."""
-    check_leaf(g, p, c, mv, scalars, words)
+def adamw_kahan_reference(
+    g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, scales=None, moments8=None
+):
+    """XLA twin of :func:`adamw_kahan`: the same math on the whole leaf, in the same order (8-bit moments: on the
+    leaf as ``(rows, 128)``, one block per row)."""
+    check_leaf(g, p, c, mv, scalars, words, scales=scales, moments8=moments8)
     hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
-    return leaf_math(g, p, c, mv, scalars, words, **hp)
+    if moments8 is None:
+        return leaf_math(g, p, c, mv, scalars, words, **hp)
+    rows = (-1, LANES)
+    col = lambda s: s.reshape(-1, 1)
+    ms, vs = col(jnp.real(scales)), col(jnp.imag(scales))  # complex64 -> its two f32 parts
+    leaf = (x.reshape(rows) for x in (g, p, c, mv))
+    new_p, new_c, new_mv, ms, vs = leaf_math8(*leaf, ms, vs, scalars, words, moments8=tuple(moments8), **hp)
+    out = (x.reshape(p.shape) for x in (new_p, new_c, new_mv))
+    return (*out, lax.complex(ms[:, 0], vs[:, 0]).reshape(scales.shape))  # f32 -> complex64 (m + i·v)

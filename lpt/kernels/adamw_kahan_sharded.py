@@ -19,6 +19,12 @@ name. The per-shard function gets its shard's position with ``lax.axis_index`` (
 axes bound) and passes the global flat index of its first element to the kernel, which hashes every element's
 global flat index for the stochastic rounding: the bits are a function of (key, leaf, element), never of the
 sharding. Outside a multi-device partitioned jit the kernel runs on the whole leaf.
+
+8-bit moments (``scales=`` and ``moments8=``, see :mod:`lpt.kernels.adamw_kahan`): the scales (one per block of 128
+along the last axis, ``p.shape[:-1] + (p.shape[-1] // 128,)``) are split like the param, with its PartitionSpec, so
+every shard holds its own blocks' scales; a split of the last axis must leave each shard whole blocks of 128
+(:func:`check_whole_blocks`, a one-line ValueError otherwise). The global flat index of each element, hashed for the
+stochastic rounding, is the same as for 16-bit moments.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lpt.kernels import dispatch
 from lpt.kernels.adamw_kahan import adamw_kahan
+from lpt.kernels.adamw_kahan_math import LANES
 
-__all__ = ["adamw_kahan_on_shards", "adamw_kahan_partitioned"]
+__all__ = ["adamw_kahan_on_shards", "adamw_kahan_partitioned", "check_whole_blocks"]
 
 
 def _options(static) -> dict:
@@ -45,6 +52,24 @@ def _update(g, p, c, mv, scalars, words, static):
     return tuple(adamw_kahan(g, p, c, mv, scalars, words, **_options(static)))
 
 
+@functools.partial(custom_partitioning, static_argnums=(7,))
+def _update8(g, p, c, mv, scales, scalars, words, static):
+    return tuple(adamw_kahan(g, p, c, mv, scalars, words, scales=scales, **_options(static)))
+
+
+def check_whole_blocks(shape, spec, mesh) -> None:
+    """8-bit moments: ValueError unless the split ``spec`` of the last axis of a ``shape`` leaf over ``mesh`` leaves
+    every shard whole blocks of 128 (the scales then split like the param)."""
+    spec = tuple(getattr(spec, "spec", spec))
+    axes = spec[len(shape) - 1] if len(spec) >= len(shape) else None
+    n = dispatch.mesh_axis_size(mesh, axes)
+    if shape[-1] % (n * LANES):
+        raise ValueError(
+            f"8-bit moments: the last axis ({shape[-1]}) of a {tuple(shape)} leaf split over mesh axes "
+            f"{dispatch.as_axes(axes)} of size {n} gives shards of {shape[-1] / n:g}, not whole blocks of {LANES}"
+        )
+
+
 def _leaf_sharding(arg_shapes) -> NamedSharding:
     """``p``'s sharding (a NamedSharding over the partitioner's mesh), as a full-rank spec."""
     sh = arg_shapes[1].sharding
@@ -53,9 +78,13 @@ def _leaf_sharding(arg_shapes) -> NamedSharding:
 
 
 def _infer(static, mesh, arg_shapes, result_shape):
-    del static, mesh, result_shape
+    del mesh, result_shape
     sh = _leaf_sharding(arg_shapes)
-    return (sh, sh, sh)
+    return (sh,) * (4 if _eight_bit(static) else 3)
+
+
+def _eight_bit(static) -> bool:
+    return _options(static).get("moments8") is not None
 
 
 def _shard_offset(spec: tuple, mesh_shape, local_shape: tuple, global_shape: tuple):
@@ -73,9 +102,12 @@ def _shard_offset(spec: tuple, mesh_shape, local_shape: tuple, global_shape: tup
 
 
 def _per_shard(spec: tuple, mesh_shape, global_shape: tuple, opts: dict):
-    def run(g, p, c, mv, scalars, words):
+    def run(g, p, c, mv, *rest):
+        *scales, scalars, words = rest  # 8-bit moments: the shard's scales before the scalars
         offset = _shard_offset(spec, mesh_shape, p.shape, global_shape)
-        return tuple(adamw_kahan(g, p, c, mv, scalars, words, global_shape=global_shape, offset=offset, **opts))
+        extra = {"scales": scales[0]} if scales else {}
+        kw = dict(global_shape=global_shape, offset=offset, **extra, **opts)
+        return tuple(adamw_kahan(g, p, c, mv, scalars, words, **kw))
 
     return run
 
@@ -84,46 +116,93 @@ def _partition(static, mesh, arg_shapes, result_shape):
     del mesh, result_shape
     sh = _leaf_sharding(arg_shapes)
     rep = NamedSharding(sh.mesh, PartitionSpec())
-    lower = _per_shard(tuple(sh.spec), sh.mesh.shape, tuple(arg_shapes[1].shape), _options(static))
-    return sh.mesh, lower, (sh, sh, sh), (sh, sh, sh, sh, rep, rep)
+    shape = tuple(arg_shapes[1].shape)
+    leaf = (sh,) * (5 if _eight_bit(static) else 4)  # g, p, c, mv (and the scales), all split like p
+    if _eight_bit(static):
+        check_whole_blocks(shape, sh.spec, sh.mesh)
+    lower = _per_shard(tuple(sh.spec), sh.mesh.shape, shape, _options(static))
+    return sh.mesh, lower, leaf[1:], (*leaf, rep, rep)
 
 
 def _rule(static, mesh, arg_shapes, result_shape):
-    del static, mesh, result_shape
-    dims = " ".join(f"d{i}" for i in range(len(arg_shapes[1].shape)))
-    return f"{dims}, {dims}, {dims}, {dims}, s, w -> {dims}, {dims}, {dims}"
+    del mesh, result_shape
+    rank = len(arg_shapes[1].shape)
+    dims = " ".join(f"d{i}" for i in range(rank))
+    if not _eight_bit(static):
+        return f"{dims}, {dims}, {dims}, {dims}, s, w -> {dims}, {dims}, {dims}"
+    # the last axis is (blocks, 128) with the blocks major: a split of the param's last axis is one of the scales'
+    # (one block: its own factors, Shardy refuses a compound of a size-1 factor)
+    head = " ".join(f"d{i}" for i in range(rank - 1))
+    one_block = arg_shapes[1].shape[-1] == LANES
+    leaf, scales = (f"{head} k", f"{head} b") if one_block else (f"{head} (b k)", f"{head} b")
+    rule = f"{leaf}, {leaf}, {leaf}, {leaf}, {scales}, s, w -> {leaf}, {leaf}, {leaf}, {scales}"
+    return rule if one_block else (rule, {"k": LANES})
 
 
 _update.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)
+_update8.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)
 
 
-def adamw_kahan_partitioned(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, interpret=None):
-    """:func:`lpt.kernels.adamw_kahan.adamw_kahan` on one leaf, per shard under any sharding (see module doc)."""
-    dispatch.check_interpret(interpret)
+def _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8) -> dict:
     opts = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic, interpret=interpret)
+    if moments8 is not None:
+        opts["moments8"] = tuple(moments8)
+    return opts
+
+
+def adamw_kahan_partitioned(
+    g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, interpret=None, scales=None, moments8=None
+):
+    """:func:`lpt.kernels.adamw_kahan.adamw_kahan` on one leaf, per shard under any sharding (see module doc); with
+    8-bit moments (``scales``, ``moments8``) it returns ``(p', c', mv', scales')``."""
+    dispatch.check_interpret(interpret)
+    opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
     if p.ndim == 0:  # a scalar leaf has nothing to split
-        return adamw_kahan(g, p, c, mv, scalars, words, **opts)
-    return _update(g, p, c, mv, scalars, words, tuple(opts.items()))  # hashable: custom_partitioning's static arg
+        return adamw_kahan(g, p, c, mv, scalars, words, scales=scales, **opts)
+    static = tuple(opts.items())  # hashable: custom_partitioning's static arg
+    if moments8 is None:
+        return _update(g, p, c, mv, scalars, words, static)
+    return _update8(g, p, c, mv, scales, scalars, words, static)
 
 
 def adamw_kahan_on_shards(
-    g, p, c, mv, scalars, words, *, spec, mesh=None, b1, b2, eps, weight_decay, stochastic, interpret=None
+    g,
+    p,
+    c,
+    mv,
+    scalars,
+    words,
+    *,
+    spec,
+    mesh=None,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    stochastic,
+    interpret=None,
+    scales=None,
+    moments8=None,
 ):
     """:func:`lpt.kernels.adamw_kahan.adamw_kahan` on one leaf laid out by ``spec`` (a PartitionSpec or a
     NamedSharding) over ``mesh`` (default :func:`lpt.kernels.dispatch.kernel_mesh`): a ``shard_map`` in which every
     device updates its own shard, hashing global element indices (the same bits as unsharded). ``g``, ``c`` and
-    ``mv`` must be laid out like ``p``; a replicated leaf is updated whole on every device. With no mesh the kernel
-    runs on the whole leaf."""
+    ``mv`` (and the 8-bit moments' ``scales``) must be laid out like ``p``; a replicated leaf is updated whole on
+    every device. With no mesh the kernel runs on the whole leaf."""
     dispatch.check_interpret(interpret)
-    opts = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic, interpret=interpret)
+    opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
     mesh = dispatch.kernel_mesh(mesh)
     spec = tuple(getattr(spec, "spec", spec))
     spec = spec + (None,) * (p.ndim - len(spec))
     if mesh is None or mesh.size == 1:
-        return adamw_kahan(g, p, c, mv, scalars, words, **opts)
+        return adamw_kahan(g, p, c, mv, scalars, words, scales=scales, **opts)
     for dim, axes in enumerate(spec):
         dispatch.check_divisible(f"dimension {dim} of a {tuple(p.shape)} leaf", p.shape[dim], mesh, axes)
+    eight = moments8 is not None
+    if eight and p.ndim:
+        check_whole_blocks(p.shape, spec, mesh)
     leaf, rep = PartitionSpec(*spec), PartitionSpec()
     run = _per_shard(spec, mesh.shape, tuple(p.shape), opts)
-    fn = dispatch.shard_map(run, mesh, in_specs=(leaf, leaf, leaf, leaf, rep, rep), out_specs=(leaf, leaf, leaf))
-    return tuple(fn(g, p, c, mv, scalars, words))
+    n_leaf = 5 if eight else 4  # g, p, c, mv (and the scales)
+    fn = dispatch.shard_map(run, mesh, in_specs=(leaf,) * n_leaf + (rep, rep), out_specs=(leaf,) * (n_leaf - 1))
+    return tuple(fn(g, p, c, mv, *((scales,) if eight else ()), scalars, words))

@@ -165,11 +165,14 @@ def kahan_adamw(
     ``optax.chain(clip_by_global_norm(grad_clip), <fused>)``.
 
     ``impl="pallas"`` runs the fused Pallas kernel (GPU/TPU) on the rounded leaves, which must then have bf16 params,
-    moments and compensation; ``interpret`` is passed to the kernel (None: per platform, True: the Pallas
-    interpreter everywhere). ``param_specs`` (``impl="pallas"``): a tree like the params of their PartitionSpecs or
-    NamedShardings; each leaf's kernel then runs per shard in a ``shard_map`` over the mesh in context
-    (:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_on_shards`). Without it, on a mesh with Explicit axes (the
-    default of ``jax.make_mesh``) each leaf runs per shard of the sharding in its type; otherwise
+    moments and compensation, or bf16 params and compensation with 8-bit moments (``moment_dtype`` of
+    :data:`lpt.optim.moments8.MOMENT8`) on leaves whose last axis is a multiple of 128 (ValueError naming the leaf
+    otherwise; the same numbers as ``impl="xla"``, bit for bit in interpret mode); ``interpret`` is passed to the
+    kernel (None: per platform, True: the Pallas interpreter everywhere). ``param_specs`` (``impl="pallas"``): a
+    tree like the params of their PartitionSpecs or NamedShardings; each leaf's kernel then runs per shard in a
+    ``shard_map`` over the mesh in context (8-bit moments: the scales split like the param, a shard holding whole
+    blocks of 128) (:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_on_shards`). Without it, on a mesh with
+    Explicit axes (the default of ``jax.make_mesh``) each leaf runs per shard of the sharding in its type; otherwise
     ``custom_partitioning`` follows whatever sharding the partitioner picks
     (:func:`~lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`; XLA:TPU's compile-only client cannot partition
     it: pass ``param_specs`` there).
@@ -197,10 +200,6 @@ def kahan_adamw(
         return moment_dtype_of(pdt, moment_dtype, block_scaled=True)
 
     eight_bit = isinstance(mdt_of(jnp.bfloat16), M8.Moment8)
-    if eight_bit and impl == "pallas":
-        raise ValueError(
-            f"kahan_adamw(impl='pallas') stores 16-bit moments; moment_dtype={moment_dtype!r} needs impl='xla'"
-        )
 
     def cdt_of(pdt):
         return jnp.dtype(pdt if compensation_dtype is None else compensation_dtype)
@@ -249,13 +248,9 @@ def kahan_adamw(
             hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if decay else 0.0)
             mdt, cdt = mdt_of(p.dtype), cdt_of(p.dtype)
             if impl == "pallas" and needs_rounding(p.dtype):
-                if not (p.dtype == mdt == cdt == jnp.bfloat16):
-                    raise ValueError(
-                        f"kahan_adamw(impl='pallas') needs bf16 params, moments and compensation; {name} has param "
-                        f"{p.dtype}, moments {mdt}, compensation {cdt} (use impl='xla')"
-                    )
-                delta, new_mv, new_c, u = _pallas_leaf(
-                    g, p, c, mv, sc, leaf_keys[0], hp, stochastic=stochastic, interpret=interpret, spec=spec
+                _check_pallas_leaf(name, p, mdt, cdt)
+                delta, (new_mv, scl), new_c, u = _pallas_leaf(
+                    g, p, c, (mv, scl), sc, leaf_keys, hp, mdt, stochastic=stochastic, interpret=interpret, spec=spec
                 )
             else:
                 delta, (new_mv, scl), new_c, u, dep = _xla_leaf(
@@ -298,13 +293,36 @@ def _round_moment(x32, mdt, key, stochastic: bool):
     return round_nearest(x32, mdt, out_dtype=jnp.float32)
 
 
-def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, interpret, spec):
-    """One bf16 leaf through the fused kernel: ``(update, moments', compensation', intended update thunk)``."""
+def _check_pallas_leaf(name, p, mdt, cdt) -> None:
+    """ValueError unless the kernel takes this rounded leaf: bf16 param and compensation, and bf16 moments or 8-bit
+    ones (blocks of 128) on a last axis that is a multiple of 128."""
+    eight = isinstance(mdt, M8.Moment8)
+    if not (p.dtype == cdt == jnp.bfloat16 and ((eight and mdt.block == K.LANES) or mdt == jnp.bfloat16)):
+        raise ValueError(
+            f"kahan_adamw(impl='pallas') needs bf16 params, moments and compensation (or 8-bit moments in blocks "
+            f"of 128); {name} has param {p.dtype}, moments {mdt}, compensation {cdt} (use impl='xla')"
+        )
+    if eight and (p.ndim == 0 or p.shape[-1] % K.LANES):
+        raise ValueError(
+            f"kahan_adamw(impl='pallas') with 8-bit moments needs a last axis that is a multiple of {K.LANES}; "
+            f"{name} has shape {p.shape} (use impl='xla')"
+        )
+
+
+def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: bool, interpret, spec):
+    """One bf16 leaf through the fused kernel: ``(update, (moments', scales'), compensation', intended update
+    thunk)``; ``mv`` is ``(moments, scales)`` (scales None for 16-bit moments)."""
     # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
     from lpt.kernels import adamw_kahan_sharded as sharded
     from lpt.kernels.dispatch import kernel_mesh
 
-    words = key_words(key)
+    mv, scl = mv
+    eight = isinstance(mdt, M8.Moment8)
+    if eight:  # m's and v's key words: the bits M8.store draws with keys (km, kv)
+        words = jnp.concatenate([key_words(keys[0])[:2], key_words(keys[1])[:2]])
+        extra = dict(scales=scl, moments8=(mdt.m_format, mdt.v_format, mdt.v_sqrt))
+    else:  # one hash word per element for both moments (K.round_moments)
+        words, extra = key_words(keys[0]), {}
     scalars = jnp.stack([sc.inv_c1, sc.inv_c2, sc.neg_lr, lax.bitcast_convert_type(sc.zero, jnp.float32)])
     kw = dict(stochastic=stochastic, interpret=interpret, **hp)
     mesh = kernel_mesh(None)
@@ -313,19 +331,27 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, key, hp: dict, *, stochastic: bool, 
         if spec is None:
             spec = sharding.operand_spec(p, (None,) * p.ndim, mesh, "kahan_adamw(impl='pallas')")
         spec = jax.sharding.PartitionSpec(*getattr(spec, "spec", spec))
+        if eight:  # the scales split like the param (checked: a shard holds whole blocks)
+            sharded.check_whole_blocks(p.shape, spec, mesh)
+            extra["scales"] = jax.sharding.reshard(scl, spec)
         g, p, c, mv = (jax.sharding.reshard(x, spec) for x in (g, p, c, mv))
     if spec is None:
-        new_p, new_c, new_mv = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw)
+        out = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw, **extra)
     else:
-        new_p, new_c, new_mv = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw)
+        out = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw, **extra)
+    new_p, new_c, new_mv = out[:3]
+    new_scl = out[3] if eight else None
     p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
     delta = change_to(p32, new_p.astype(jnp.float32), p.dtype)  # bf16 -> f32 (exact)
 
     def intended():
-        mq, vq = K.unpack_bf16_pair(new_mv)
+        if eight:
+            mq, vq = M8.load(mdt, *M8.unpack_codes(new_mv), new_scl)
+        else:
+            mq, vq = K.unpack_bf16_pair(new_mv)
         return sc.neg_lr * K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **_direction_hp(hp))
 
-    return delta, new_mv, new_c, intended
+    return delta, (new_mv, new_scl), new_c, intended
 
 
 def _direction_hp(hp: dict) -> dict:

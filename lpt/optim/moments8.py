@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lpt.numerics import block_scale, get_format, round_nearest, round_stochastic
+from lpt.kernels.adamw_kahan_math import decode_blocks, encode_blocks
+from lpt.numerics import hash_bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,23 +92,22 @@ def _unblocked(xb, shape):
 
 
 def encode(x32, fmt: str, block: int, *, sqrt: bool, key=None):
-    """f32 moment -> ``(codes uint8, scales f32)``; stochastic rounding with ``key``, nearest without."""
+    """f32 moment -> ``(codes uint8, scales f32)``; stochastic rounding with ``key``, nearest without.
+
+    The block math is :func:`lpt.kernels.adamw_kahan_math.encode_blocks` (the fused kernel's too); stochastic
+    rounding draws ``hash_bits(key, blocked shape)``: one word per element of the zero-padded ``(..., blocks,
+    block)`` array, numbered by its flat index (a leaf's own flat index when its last axis is a multiple of
+    ``block``), the bits ``lpt.numerics.round_stochastic(z, fmt, key)`` draws."""
     y = jnp.sqrt(x32) if sqrt else x32
     yb = _blocked(y, block)
-    scale = block_scale(jnp.max(jnp.abs(yb), axis=-1), fmt)  # f32, 1 for an all-zero block
-    z = yb / scale[..., None]
-    if key is None:
-        q = round_nearest(z, fmt, saturate=True)  # f32 -> fp8
-    else:
-        q = round_stochastic(z, fmt, key, saturate=True)  # f32 -> fp8, unbiased
-    codes = lax.bitcast_convert_type(_unblocked(q, x32.shape), jnp.uint8)  # fp8 -> its 8 bits
-    return codes, scale
+    codes, scale = encode_blocks(yb, fmt, None if key is None else hash_bits(key, yb.shape))
+    return _unblocked(codes, x32.shape).astype(jnp.uint8), scale[..., 0]  # u32 -> u8 (codes < 256)
 
 
 def decode(codes, scales, fmt: str, block: int, *, sqrt: bool):
     """Inverse of :func:`encode` (up to its rounding): ``(codes uint8, scales f32) -> f32``."""
-    q = lax.bitcast_convert_type(codes, get_format(fmt).dtype).astype(jnp.float32)  # fp8 -> f32 (exact)
-    y = _unblocked(_blocked(q, block) * scales[..., None], codes.shape)
+    codes32 = _blocked(codes.astype(jnp.uint32), block)  # u8 -> u32
+    y = _unblocked(decode_blocks(codes32, scales[..., None], fmt), codes.shape)
     return y * y if sqrt else y
 
 

@@ -46,11 +46,6 @@ class PrecisionConfig(Numerics):
                 f"rule; with update_rule={self.update_rule!r} and param_dtype={self.param_dtype!r} the moments are "
                 "float32 (use 'auto' or 'float32')"
             )
-        if self.moment_dtype in MOMENT8 and self.update_rule == "kahan" and self.update_impl == "pallas":
-            raise ValueError(
-                f"config key precision.moment_dtype={self.moment_dtype!r} (8-bit moments) runs in the XLA update "
-                "step only: set precision.update_impl='xla'"
-            )
 
 
 def model_precision(precision_cfg=None, **changes) -> PrecisionSpec:
