@@ -44,6 +44,7 @@ __all__ = [
     "fp8_value",
     "kahan_round",
     "kahan_target",
+    "v_floor",
     "leaf_math",
     "leaf_math8",
     "moment_update",
@@ -332,6 +333,25 @@ def _load8(codes_u32, ms, vs, moments8: Moments8):
     return m, (y * y if v_sqrt else y)
 
 
+def v_floor(mq32, vq32, *, b1: float, b2: float):
+    """``max(v, (m / C)^2)`` with ``C = (1 − b1) / sqrt((1 − b2) · (1 − b1²/b2))``: the second moment an Adam update
+    reads from 8-bit moments. For the exact EMAs of the same gradients Cauchy–Schwarz gives ``|m| <= C·sqrt(v)``
+    (``C = 7.27`` for b1 = 0.9, b2 = 0.999; it needs ``b1² < b2``), so the floor changes nothing there; where ``v``'s
+    8-bit code underflowed while ``m``'s did not, it keeps ``|m̂| / sqrt(v̂)`` at Adam's own bound instead of
+    ``m / eps``. With ``b1² >= b2`` there is no such bound: ``v`` unchanged. ``1 / C`` is computed in f64 and rounded
+    for Python numbers, in f32 for traced hyperparameters (``optax.inject_hyperparams``)."""
+    if isinstance(b1, (int, float)) and isinstance(b2, (int, float)):
+        if b1 * b1 >= b2:
+            return vq32
+        inv_c = f32(((1 - b2) * (1 - b1 * b1 / b2)) ** 0.5 / (1 - b1))  # 1 / C in f64, rounded to f32
+    else:
+        b1_, b2_ = f32(b1), f32(b2)
+        bound = (1 - b1_ * b1_ / b2_) > 0
+        inv_c = jnp.where(bound, jnp.sqrt((1 - b2_) * jnp.maximum(1 - b1_ * b1_ / b2_, 0.0)) / (1 - b1_), 0.0)
+    r = mq32 * inv_c
+    return jnp.maximum(vq32, r * r)
+
+
 def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, base=None, index_map=None, **hp):
     """One step with 8-bit moments on ``(rows, 128)`` arrays, one block per row: ``codes`` u16 (m's code high, v's
     low, as ``lpt.optim.moments8.pack_codes``), ``ms``/``vs`` the rows' f32 scales ``[rows, 1]``. Stochastic
@@ -354,6 +374,7 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
     vc, vs_new = encode_blocks(jnp.sqrt(v_new) if v_sqrt else v_new, v_format, rnd_v)
     packed = (mc << jnp.uint32(8)) | vc
     mq, vq = _load8(packed, ms_new, vs_new, moments8)  # the stored moments
+    vq = v_floor(mq, vq, b1=hp["b1"], b2=hp["b2"])
     t = kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, eps=hp["eps"], weight_decay=hp["weight_decay"])
     s32, c_new32 = kahan_round(t, jnp.bfloat16, jnp.bfloat16)
     # f32 -> bf16 casts below are exact: the values are on the bf16 grid; u32 -> u16 keeps the two 8-bit codes

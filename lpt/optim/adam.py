@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lpt.kernels.adamw_kahan_math import f32, moment_update, round_moments, runtime_zero
+from lpt.kernels.adamw_kahan_math import f32, moment_update, round_moments, runtime_zero, v_floor
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
 from lpt.optim import moments8
@@ -142,6 +142,7 @@ def scale_by_adam(
                 keys = dict(km=km, kv=kv) if rounding == "stochastic" else {}
                 m_q, v_q, s = moments8.store(spec8, m32, v32, **keys)
                 m32, v32 = moments8.load(spec8, m_q, v_q, s)  # the stored moments
+                v32 = v_floor(m32, v32, b1=b1, b2=b2)  # an underflowed v read at Adam's bound
                 out_s.append(s)
             else:
                 m32, v32 = moment_update(g32, m.astype(jnp.float32), v.astype(jnp.float32), zero, b1=b1, b2=b2)

@@ -347,6 +347,7 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
     def intended():
         if eight:
             mq, vq = M8.load(mdt, *M8.unpack_codes(new_mv), new_scl)
+            vq = K.v_floor(mq, vq, b1=hp["b1"], b2=hp["b2"])
         else:
             mq, vq = K.unpack_bf16_pair(new_mv)
         return sc.neg_lr * K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **_direction_hp(hp))
@@ -373,6 +374,7 @@ def _xla_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, cdt, dep, stochast
         mc, vc, scl = M8.store(mdt, m_new, v_new, **(dict(km=km, kv=kv) if stochastic else {}))
         mv_new = M8.pack_codes(mc, vc)
         mq, vq = M8.load(mdt, mc, vc, scl)  # the stored moments
+        vq = K.v_floor(mq, vq, b1=hp["b1"], b2=hp["b2"])  # an underflowed v read at Adam's bound
     else:
         m_new, v_new = K.moment_update(g32, *unpack_moments(mv, mdt), sc.zero, b1=hp["b1"], b2=hp["b2"])
         if mdt == jnp.bfloat16:  # one hash word per element for both moments (K.round_moments)

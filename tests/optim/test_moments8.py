@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import lpt.optim as O
+from lpt.kernels import adamw_kahan_math as K
 from lpt.numerics import ulp
 from lpt.optim import moments8 as M8
 
@@ -109,15 +110,33 @@ def _least_squares(tx, dtype, steps=1500, seed=0):
     return float(go(jnp.zeros(64, dtype)))
 
 
-def test_a_second_moment_stored_directly_loses_the_loss():
-    """v stored directly in e4m3 underflows for the small-gradient coordinates while their m does not, and m / eps
-    blows the run up; stored as sqrt(v) (the default) the run stays within 1.5x of float32 AdamW."""
-    f32 = _least_squares(optax.adamw(3e-3, weight_decay=0.0), jnp.float32)
-    kw = dict(weight_decay=0.0, moment_rounding="nearest")
-    sqrt_v = _least_squares(O.kahan_adamw(3e-3, moment_dtype=E4M3, **kw), jnp.bfloat16)
-    direct = _least_squares(O.kahan_adamw(3e-3, moment_dtype="e4m3_v_direct", **kw), jnp.bfloat16)
-    assert sqrt_v <= 1.5 * f32, (sqrt_v, f32)
-    assert not direct <= 100 * f32, (direct, f32)  # NaN or far above
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_underflowed_second_moment_is_read_at_adams_bound(seed, monkeypatch):
+    """Gradients four decades apart in one block: a coordinate's sqrt(v) code underflows while its m's does not (m
+    reacts 100x faster than v), and m / eps blows the run up (measured 296x, 4.8e5x, 1.4e5x f32's loss for seeds
+    0, 1, 2). Read at the Cauchy–Schwarz bound |m| <= C·sqrt(v) of the two EMAs (v_floor), the default 8-bit moments
+    with stochastic requantization stay within 1.5x of float32 AdamW (measured 0.99, 0.99, 1.19)."""
+    f32 = _least_squares(optax.adamw(3e-3, weight_decay=0.0), jnp.float32, seed=seed)
+    tx = lambda: O.kahan_adamw(3e-3, weight_decay=0.0, moment_dtype=E4M3)
+    floored = _least_squares(tx(), jnp.bfloat16, seed=seed)
+    assert floored <= 1.5 * f32, (floored, f32)
+    if seed == 1:  # without the floor
+        monkeypatch.setattr(K, "v_floor", lambda m, v, **_: v)
+        raw = _least_squares(tx(), jnp.bfloat16, seed=seed)
+        assert not raw <= 100 * f32, (raw, f32)  # NaN or far above
+
+
+def test_v_floor_is_cauchy_schwarz_for_the_exact_emas():
+    """For any gradient sequence the f32 EMAs satisfy |m| <= C·sqrt(v): the floor leaves exact moments unchanged."""
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((300, 1000)) * 10.0 ** rng.uniform(-6, 2, (300, 1000))
+    m = v = np.zeros(1000)
+    worst = 0.0
+    for t in range(300):
+        m, v = 0.9 * m + 0.1 * g[t], 0.999 * v + 0.001 * g[t] ** 2
+        floored = np.asarray(K.v_floor(jnp.asarray(m, jnp.float32), jnp.asarray(v, jnp.float32), b1=0.9, b2=0.999))
+        worst = max(worst, float(np.max(floored / np.asarray(v, np.float32))))
+    assert worst <= 1 + 2.0**-20  # f32 rounding of (m / C)^2 only
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

@@ -122,5 +122,7 @@ def test_moment_dtype_knob_sets_the_stored_moments(rule):
 def test_moment_dtype_outside_lpt_adamw_is_rejected():
     with pytest.raises(ValueError, match=r"precision.moment_dtype='bfloat16' needs 16-bit params.*'f32_master'"):
         _cfg(**{"precision.update_rule": "f32_master", "precision.moment_dtype": "bfloat16"})
-    with pytest.raises(ValueError, match=r"precision.moment_dtype.*'float8_e4m3fn'.*auto, float32, bfloat16"):
-        _cfg(**{"precision.moment_dtype": "float8_e4m3fn"})
+    with pytest.raises(ValueError, match=r"precision.moment_dtype='float8_e4m3fn' needs 16-bit params"):
+        _cfg(**{"precision.moment_dtype": "float8_e4m3fn"})  # 8-bit moments: lpt's AdamW only
+    with pytest.raises(ValueError, match=r"precision.moment_dtype.*'int8'.*auto, float32, bfloat16"):
+        _cfg(**{"precision.moment_dtype": "int8"})
