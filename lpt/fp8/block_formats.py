@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lpt.fp8.quantize import check_dtype_in
 from lpt.numerics import exponent_of, get_format, round_nearest, round_stochastic
 
 __all__ = [
@@ -84,17 +85,6 @@ def _check_float(x, what: str = "x") -> jax.Array:
     if x.ndim == 0:
         raise ValueError(f"{what} must have at least one axis, got a scalar")
     return x
-
-
-def _check_elem(elem_dtype) -> jnp.dtype:
-    allowed = [d.name for d in MX_ELEM_DTYPES]
-    try:
-        d = jnp.dtype(elem_dtype)
-    except TypeError as e:
-        raise ValueError(f"elem_dtype must be one of {allowed}, got {elem_dtype!r}") from e
-    if d not in MX_ELEM_DTYPES:
-        raise ValueError(f"elem_dtype must be one of {allowed}, got {d.name}")
-    return d
 
 
 def _check_rounding(rounding: str, key) -> None:
@@ -255,7 +245,7 @@ def mx_quantize(
       codes: x's shape in ``elem_dtype``.
       scales: ``float8_e8m0fnu`` of x's shape with each blocked axis divided by its block length.
     """
-    elem = _check_elem(elem_dtype)
+    elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
     x = _check_float(x)
     _check_rounding(rounding, key)
     tiles = _tiles(x.shape, axis, block_size, block_shape)

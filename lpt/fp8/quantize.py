@@ -42,6 +42,7 @@ __all__ = [
     "FP8_DTYPES",
     "SCALE_FORMATS",
     "QuantStats",
+    "check_dtype_in",
     "check_fp8_dtype",
     "check_scale_format",
     "compute_scale",
@@ -56,14 +57,20 @@ __all__ = [
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
-def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
+def check_dtype_in(dtype, allowed, what: str = "dtype") -> jnp.dtype:
+    """``dtype`` as a jnp dtype if it is one of ``allowed``; a one-line ValueError naming both otherwise."""
+    names = " or ".join(jnp.dtype(a).name for a in allowed)
     try:
         d = jnp.dtype(dtype)
     except TypeError as e:
-        raise ValueError(f"{what} must be float8_e4m3fn or float8_e5m2, got {dtype!r}") from e
-    if d not in FP8_DTYPES:
-        raise ValueError(f"{what} must be float8_e4m3fn or float8_e5m2, got {d}")
+        raise ValueError(f"{what} must be {names}, got {dtype!r}") from e
+    if d not in allowed:
+        raise ValueError(f"{what} must be {names}, got {d}")
     return d
+
+
+def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
+    return check_dtype_in(dtype, FP8_DTYPES, what)
 
 
 def _check_float(x, what: str) -> jax.Array:
