@@ -1,10 +1,10 @@
 """The fused AdamW + Kahan kernel with 8-bit moments (FP8 codes, one f32 scale per block of 128 of the last axis).
 
 * numbers: the kernel (interpret mode) equals ``kahan_adamw(impl="xla", moment_dtype="float8_e4m3fn")`` bit for bit
-  in params, compensation, codes and scales over 3 steps, nearest and stochastic; its XLA twin for every 8-bit
+  in params, compensation, codes and scales over 2 steps, nearest and stochastic; its XLA twin for every 8-bit
   format; its rounding and code conversions equal lpt.numerics' (the XLA path calls the same functions);
 * sharded (a subprocess with 4 host CPU devices): per shard, through custom_partitioning and through param_specs'
-  shard_map, equal to unsharded, with no all-gather or all-reduce;
+  shard_map, equal to unsharded (stochastic moments), with no all-gather or all-reduce;
 * compiles, deviceless (lpt.targets): a sharded 8-bit step for a TPU v5e 2x2 (shard_map: param_specs and the user's
   Explicit mesh) and an 8-GPU H100 node (custom_partitioning), with the kernel's custom call and no all-gather;
 * bytes moved per parameter as the kernel declares them (14.125 against 16-bit moments' 18), and the one-line errors.
@@ -95,7 +95,7 @@ def _grads(params, step):
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_kernel_equals_the_xla_path_over_steps(rounding):
-    """3 steps of kahan_adamw(impl="pallas") (interpret mode) and impl="xla" with 8-bit moments: params, compensation,
+    """2 steps of kahan_adamw(impl="pallas") (interpret mode) and impl="xla" with 8-bit moments: params, compensation,
     codes and scales agree bit for bit. Leaves: (256, 384) (768 rows of 128, one program of 1024 rows, padded), a 1-D
     (512,), (24, 8192) (1536 rows: two programs), and an f32 leaf (XLA in both)."""
     rng = np.random.default_rng(1)
@@ -116,7 +116,7 @@ def test_kernel_equals_the_xla_path_over_steps(rounding):
             return optax.apply_updates(q, d), st
 
         q, st = p, tx.init(p)
-        for i in range(3):
+        for i in range(2):
             q, st = step(_grads(p, i), st, q)
         out[impl] = (q, st)
     (qx, sx), (qp, sp) = out["xla"], out["pallas"]
@@ -231,7 +231,7 @@ _SHARDED = textwrap.dedent(
     g = {k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.integers(-4, 1, s), jnp.bfloat16)
          for k, (s, _) in specs.items()}
     sh = lambda t: {k: put(v, specs[k][1]) for k, v in t.items()}
-    for rounding in ("stochastic", "nearest"):
+    for rounding in ("stochastic",):  # the hash of global indices is what a shard can get wrong; nearest has none
         kw = dict(weight_decay=0.1, sequential_leaves=False, moment_dtype="float8_e4m3fn", moment_rounding=rounding)
         unsharded = O.kahan_adamw(1e-2, impl="pallas", **kw)
         st = unsharded.init(w)
@@ -256,7 +256,7 @@ _SHARDED = textwrap.dedent(
 def test_sharded_equals_unsharded_bitwise():
     r = subprocess.run([sys.executable, "-c", _SHARDED], env=cpu_env(4), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    for rounding in ("stochastic", "nearest"):
+    for rounding in ("stochastic",):
         for name in ("custom_partitioning", "param_specs"):
             assert f"8-bit {rounding} {name}, 2 steps bitwise OK" in r.stdout, r.stdout
 
