@@ -17,9 +17,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lpt import models
 from lpt.models.partitioning import logical_axes_of
@@ -81,6 +82,23 @@ def _mirrors(tree, params_def) -> bool:
         return False
 
 
+def _fitted(param_sharding: NamedSharding, leaf) -> NamedSharding:
+    """The param's sharding for a state leaf that mirrors it: as is for a leaf of the param's shape; for another
+    shape of the same rank (the block scales of 8-bit moments, ``shape[:-1] + (blocks,)``) each dim keeps its mesh
+    axes only where they divide it (XLA then reduces a block split over shards across them); a scalar placeholder
+    (a float32 leaf's compensation) is replicated."""
+    shape = getattr(leaf, "shape", ())
+    spec = tuple(param_sharding.spec) + (None,) * (len(shape) - len(param_sharding.spec))
+    if len(spec) != len(shape):
+        return NamedSharding(param_sharding.mesh, PartitionSpec())
+    mesh_shape = param_sharding.mesh.shape
+    fit = []
+    for size, axes in zip(shape, spec, strict=True):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        fit.append(axes if size % max(1, int(np.prod([mesh_shape[a] for a in names]))) == 0 else None)
+    return NamedSharding(param_sharding.mesh, PartitionSpec(*fit))
+
+
 def param_shardings(model_def: ModelDef, mesh: Mesh):
     """NamedShardings of the params (a pure dict like ``TrainState.params``) on ``mesh``, from their logical axes."""
     return mesh_lib.tree_shardings(model_def.logical_params, model_def.abstract_params.to_pure_dict(), mesh)
@@ -93,7 +111,9 @@ def state_shardings(abstract_state: TrainState, model_def: ModelDef, mesh: Mesh)
     repl = mesh_lib.replicated(mesh)
 
     def opt_leaf(sub):
-        return param_sh if _mirrors(sub, params_def) else jax.tree.map(lambda _: repl, sub)
+        if not _mirrors(sub, params_def):
+            return jax.tree.map(lambda _: repl, sub)
+        return jax.tree.map(_fitted, param_sh, sub)
 
     opt_sh = jax.tree.map(opt_leaf, abstract_state.opt_state, is_leaf=lambda x: _mirrors(x, params_def))
     return TrainState(
