@@ -225,8 +225,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.seq_len={typed.data.seq_len} exceeds model.max_seq_len={typed.model.max_seq_len}")
 
 
-
-
 def from_hf(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """With ``init_from.hf``: ``cfg`` (a copy) whose model section is the directory's ``config.json``
     (:func:`lpt.models.hf.read_config`), except the keys the config sets to other values than their defaults (e.g.

@@ -242,4 +242,3 @@ def test_bf16_kahan_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir)
     run(sharded, cache_dir, *mesh, devices=2, **kahan)
     (ref_train, _), (train, _) = records(ref), records(sharded)
     np.testing.assert_allclose([train[s] for s in range(1, 5)], [ref_train[s] for s in range(1, 5)], rtol=1e-3)
-
