@@ -11,12 +11,14 @@ whole block; a leaf whose last axis is shorter than ``block`` is one block per r
 The block's largest element maps onto ``F_max`` and keeps the format's full relative precision; an element more than
 the format's dynamic range below it (e4m3: 2^17.8, e5m2: 2^31.8) underflows to 0. The f32 scale follows the block's
 common decay exactly, so an EMA whose elements decay together (``b2·v`` with no new gradient) keeps its codes and only
-the scale moves. Storing ``sqrt(v)`` halves ``v``'s dynamic range in the exponent, so a small ``v`` does not underflow
-while its ``m`` (whose range is that of ``sqrt(v)``) is still nonzero: the update ``m / (sqrt(v) + eps)`` stays
-bounded where ``v`` stored directly gives ``m / eps``.
+the scale moves. Storing ``sqrt(v)`` halves ``v``'s dynamic range in the exponent (``v`` is ``g²``), so ``sqrt(v)``
+spans the decades ``m`` does. ``m`` still reacts faster than ``v``, so a coordinate's ``sqrt(v)`` can underflow in
+its block while its ``m`` does not; the Adam updates therefore read ``v`` at least ``(m / C)²``, the Cauchy–Schwarz
+bound of the two EMAs (:func:`lpt.kernels.adamw_kahan_math.v_floor`), instead of dividing ``m`` by ``eps``.
 
 A block never spans two shards when the last axis is split into pieces that are whole multiples of ``block``: the
-scales have the param's rank (``shape[:-1] + (blocks,)``) and shard with the param's own PartitionSpec.
+scales have the param's rank (``shape[:-1] + (blocks,)``) and shard with the param's own PartitionSpec (the trainer
+keeps a mesh axis on a dim of the scales only where it divides it).
 
 State per element: two uint8 codes (``kahan_adamw`` packs them into one ``uint16``) and ``8 / block`` bytes of
 scales (m's and v's as one ``complex64`` per block): 2.0625 bytes/param at ``block = 128``.
