@@ -342,7 +342,7 @@ def prepare(
                     done(result)
     finally:
         bar.close()
-    _check_bad_records(manifest, max_bad_records)  # also when the shards that hold them were finished earlier
+    _check_bad_records(manifest, max_bad_records)  # counts every shard in the manifest, resumed ones included
     for key in ("tokens", "bytes"):
         manifest[key] = {s: sum(f[key][s] for f in manifest["finished"].values()) for s in cache.SPLITS}
     finished = manifest["finished"].values()

@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 
-MAX_BAD_RECORDS = 1000  # bad records skipped (each reported) before reading stops with an error
+MAX_BAD_RECORDS = 1000  # the most bad records skipped (each reported); one more stops reading with an error
 KEPT_EXAMPLES = 10  # bad records kept by name in BadRecords.examples (and a prepare manifest)
 BATCH_ROWS = 1024  # Parquet rows read at a time
 

@@ -368,7 +368,7 @@ def nvfp4_quantize(
     block_bits = _amax_bits(x32, inner)
     b_nonfinite = block_bits >= jnp.uint32(_F32_INF_BITS)
     block_amax = jnp.where(b_nonfinite, jnp.float32(0.0), _from_bits(block_bits))
-    bs = block_amax * (s_enc * jnp.float32(_ONE_SIXTH_F32))  # f32 decode scale of the block, before e4m3
+    bs = block_amax * (s_enc * jnp.float32(_ONE_SIXTH_F32))  # f32 decode scale of the block (rounded to e4m3 next)
     bs = round_nearest(bs, jnp.float8_e4m3fn, saturate=True, out_dtype=jnp.float32)  # f32 -> e4m3 grid (RNE, sat.)
     enc = jnp.minimum(jnp.float32(1.0) / (bs * s_dec), jnp.float32(_F32_MAX))  # f32 encode scale; bs = 0 -> f32 max
 
