@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lpt.kernels.adamw_kahan_math import decode_blocks, encode_blocks
+from lpt.kernels.fp8_codes_math import decode_blocks, encode_blocks
 from lpt.numerics import hash_bits
 
 
