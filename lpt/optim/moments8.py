@@ -96,7 +96,7 @@ def _unblocked(xb, shape):
 def encode(x32, fmt: str, block: int, *, sqrt: bool, key=None):
     """f32 moment -> ``(codes uint8, scales f32)``; stochastic rounding with ``key``, nearest without.
 
-    The block math is :func:`lpt.kernels.adamw_kahan_math.encode_blocks` (the fused kernel's too); stochastic
+    The block math is :func:`lpt.kernels.fp8_codes_math.encode_blocks` (the fused kernel's too); stochastic
     rounding draws ``hash_bits(key, blocked shape)``: one word per element of the zero-padded ``(..., blocks,
     block)`` array, numbered by its flat index (a leaf's own flat index when its last axis is a multiple of
     ``block``), the bits ``lpt.numerics.round_stochastic(z, fmt, key)`` draws."""
