@@ -1,8 +1,9 @@
 """``dot_product_attention``: stabilized flash attention with a numerics policy, GQA, causal and padding masks.
 
 Math: ``O[b, i, h] = Σ_j softmax_j(scale · q[b, i, h] · k[b, j, h // G]) v[b, j, h // G]`` over the keys j that query
-i may attend (same segment id, key not padded, and j ≤ i if causal), G = H / Hkv. A query without any such key
-gets O = 0 and zero gradients.
+i may attend (same segment id, key not padded, j ≤ i if causal, and i − w < j with a sliding window of w keys),
+G = H / Hkv. A query without any such key gets O = 0 and zero gradients. The flash kernel skips the key blocks
+outside a sliding window (O(T·w) work); the XLA twin masks them.
 
 The forward runs the online-softmax block loop of :mod:`lpt.kernels.flash_attention_math` (XLA twin or Pallas
 kernel); the backward is FA2's, with δ = rowsum(dO ∘ O_residual) where the residual O is chosen by the policy
@@ -41,6 +42,7 @@ class _Options:
     ``jax.set_mesh`` mesh)."""
 
     causal: bool = True
+    sliding_window: int = 0
     stable: bool = True
     beta: float = 7.0
     policy: fm.AttentionPolicy | None = None  # overrides stable and beta
@@ -59,6 +61,7 @@ class _Config:
 
     policy: fm.AttentionPolicy
     causal: bool
+    window: int  # sliding window (0: none)
     scale: float
     block_q: int
     block_k: int
@@ -106,7 +109,7 @@ def _kernel_specs(q, k, v, mesh) -> tuple | None:
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
     """(f32 O, lse) of the canonical operands by ``cfg.impl``: the flash kernel (per shard under a mesh) or the XLA
     twin."""
-    kw = dict(policy=cfg.policy, causal=cfg.causal, scale=cfg.scale, block_k=cfg.block_k)
+    kw = dict(policy=cfg.policy, causal=cfg.causal, window=cfg.window, scale=cfg.scale, block_k=cfg.block_k)
     if cfg.impl == "pallas":
         run = functools.partial(fk.forward, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
         if cfg.specs is not None:
@@ -117,7 +120,7 @@ def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
 
 
 def _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg: _Config):
-    kw = dict(causal=cfg.causal, scale=cfg.scale)
+    kw = dict(causal=cfg.causal, window=cfg.window, scale=cfg.scale)
     if cfg.impl == "pallas":
         run = functools.partial(fk.backward, block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret, **kw)
         if cfg.specs is not None:
@@ -194,6 +197,11 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
         raise ValueError(f"q, k, v must share one dtype among {_FLOATS}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if opts.causal and tq != tk:
         raise ValueError(f"causal attention needs Tq == Tk, got Tq={tq}, Tk={tk}")
+    window = opts.sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding_window={window!r} must be an int >= 0 (0: no window)")
+    if window and not opts.causal:
+        raise ValueError(f"sliding_window={window} needs causal=True")
     policy = opts.policy
     if policy is None:
         policy = fm.default_policy(beta=opts.beta) if opts.stable else fm.standard_policy()
@@ -227,7 +235,9 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
     specs = _kernel_specs(q, k, v, mesh)
     if specs is not None and sharding.explicit(mesh):  # typed shardings: the segments (made here) follow q's batch
         q_seg, kv_seg = (jax.sharding.reshard(s, specs[2]) for s in (q_seg, kv_seg))
-    cfg = _Config(policy, bool(opts.causal), scale, bq, bk, opts.impl, opts.interpret, mesh if specs else None, specs)
+    cfg = _Config(
+        policy, bool(opts.causal), window, scale, bq, bk, opts.impl, opts.interpret, mesh if specs else None, specs
+    )
     return q_t, k_t, v_t, q_seg, kv_seg, cfg
 
 
@@ -237,6 +247,7 @@ def dot_product_attention(
     v,
     *,
     causal: bool = True,
+    sliding_window: int = 0,
     stable: bool = True,
     beta: float = 7.0,
     impl: str = "xla",
@@ -254,6 +265,9 @@ def dot_product_attention(
 
     Args:
       causal: key j is visible to query i only if j <= i (needs Tq == Tk).
+      sliding_window: w > 0 (needs causal): query i sees only the w keys i − w < j <= i (Jiang et al., "Mistral 7B";
+        transformers' convention). The flash kernel visits only the key blocks that meet the window, so its work
+        and fetches are O(T·w); the XLA twin and "softmax" mask the rest. 0: no window.
       stable: True uses :func:`lpt.kernels.flash_attention_math.default_policy` (β shift, ℓ from the rounded P̃,
         f32 O residual for δ); False the standard FA2 kernel (row-max shift, ℓ from f32 P̄, O residual in the
         input dtype). Ignored when ``policy`` is given.
@@ -277,6 +291,7 @@ def dot_product_attention(
     """
     opts = _Options(
         causal=causal,
+        sliding_window=sliding_window,
         stable=stable,
         beta=beta,
         policy=policy,
@@ -292,7 +307,7 @@ def dot_product_attention(
     if cfg.impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:
         raise ValueError("AttentionPolicy.residual='stochastic' needs a PRNG key: pass key=...")
     if cfg.impl == "softmax":
-        o = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, scale=cfg.scale)
+        o = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, window=cfg.window, scale=cfg.scale)
         o = o.astype(q.dtype)  # f32 -> input dtype (RNE; differentiable, unlike the bit-exact rounding)
     else:
         if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):

@@ -16,19 +16,27 @@ from lpt.kernels import flash_attention_reference as fr
 
 
 def repeated_max_fraction(
-    q, k, *, causal: bool = True, kv_mask=None, segment_ids=None, scale=None, tie_tol: float = 2.0**-9
+    q,
+    k,
+    *,
+    causal: bool = True,
+    sliding_window: int = 0,
+    kv_mask=None,
+    segment_ids=None,
+    scale=None,
+    tie_tol: float = 2.0**-9,
 ):
     """Fraction (f32 scalar) of query rows (batch × query heads × positions) with >= 2 visible logits within
     ``tie_tol`` of the row max.
 
     Shapes as :func:`lpt.attention.dot_product_attention`; rows without any visible key are not counted.
     """
-    opts = core._Options(causal=causal, scale=scale)  # the logits need only the masks and the scale
+    opts = core._Options(causal=causal, sliding_window=sliding_window, scale=scale)  # only the masks and the scale
     q_t, k_t, _, q_seg, kv_seg, cfg = core._canonical(q, k, k, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     b, h, tq, d = q_t.shape
     hkv, tk = k_t.shape[1], k_t.shape[2]
     qg = q_t.reshape(b, hkv, h // hkv, tq, d)
-    valid = fr.valid_mask(q_seg, kv_seg, jnp.arange(tq), jnp.arange(tk), cfg.causal)
+    valid = fr.valid_mask(q_seg, kv_seg, jnp.arange(tq), jnp.arange(tk), cfg.causal, cfg.window)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_t, preferred_element_type=jnp.float32) * jnp.float32(cfg.scale)
     s = jnp.where(valid, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)

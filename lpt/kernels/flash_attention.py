@@ -5,9 +5,11 @@ XLA twin: :mod:`lpt.kernels.flash_attention_reference` (same recurrence, same ke
 dS) are the functions of :mod:`lpt.kernels.flash_attention_math`, called from both.
 
 Layout: q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] (GQA: query head h reads kv head h // G, G = H / Hkv); q_seg [B, Tq],
-kv_seg [B, Tk] int32 (query i attends key j iff segments match and, if causal, j <= i); Tq, Tk multiples of the
-blocks. Row vectors (lse, δ, q_seg) travel as [.., T, 1] and kv_seg as [B, 1, Tk] so that every block's last two
-dims are TPU-legal.
+kv_seg [B, Tk] int32 (query i attends key j iff segments match and, if causal, j <= i, and with a sliding window
+``window`` > 0 also i − window < j: :func:`flash_attention_math.position_mask`); Tq, Tk multiples of the blocks.
+Row vectors (lse, δ, q_seg) travel as [.., T, 1] and kv_seg as [B, 1, Tk] so that every block's last two dims are
+TPU-legal. The ranges of blocks each program visits (causal, sliding window) are
+:func:`flash_attention_tiles.key_blocks` and :func:`flash_attention_tiles.query_blocks`, shared by both structures.
 
 Two structures of the same kernels, one per compiler (tiles per mode: :func:`flash_attention_tiles.tiles`):
 
@@ -37,11 +39,14 @@ def _module(mode: str, structure: str | None):
     return tpu if structure_of(mode, structure) == "grid" else gpu
 
 
-def forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, interpret=None, structure=None):
+def forward(
+    q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, window=0, interpret=None, structure=None
+):
     """Forward kernel. Returns (O [B, H, Tq, D], lse f32 [B, H, Tq]); O is f32, or already rounded to nearest in
-    q's dtype when ``policy.residual == "input"`` (the wrapper's rounding is then exact). ``structure`` ("grid" or
-    "loop"; None: "grid") is the structure the interpreter runs."""
-    g = check(q, k, block_q, block_k)
+    q's dtype when ``policy.residual == "input"`` (the wrapper's rounding is then exact). ``window`` > 0: a causal
+    sliding window of that many keys (key blocks outside it are skipped). ``structure`` ("grid" or "loop"; None:
+    "grid") is the structure the interpreter runs."""
+    g = check(q, k, block_q, block_k, causal, window)
     structure_of("interpret", structure)  # validate
     b, h, tq, d = q.shape
     tk = k.shape[2]
@@ -50,7 +55,17 @@ def forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, 
     def build(mode):
         bq, bk = tiles(mode, tq, tk, d, block_q, block_k)
         return _module(mode, structure).forward_call(
-            mode, shape=q.shape, g=g, tk=tk, o_dtype=o_dtype, policy=policy, causal=causal, scale=scale, bq=bq, bk=bk
+            mode,
+            shape=q.shape,
+            g=g,
+            tk=tk,
+            o_dtype=o_dtype,
+            policy=policy,
+            causal=causal,
+            window=window,
+            scale=scale,
+            bq=bq,
+            bk=bk,
         )
 
     o, lse = dispatch.platform_call(build, q, k, v, q_seg[:, :, None], kv_seg[:, None, :], interpret=interpret)
@@ -58,17 +73,33 @@ def forward(q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, 
 
 
 def backward(
-    q, k, v, q_seg, kv_seg, lse, do, delta, *, causal, scale, block_q, block_k, interpret=None, structure=None
+    q,
+    k,
+    v,
+    q_seg,
+    kv_seg,
+    lse,
+    do,
+    delta,
+    *,
+    causal,
+    scale,
+    block_q,
+    block_k,
+    window=0,
+    interpret=None,
+    structure=None,
 ):
     """Backward kernels given lse, δ [B, H, Tq] f32. Returns f32 (dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]).
-    ``structure`` ("grid" or "loop"; None: "grid") is the structure the interpreter runs."""
-    g = check(q, k, block_q, block_k)
+    ``window``: as in :func:`forward`. ``structure`` ("grid" or "loop"; None: "grid") is the structure the
+    interpreter runs."""
+    g = check(q, k, block_q, block_k, causal, window)
     structure_of("interpret", structure)  # validate
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     lse_r, delta_r = lse[..., None], delta[..., None]
     segs = (q_seg[:, :, None], kv_seg[:, None, :])
-    kw = dict(g=g, tk=tk, causal=causal, scale=scale)
+    kw = dict(g=g, tk=tk, causal=causal, window=window, scale=scale)
 
     def build_dq(mode):
         bq, bk = tiles(mode, tq, tk, d, block_q, block_k)

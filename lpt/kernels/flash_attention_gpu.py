@@ -4,11 +4,15 @@ A Triton program cannot carry state across grid steps, so each program loops ove
 block per iteration with ``pl.ds`` from a whole-sequence ref (a pointer: only the loaded [b, D] tiles occupy
 registers and shared memory, whatever T is):
 
-* forward ``(B, H, Tq/bq)``: loop over key blocks (causal: up to the diagonal) with the online softmax.
-* dQ ``(B, H, Tq/bq)``: loop over key blocks (causal: up to the diagonal).
-* dK/dV ``(B, Hkv, Tk/bk)``: one loop over the G query heads of kv head hk (outer) and their query blocks (inner;
-  causal: from the diagonal), accumulating dk, dv [bk, D] f32, written as [B, Hkv, Tk, D]. q, dO, lse, δ come in as
+* forward ``(B, H, Tq/bq)``: loop over the key blocks the query block sees (:func:`flash_attention_tiles.key_blocks`:
+  causal up to the diagonal, with a sliding window from the window's first block) with the online softmax.
+* dQ ``(B, H, Tq/bq)``: loop over the same key blocks.
+* dK/dV ``(B, Hkv, Tk/bk)``: one loop over the G query heads of kv head hk (outer) and the query blocks that see the
+  key block (inner; :func:`flash_attention_tiles.query_blocks`: causal from the diagonal, with a sliding window up
+  to the window's last), accumulating dk, dv [bk, D] f32, written as [B, Hkv, Tk, D]. q, dO, lse, δ come in as
   [B, Hkv, G·Tq, ·] (a free reshape of [B, H, Tq, ·]).
+
+The loops run over those ranges only, so a sliding window makes the work O(T · window), not O(T²).
 
 Same block order and per-block rules as the "grid" structure (:mod:`lpt.kernels.flash_attention_tpu`).
 """
@@ -24,15 +28,21 @@ from jax.experimental import pallas as pl
 
 from lpt.kernels import dispatch
 from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, cost, dot, valid_mask
+from lpt.kernels.flash_attention_tiles import (
+    NT,
+    TN,
+    backward_in_specs,
+    cost,
+    dot,
+    key_blocks,
+    query_blocks,
+    valid_mask,
+)
 
 
-def _n_keys(i, bq: int, bk: int, nk: int, causal: bool):
-    """Number of key blocks query block i visits (causal: up to the diagonal)."""
-    return jnp.minimum(nk, lax.div((i + 1) * bq + bk - 1, bk)) if causal else nk  # ceil; lax.div: no sign op
-
-
-def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, policy, causal, scale, bq, bk, native):
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, policy, causal, window, scale, bq, bk, native
+):
     i = pl.program_id(2)
     q = q_ref[...]
     q_seg = qseg_ref[...]
@@ -41,22 +51,22 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, pol
 
     def body(j, carry):
         start = pl.multiple_of(j * bk, bk)
-        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal)
+        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal, window)
         s = dot(q, k_ref[pl.ds(start, bk), :], NT) * jnp.float32(scale)
         v_pv = fm.round_to(v_ref[pl.ds(start, bk), :].astype(jnp.float32), pv_dtype, native)  # -> f32 -> pv (RNE)
         return fm.forward_step(carry, s, valid, lambda w: dot(w, v_pv), policy, pv_dtype, native)
 
     col = jnp.zeros((bq, 1), jnp.float32)
     init = (col - jnp.inf, col, col, col, jnp.zeros(q.shape, jnp.float32))
-    _, _, c, l, acc = lax.fori_loop(0, _n_keys(i, bq, bk, nk, causal), body, init)
+    first, end = key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window)
+    _, _, c, l, acc = lax.fori_loop(first, end, body, init)
     o, lse = fm.finalize(acc, l, c)
     o_ref[...] = fm.round_to(o, o_ref.dtype, native)  # f32 -> O dtype (RNE; bf16 for residual "input")
     lse_ref[...] = lse
 
 
-def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *, causal, scale, bq, bk, native
-):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, **kw):
+    causal, window, scale, bq, bk, native = (kw[n] for n in ("causal", "window", "scale", "bq", "bk", "native"))
     i = pl.program_id(2)
     q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qseg_ref[...]
     nk = k_ref.shape[0] // bk
@@ -64,23 +74,25 @@ def _dq_kernel(
     def body(j, dq):
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
-        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal)
+        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal, window)
         s = dot(q, k, NT) * jnp.float32(scale)
         dp = dot(do, v_ref[pl.ds(start, bk), :], NT)
         _, ds_in = fm.backward_weights(s, valid, lse, dp, delta, q_ref.dtype, native)
         return dq + dot(ds_in, k)
 
-    dq = lax.fori_loop(0, _n_keys(i, bq, bk, nk, causal), body, jnp.zeros(q.shape, jnp.float32))
+    first, end = key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window)
+    dq = lax.fori_loop(first, end, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq * jnp.float32(scale)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, **kw):
-    causal, scale, bq, bk, tq, g, native = (kw[n] for n in ("causal", "scale", "bq", "bk", "tq", "g", "native"))
+    causal, window, scale, bq, bk, tq, g, native = (
+        kw[n] for n in ("causal", "window", "scale", "bq", "bk", "tq", "g", "native")
+    )
     j = pl.program_id(2)
     k, v, kv_seg = k_ref[...], v_ref[...], kvseg_ref[...]
-    nq = tq // bq
-    lo = lax.div(j * bk, bq) if causal else 0  # first query block at or after the diagonal
-    n_i = nq - lo  # query blocks per head
+    lo, hi = query_blocks(j, bq=bq, bk=bk, nq=tq // bq, causal=causal, window=window)
+    n_i = hi - lo  # query blocks per head
 
     def body(t, carry):
         dk, dv = carry
@@ -88,7 +100,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
         start = pl.multiple_of(i * bq, bq)
         row = pl.multiple_of(gi * tq + start, bq)
         q, do = q_ref[pl.ds(row, bq), :], do_ref[pl.ds(row, bq), :]
-        valid = valid_mask(qseg_ref[pl.ds(start, bq), :], kv_seg, start, j * bk, (bq, bk), causal)
+        valid = valid_mask(qseg_ref[pl.ds(start, bq), :], kv_seg, start, j * bk, (bq, bk), causal, window)
         s = dot(q, k, NT) * jnp.float32(scale)
         dp = dot(do, v, NT)
         lse, delta = lse_ref[pl.ds(row, bq), :], delta_ref[pl.ds(row, bq), :]
@@ -108,8 +120,9 @@ def _compiler_kwargs(mode, d: int):
     return dispatch.mode_kwargs(mode, num_warps=4 if d <= 64 else 8, num_stages=2)
 
 
-def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
+def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, bq, bk):
     """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1])."""
+    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
     full_kv = pl.BlockSpec((None, None, tk, d), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
     in_specs = [
@@ -123,7 +136,7 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
         pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0)),
         pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0)),
     ]
-    kernel = functools.partial(_fwd_kernel, policy=policy, causal=causal, scale=scale, bq=bq, bk=bk, native=False)
+    kernel = functools.partial(_fwd_kernel, policy=policy, scale=scale, **mask, native=False)
     return pl.pallas_call(
         kernel,
         grid=(b, h, tq // bq),
@@ -131,15 +144,14 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
         name="lpt_flash_attention_fwd",
-        cost_estimate=cost(
-            "fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=jnp.dtype(o_dtype).itemsize
-        ),
+        cost_estimate=cost("fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=jnp.dtype(o_dtype).itemsize, **mask),
         **_compiler_kwargs(mode, d),
     )
 
 
-def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D]."""
+    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0))
@@ -147,7 +159,7 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0))
     kvseg_spec = pl.BlockSpec((None, 1, tk), lambda bi, hi, i: (bi, 0, 0))
     in_specs = backward_in_specs(q_spec, full_kv, row_spec, qseg_spec, kvseg_spec)
-    kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, bq=bq, bk=bk, native=False)
+    kernel = functools.partial(_dq_kernel, scale=scale, **mask, native=False)
     return pl.pallas_call(
         kernel,
         grid=(b, h, tq // bq),
@@ -155,14 +167,15 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
         name="lpt_flash_attention_dq",
-        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
+        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
         **_compiler_kwargs(mode, d),
     )
 
 
-def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     """``pallas_call`` of dK/dV on (q, k, v, do, lse, δ, q_seg, kv_seg) with q, do [B, Hkv, G·Tq, D] and lse, δ
     [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D]."""
+    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, hkv, gtq, d = shape
     tq = gtq // g
     full_q = pl.BlockSpec((None, None, gtq, d), lambda bi, hk, j: (bi, hk, 0, 0))
@@ -171,7 +184,7 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, tq, 1), lambda bi, hk, j: (bi, 0, 0))
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j: (bi, 0, j))
     in_specs = backward_in_specs(full_q, kv_spec, full_row, qseg_spec, kvseg_spec)
-    kernel = functools.partial(_dkdv_kernel, causal=causal, scale=scale, bq=bq, bk=bk, tq=tq, g=g, native=False)
+    kernel = functools.partial(_dkdv_kernel, scale=scale, tq=tq, g=g, **mask, native=False)
     out = jax.ShapeDtypeStruct((b, hkv, tk, d), jnp.float32)
     return pl.pallas_call(
         kernel,
@@ -180,6 +193,6 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
         out_specs=[kv_spec, kv_spec],
         out_shape=[out, out],
         name="lpt_flash_attention_dkdv",
-        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
+        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
         **_compiler_kwargs(mode, d),
     )

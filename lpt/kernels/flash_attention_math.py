@@ -162,6 +162,23 @@ def round_grid_f32(x: jax.Array, dtype, native: bool = False) -> jax.Array:
     return round_nearest(x, dtype, out_dtype=jnp.float32)
 
 
+def position_mask(q_pos, k_pos, causal: bool, window: int = 0):
+    """Which keys a query sees by position (int32 positions that broadcast against each other): ``k_pos <= q_pos``
+    if ``causal`` and, with a sliding window of ``window`` > 0 keys, ``q_pos − window < k_pos`` (the query's own key
+    and the ``window − 1`` before it: the convention of Jiang et al., "Mistral 7B", and transformers). A Python
+    ``True`` when neither applies. ValueError for a window < 0 or a window without ``causal``."""
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding window={window!r} must be an int >= 0 (0: no window)")
+    if window and not causal:
+        raise ValueError(f"sliding window={window} needs causal attention (it bounds how far back a query sees)")
+    ok = True
+    if causal:
+        ok = k_pos <= q_pos
+    if window:
+        ok = ok & (k_pos > q_pos - window)
+    return ok
+
+
 def update_max_count(m, n, s, valid, tie_tol: float):
     """One block of the running (max, near-max count). m, n: [..., 1] f32; s: [..., bk] f32; valid: bool."""
     s_masked = jnp.where(valid, s, -jnp.inf)

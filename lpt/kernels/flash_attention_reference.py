@@ -2,7 +2,10 @@
 
 Layout (canonical, as the kernel sees it): q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H % Hkv == 0 (grouped-query
 attention: query head h reads kv head h // (H / Hkv)); q_seg [B, Tq], kv_seg [B, Tk] int32. Query i may attend key
-j iff ``q_seg[i] == kv_seg[j]`` and, if causal, ``j <= i``. Tk must be a multiple of ``block_k`` (the wrapper pads).
+j iff ``q_seg[i] == kv_seg[j]`` and, if causal, ``j <= i``, and with a sliding window ``window`` > 0 also
+``i − window < j`` (:func:`flash_attention_math.position_mask`). Tk must be a multiple of ``block_k`` (the wrapper
+pads). The twin masks the keys outside a window but still visits every key block (all query rows share one scan):
+its work stays O(Tq·Tk); the kernels skip the blocks outside the window.
 
 Forward: a ``lax.scan`` over key blocks of size ``block_k`` applying :mod:`flash_attention_math`'s rules; all query
 rows at once (rows are independent, so the query blocking of the kernel does not change a row's arithmetic).
@@ -26,11 +29,10 @@ from jax import lax
 from lpt.kernels import flash_attention_math as fm
 
 
-def valid_mask(q_seg, kv_seg, q_pos, k_pos, causal: bool):
+def valid_mask(q_seg, kv_seg, q_pos, k_pos, causal: bool, window: int = 0):
     """Attend mask [B, 1, 1, Tq, bk] from segments [B, Tq], [B, bk] and positions [Tq], [bk]."""
     ok = q_seg[:, :, None] == kv_seg[:, None, :]
-    if causal:
-        ok = ok & (k_pos[None, None, :] <= q_pos[None, :, None])
+    ok = ok & fm.position_mask(q_pos[None, :, None], k_pos[None, None, :], causal, window)
     return ok[:, None, None]
 
 
@@ -46,15 +48,18 @@ def _key_blocks(k, v, kv_seg, block_k: int):
     return jnp.arange(nk, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks
 
 
-def _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k: int, *, causal: bool, scale: float):
+def _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k: int, *, causal: bool, window: int, scale: float):
     """(s, valid) of key block j: f32 logits scale·q kᵀ [B, Hkv, G, Tq, bk] and the attend mask."""
     q_pos = jnp.arange(qg.shape[3], dtype=jnp.int32)
-    valid = valid_mask(q_seg, seg_blk, q_pos, j * block_k + jnp.arange(block_k, dtype=jnp.int32), causal)
+    k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    valid = valid_mask(q_seg, seg_blk, q_pos, k_pos, causal, window)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32) * jnp.float32(scale)
     return s, valid
 
 
-def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, causal: bool, scale: float, block_k: int):
+def reference_forward(
+    q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, causal: bool, scale: float, block_k: int, window: int = 0
+):
     """Blockwise forward. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq])."""
     b, h, tq, d = q.shape
     hkv = k.shape[1]
@@ -65,7 +70,7 @@ def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, cau
 
     def step(carry, xs):
         j, k_blk, v_blk, seg_blk = xs
-        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, scale=scale)
+        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, window=window, scale=scale)
         v_pv = fm.round_to(v_blk.astype(jnp.float32), pv_dtype)  # v dtype -> f32 (exact) -> pv dtype
 
         def matmul(p_part):
@@ -81,7 +86,7 @@ def reference_forward(q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, cau
 
 
 def reference_backward(
-    q, k, v, q_seg, kv_seg, lse, do, delta, *, causal: bool, scale: float, block_k: int | None = None
+    q, k, v, q_seg, kv_seg, lse, do, delta, *, causal: bool, scale: float, block_k: int | None = None, window: int = 0
 ):
     """Blockwise FA2 backward. lse, delta: [B, H, Tq] f32. Returns f32 (dq [B,H,Tq,D], dk, dv [B,Hkv,Tk,D]).
 
@@ -100,7 +105,7 @@ def reference_backward(
 
     def step(dq, xs):
         j, k_blk, v_blk, seg_blk = xs
-        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, scale=scale)
+        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, window=window, scale=scale)
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", dog, v_blk, preferred_element_type=jnp.float32)
         p_in, ds_in = fm.backward_weights(s, valid, lse_g, dp, delta_g, in_dtype)
         dv_blk = jnp.einsum("bhgqk,bhgqd->bhkd", p_in, dog, preferred_element_type=jnp.float32)
@@ -117,7 +122,7 @@ def reference_backward(
     return dq.reshape(b, h, tq, d), unblock(dk_blocks), unblock(dv_blocks)
 
 
-def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float):
+def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, window: int = 0):
     """Plain (non-blocked) softmax attention in f32, differentiable by autodiff: the f32 truth.
 
     Same layout as :func:`reference_forward`; returns O f32 [B, H, Tq, D] (0 for rows without any valid key).
@@ -126,7 +131,7 @@ def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float):
     hkv, tk = k.shape[1], k.shape[2]
     g = h // hkv
     qg = q.astype(jnp.float32).reshape(b, hkv, g, tq, d)  # input dtype -> f32 (exact)
-    valid = valid_mask(q_seg, kv_seg, jnp.arange(tq, dtype=jnp.int32), jnp.arange(tk, dtype=jnp.int32), causal)
+    valid = valid_mask(q_seg, kv_seg, jnp.arange(tq, dtype=jnp.int32), jnp.arange(tk, dtype=jnp.int32), causal, window)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32)) * jnp.float32(scale)  # -> f32 (exact)
     s = jnp.where(valid, s, -jnp.inf)
     any_valid = jnp.any(valid, axis=-1, keepdims=True)

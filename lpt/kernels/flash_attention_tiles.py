@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from lpt.kernels import flash_attention_math as fm
+
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
 STRUCTURES = ("grid", "loop")
@@ -31,14 +33,61 @@ def dot(a, b, dims=None):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def valid_mask(q_seg, kv_seg, q_start, k_start, shape, causal: bool):
-    """[bq, bk] attend mask from q_seg [bq, 1], kv_seg [1, bk] (int32) and the blocks' first positions."""
+def valid_mask(q_seg, kv_seg, q_start, k_start, shape, causal: bool, window: int = 0):
+    """[bq, bk] attend mask from q_seg [bq, 1], kv_seg [1, bk] (int32) and the blocks' first positions (the position
+    rule: :func:`flash_attention_math.position_mask`)."""
     ok = q_seg == kv_seg
     if causal:
         q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
         k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-        ok = ok & (k_pos <= q_pos)
+        ok = ok & fm.position_mask(q_pos, k_pos, causal, window)
     return ok
+
+
+def _div(a, b: int):
+    """floor(a / b) for a >= 0: ``//`` on Python ints, ``lax.div`` (truncation, no sign ops) on traced int32."""
+    return a // b if isinstance(a, int) else lax.div(a, b)
+
+
+def _min(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def _max(a, b):
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
+def key_blocks(i, *, bq: int, bk: int, nk: int, causal: bool, window: int = 0):
+    """``(first, end)``: query block i (queries i·bq … (i+1)·bq − 1) visits key blocks first … end − 1, the blocks
+    holding a key one of its queries sees (:func:`flash_attention_math.position_mask`). Non-causal: all nk; causal: up
+    to the block of its last query; with a sliding window from the block of key i·bq − window + 1, the first its first
+    query sees. Never empty for a causal block (Tq = Tk). ``i`` a Python int (cost, grid sizes) or a traced int32
+    (kernels: grid index maps, loop bounds); the result is of the same kind."""
+    if not causal:
+        return 0, nk
+    end = _min(nk, _div((i + 1) * bq - 1, bk) + 1)
+    if not window:
+        return 0, end
+    return _div(_max(i * bq - (window - 1), 0), bk), end  # the first query's first key (clipped at 0)
+
+
+def query_blocks(j, *, bq: int, bk: int, nq: int, causal: bool, window: int = 0):
+    """``(first, end)``: the query blocks first … end − 1 hold every query that sees a key of key block j (keys
+    j·bk … (j+1)·bk − 1), the transpose of :func:`key_blocks`. Non-causal: all nq; causal: from the block of query
+    j·bk on; with a sliding window up to the block of query (j+1)·bk + window − 2, the last that sees its last key.
+    ``j`` a Python int or a traced int32, as in :func:`key_blocks`."""
+    if not causal:
+        return 0, nq
+    first = _div(j * bk, bq)
+    if not window:
+        return first, nq
+    return first, _min(nq, _div((j + 1) * bk + window - 2, bq) + 1)
+
+
+def widest(blocks, n: int) -> int:
+    """max over the n blocks b of ``end − first`` of ``blocks(b)`` (Python ints): the length of the grid axis or
+    loop that walks one block's range."""
+    return max(end - first for first, end in map(blocks, range(n)))
 
 
 def backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec) -> list:
@@ -50,13 +99,30 @@ def backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec) -> list:
 _MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4}  # bq x bk x d matmuls per visited (query, key) block: S, PV / S, dP, dQ / ...
 
 
-def cost(kind: str, *, b: int, h: int, g: int, tq: int, tk: int, d: int, bq: int, bk: int, causal: bool, itemsize: int):
+def cost(
+    kind: str,
+    *,
+    b: int,
+    h: int,
+    g: int,
+    tq: int,
+    tk: int,
+    d: int,
+    bq: int,
+    bk: int,
+    causal: bool,
+    window: int,
+    itemsize: int,
+):
     """The ``pl.CostEstimate`` of one flash kernel (``kind``: "fwd", "dq" or "dkdv") over ``b`` rows of ``h`` query
-    heads (``g`` per kv head): its matmul FLOPs, ``2 · bq · bk · d`` per matmul and visited block (a causal kernel
-    skips the blocks above the diagonal), one exp per score, and the bytes of q, k, v, O (or dO) and the f32 rows.
-    XLA's cost model reads it; ``lpt.targets.hlo.flops`` counts it."""
+    heads (``g`` per kv head): its matmul FLOPs, ``2 · bq · bk · d`` per matmul and visited block (the blocks of
+    :func:`key_blocks`: a causal kernel skips the blocks above the diagonal, a sliding window those before it), one
+    exp per score, and the bytes of q, k, v, O (or dO) and the f32 rows. XLA's cost model reads it;
+    ``lpt.targets.hlo.flops`` counts it."""
     nq, nk = tq // bq, tk // bk
-    visited = sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq)) if causal else nq * nk
+    visited = sum(
+        e - f for f, e in (key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window) for i in range(nq))
+    )
     scores = b * h * visited * bq * bk
     q_bytes, kv_bytes = b * h * tq * d * itemsize, b * (h // g) * tk * d * itemsize
     return pl.CostEstimate(
@@ -66,14 +132,18 @@ def cost(kind: str, *, b: int, h: int, g: int, tq: int, tk: int, d: int, bq: int
     )
 
 
-def check(q, k, block_q: int, block_k: int) -> int:
-    """Validate the kernel layout; return the GQA group size G = H / Hkv."""
+def check(q, k, block_q: int, block_k: int, causal: bool = False, window: int = 0) -> int:
+    """Validate the kernel layout and the position rule (:func:`flash_attention_math.position_mask`; causal needs
+    Tq == Tk); return the GQA group size G = H / Hkv."""
     tq, tk, h, hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
     if block_q < 1 or block_k < 1 or tq % block_q or tk % block_k or h % hkv:
         raise ValueError(
             f"need Tq % block_q == 0, Tk % block_k == 0, H % Hkv == 0; got Tq={tq}, block_q={block_q}, "
             f"Tk={tk}, block_k={block_k}, H={h}, Hkv={hkv}"
         )
+    if causal and tq != tk:
+        raise ValueError(f"causal attention needs Tq == Tk, got Tq={tq}, Tk={tk}")
+    fm.position_mask(0, 0, causal, window)  # validates window
     return h // hkv
 
 

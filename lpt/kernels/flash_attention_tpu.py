@@ -4,15 +4,19 @@ Every BlockSpec holds one block, so VMEM per program is O(bq·D + bk·D + bq·bk
 over a trailing grid axis with "arbitrary" semantics; its running state lives in VMEM scratch, set on the axis'
 first step (``pl.when``) and written out on its last:
 
-* forward ``(B, H, Tq/bq, Tk/bk)``: key block j of query block i; scratch M, n, c, ℓ [bq, 1] and acc [bq, D] f32;
-  the last step writes O (f32, or the input dtype for the "input" residual) and lse.
-* dQ ``(B, H, Tq/bq, Tk/bk)``: scratch dq [bq, D] f32.
-* dK/dV ``(B, Hkv, Tk/bk, G·Tq/bq)``: key block j of kv head hk; the trailing axis r runs over the G query heads of
-  hk (g = r // (Tq/bq), outer) and their query blocks (i = r mod (Tq/bq), inner); scratch dk, dv [bk, D] f32, written
+* forward ``(B, H, Tq/bq, nt)``: step t visits key block j = first + t of query block i, where first … end − 1 are
+  the key blocks i sees (:func:`flash_attention_tiles.key_blocks`) and nt the most any query block sees (Tk/bk, or
+  with a sliding window about (bq + window)/bk); scratch M, n, c, ℓ [bq, 1] and acc [bq, D] f32; the last step
+  writes O (f32, or the input dtype for the "input" residual) and lse.
+* dQ ``(B, H, Tq/bq, nt)``: the same steps; scratch dq [bq, D] f32.
+* dK/dV ``(B, Hkv, Tk/bk, G·ns)``: key block j of kv head hk; the trailing axis r runs over the G query heads of
+  hk (g = r // ns, outer) and the query blocks i = first + r mod ns that see j (inner;
+  :func:`flash_attention_tiles.query_blocks`, ns the most any key block has); scratch dk, dv [bk, D] f32, written
   as dk, dv [B, Hkv, Tk, D] f32. q, dO, lse, δ come in as [B, Hkv, G·Tq, ·] (a free reshape of [B, H, Tq, ·]).
 
-Causal: a step whose block is fully above the diagonal computes nothing (``pl.when``), and its index_map repeats the
-previous block's index (clamped to the diagonal), so Pallas issues no DMA for it.
+Causal (and sliding window): a step past its block's range (j >= end) computes nothing (``pl.when``), and its
+index_map repeats the previous block's index (clamped to end − 1), so Pallas issues no DMA for it. Blocks outside
+the window are never steps at all: the grid, the fetches and the work are O(T · window), not O(T²).
 """
 
 from __future__ import annotations
@@ -27,19 +31,26 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
 from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import NT, TN, backward_in_specs, cost, dot, valid_mask
+from lpt.kernels.flash_attention_tiles import (
+    NT,
+    TN,
+    backward_in_specs,
+    cost,
+    dot,
+    key_blocks,
+    query_blocks,
+    valid_mask,
+    widest,
+)
 
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
 
-def _last_k(i, bq: int, bk: int):
-    """Last key block with a key at or below the last query of query block i (causal)."""
-    return lax.div((i + 1) * bq - 1, bk)  # non-negative operands: lax.div == floor
-
-
-def _first_q(j, bq: int, bk: int):
-    """First query block with a query at or after the first key of key block j (causal)."""
-    return lax.div(j * bk, bq)
+def _visit(blocks, b, t):
+    """(block index of step t of block b's range, whether the step is in the range): ``first + t`` clamped to
+    ``end − 1`` (a step past the end repeats the last index, so Pallas fetches nothing for it)."""
+    first, end = blocks(b)
+    return jnp.minimum(first + t, end - 1), first + t < end
 
 
 def _when(cond, fn):
@@ -50,12 +61,13 @@ def _when(cond, fn):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, m_sc, n_sc, c_sc, l_sc, acc_sc, **kw):
-    policy, causal, scale, bq, bk, nk, native = (
-        kw[n] for n in ("policy", "causal", "scale", "bq", "bk", "nk", "native")
+    policy, causal, window, scale, bq, bk, nt, native = (
+        kw[n] for n in ("policy", "causal", "window", "scale", "bq", "bk", "nt", "native")
     )
-    i, j = pl.program_id(2), pl.program_id(3)
+    i, t = pl.program_id(2), pl.program_id(3)
+    j, visited = _visit(kw["blocks"], i, t)
 
-    @pl.when(j == 0)
+    @pl.when(t == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
         for ref in (n_sc, c_sc, l_sc, acc_sc):
@@ -63,7 +75,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, m_sc, 
 
     def _step():
         pv_dtype = policy.pv(v_ref.dtype)
-        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal)
+        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal, window)
         s = dot(q_ref[...], k_ref[...], NT) * jnp.float32(scale)
         v_pv = fm.round_to(v_ref[...].astype(jnp.float32), pv_dtype, native)  # v dtype -> f32 -> pv dtype (RNE)
         carry = (m_sc[...], n_sc[...], c_sc[...], l_sc[...], acc_sc[...])
@@ -71,9 +83,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, m_sc, 
         for ref, value in zip((m_sc, n_sc, c_sc, l_sc, acc_sc), new, strict=True):
             ref[...] = value
 
-    _when(j <= _last_k(i, bq, bk) if causal else None, _step)
+    _when(visited if causal else None, _step)
 
-    @pl.when(j == nk - 1)
+    @pl.when(t == nt - 1)
     def _finalize():
         o, lse = fm.finalize(acc_sc[...], l_sc[...], c_sc[...])
         o_ref[...] = fm.round_to(o, o_ref.dtype, native)  # f32 -> O dtype (RNE; bf16 for residual "input")
@@ -81,24 +93,27 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, m_sc, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, dq_sc, **kw):
-    causal, scale, bq, bk, nk, native = (kw[n] for n in ("causal", "scale", "bq", "bk", "nk", "native"))
-    i, j = pl.program_id(2), pl.program_id(3)
+    causal, window, scale, bq, bk, nt, native = (
+        kw[n] for n in ("causal", "window", "scale", "bq", "bk", "nt", "native")
+    )
+    i, t = pl.program_id(2), pl.program_id(3)
+    j, visited = _visit(kw["blocks"], i, t)
 
-    @pl.when(j == 0)
+    @pl.when(t == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
     def _step():
         k = k_ref[...]
-        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal)
+        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal, window)
         s = dot(q_ref[...], k, NT) * jnp.float32(scale)
         dp = dot(do_ref[...], v_ref[...], NT)
         _, ds_in = fm.backward_weights(s, valid, lse_ref[...], dp, delta_ref[...], q_ref.dtype, native)
         dq_sc[...] += dot(ds_in, k)
 
-    _when(j <= _last_k(i, bq, bk) if causal else None, _step)
+    _when(visited if causal else None, _step)
 
-    @pl.when(j == nk - 1)
+    @pl.when(t == nt - 1)
     def _finalize():
         dq_ref[...] = dq_sc[...] * jnp.float32(scale)
 
@@ -106,9 +121,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, dk_sc, dv_sc, **kw
 ):
-    causal, scale, bq, bk, nq, g, native = (kw[n] for n in ("causal", "scale", "bq", "bk", "nq", "g", "native"))
+    causal, window, scale, bq, bk, ns, g, native = (
+        kw[n] for n in ("causal", "window", "scale", "bq", "bk", "ns", "g", "native")
+    )
     j, r = pl.program_id(2), pl.program_id(3)
-    i = lax.rem(r, nq)
+    i, visited = _visit(kw["blocks"], j, lax.rem(r, ns))
 
     @pl.when(r == 0)
     def _init():
@@ -117,28 +134,35 @@ def _dkdv_kernel(
 
     def _step():
         q, do = q_ref[...], do_ref[...]
-        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal)
+        valid = valid_mask(qseg_ref[...], kvseg_ref[...], i * bq, j * bk, (bq, bk), causal, window)
         s = dot(q, k_ref[...], NT) * jnp.float32(scale)
         dp = dot(do, v_ref[...], NT)
         p_in, ds_in = fm.backward_weights(s, valid, lse_ref[...], dp, delta_ref[...], q_ref.dtype, native)
         dv_sc[...] += dot(p_in, do, TN)
         dk_sc[...] += dot(ds_in, q, TN)
 
-    _when(i >= _first_q(j, bq, bk) if causal else None, _step)
+    _when(visited if causal else None, _step)
 
-    @pl.when(r == g * nq - 1)
+    @pl.when(r == g * ns - 1)
     def _finalize():
         dk_ref[...] = dk_sc[...] * jnp.float32(scale)
         dv_ref[...] = dv_sc[...]
 
 
-def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
-    """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1])."""
-    b, h, tq, d = shape
-    nq, nk = tq // bq, tk // bk
+def _key_steps(tq, tk, bq, bk, causal, window):
+    """(key_blocks of query block i, the most key blocks one query block visits): the trailing grid axis."""
+    blocks = functools.partial(key_blocks, bq=bq, bk=bk, nk=tk // bk, causal=causal, window=window)
+    return blocks, widest(blocks, tq // bq)
 
-    def kv_blk(i, j):
-        return jnp.minimum(j, _last_k(i, bq, bk)) if causal else j
+
+def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, bq, bk):
+    """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1])."""
+    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
+    b, h, tq, d = shape
+    blocks, nt = _key_steps(tq, tk, bq, bk, causal, window)
+
+    def kv_blk(i, t):
+        return _visit(blocks, i, t)[0]
 
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_blk(i, j), 0))
     in_specs = [
@@ -153,30 +177,29 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, scale, bq, bk):
         pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0)),
     ]
     kernel = functools.partial(
-        _fwd_kernel, policy=policy, causal=causal, scale=scale, bq=bq, bk=bk, nk=nk, native=mode == "mosaic"
+        _fwd_kernel, policy=policy, scale=scale, nt=nt, blocks=blocks, **mask, native=mode == "mosaic"
     )
     return pl.pallas_call(
         kernel,
-        grid=(b, h, nq, nk),
+        grid=(b, h, tq // bq, nt),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32) for _ in range(4)] + [pltpu.VMEM((bq, d), jnp.float32)],
         name="lpt_flash_attention_fwd",
-        cost_estimate=cost(
-            "fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=jnp.dtype(o_dtype).itemsize
-        ),
+        cost_estimate=cost("fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=jnp.dtype(o_dtype).itemsize, **mask),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )
 
 
-def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D]."""
+    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
-    nq, nk = tq // bq, tk // bk
+    blocks, nt = _key_steps(tq, tk, bq, bk, causal, window)
 
-    def kv_blk(i, j):
-        return jnp.minimum(j, _last_k(i, bq, bk)) if causal else j
+    def kv_blk(i, t):
+        return _visit(blocks, i, t)[0]
 
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
@@ -184,33 +207,35 @@ def dq_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0))
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_blk(i, j)))
     in_specs = backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec)
-    kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, bq=bq, bk=bk, nk=nk, native=mode == "mosaic")
+    kernel = functools.partial(_dq_kernel, scale=scale, nt=nt, blocks=blocks, **mask, native=mode == "mosaic")
     return pl.pallas_call(
         kernel,
-        grid=(b, h, nq, nk),
+        grid=(b, h, tq // bq, nt),
         in_specs=in_specs,
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
         name="lpt_flash_attention_dq",
-        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
+        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )
 
 
-def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
+def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     """``pallas_call`` of dK/dV on (q, k, v, do, lse, δ, q_seg, kv_seg) with q, do [B, Hkv, G·Tq, D] and lse, δ
     [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D]."""
+    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, hkv, gtq, d = shape
     tq = gtq // g
     nq, nk = tq // bq, tk // bk
+    blocks = functools.partial(query_blocks, bq=bq, bk=bk, nq=nq, causal=causal, window=window)
+    ns = widest(blocks, nk)
 
     def q_blk(j, r):
-        i = lax.rem(r, nq)
-        return jnp.maximum(i, _first_q(j, bq, bk)) if causal else i
+        return _visit(blocks, j, lax.rem(r, ns))[0]
 
-    def grouped(bi, hk, j, r):  # query block i of query head g = r // nq of kv head hk, in [B, Hkv, G·Tq, ·]
-        return (bi, hk, lax.div(r, nq) * nq + q_blk(j, r), 0)
+    def grouped(bi, hk, j, r):  # query block i of query head g = r // ns of kv head hk, in [B, Hkv, G·Tq, ·]
+        return (bi, hk, lax.div(r, ns) * nq + q_blk(j, r), 0)
 
     q_spec = pl.BlockSpec((None, None, bq, d), grouped)
     row_spec = pl.BlockSpec((None, None, bq, 1), grouped)
@@ -218,18 +243,16 @@ def dkdv_call(mode, *, shape, g, tk, causal, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hk, j, r: (bi, q_blk(j, r), 0))
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j, r: (bi, 0, j))
     in_specs = backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec)
-    kernel = functools.partial(
-        _dkdv_kernel, causal=causal, scale=scale, bq=bq, bk=bk, nq=nq, g=g, native=mode == "mosaic"
-    )
+    kernel = functools.partial(_dkdv_kernel, scale=scale, ns=ns, g=g, blocks=blocks, **mask, native=mode == "mosaic")
     out = jax.ShapeDtypeStruct((b, hkv, tk, d), jnp.float32)
     return pl.pallas_call(
         kernel,
-        grid=(b, hkv, nk, g * nq),
+        grid=(b, hkv, nk, g * ns),
         in_specs=in_specs,
         out_specs=[kv_spec, kv_spec],
         out_shape=[out, out],
         scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
         name="lpt_flash_attention_dkdv",
-        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, bq=bq, bk=bk, causal=causal, itemsize=4),
+        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )

@@ -1,0 +1,158 @@
+"""Sliding-window attention in the flash kernels (query i sees keys i − w < j <= i): both structures ("grid":
+Mosaic, "loop": Triton) interpreted against the XLA twin, forward and backward, at T = 64 > w with windows that are
+not multiples of the blocks; the block ranges of lpt.kernels.flash_attention_tiles against brute force; and the
+kernels visit exactly the blocks that meet the window (counted in the kernel, not read off the range function)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_flash_attention_kernel import BK, BQ, D, T, _assert_f32_order_close
+
+from lpt.kernels import flash_attention as fk
+from lpt.kernels import flash_attention_gpu as gpu
+from lpt.kernels import flash_attention_math as fm
+from lpt.kernels import flash_attention_reference as fr
+from lpt.kernels import flash_attention_tiles as tiles
+from lpt.kernels import flash_attention_tpu as tpu
+
+
+def _visible_blocks(t: int, bq: int, bk: int, window: int) -> set[tuple[int, int]]:
+    """(query block, key block) pairs holding at least one (query, key) pair the window shows: brute force."""
+    pos = np.arange(t)
+    seen = np.asarray(fm.position_mask(pos[:, None], pos[None, :], True, window))
+    return {
+        (i, j)
+        for i in range(t // bq)
+        for j in range(t // bk)
+        if seen[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any()
+    }
+
+
+@pytest.mark.parametrize("bq, bk", [(8, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("window", [0, 1, 3, 11, 40])
+def test_block_ranges_are_the_blocks_that_meet_the_window(bq, bk, window):
+    """key_blocks(i) is exactly the run of key blocks with a visible pair for query block i, query_blocks(j) the run
+    of query blocks for key block j, for Python ints and traced int32 alike; widest is the longest run."""
+    t = 64
+    nq, nk = t // bq, t // bk
+    visible = _visible_blocks(t, bq, bk, window)
+    kw = dict(bq=bq, bk=bk, causal=True, window=window)
+    keys = [sorted(j for a, j in visible if a == i) for i in range(nq)]
+    want = [(run[0], run[-1] + 1) for run in keys]
+    assert all(len(run) == end - first for run, (first, end) in zip(keys, want, strict=True))  # contiguous
+    assert [tiles.key_blocks(i, nk=nk, **kw) for i in range(nq)] == want
+    traced = jax.jit(jax.vmap(lambda i: tiles.key_blocks(i, nk=nk, **kw)))(jnp.arange(nq, dtype=jnp.int32))
+    assert list(zip(*map(np.asarray, traced), strict=True)) == want
+    queries = [sorted(i for i, b in visible if b == j) for j in range(nk)]
+    want = [(run[0], run[-1] + 1) for run in queries]
+    assert [tiles.query_blocks(j, nq=nq, **kw) for j in range(nk)] == want
+    traced = jax.jit(jax.vmap(lambda j: tiles.query_blocks(j, nq=nq, **kw)))(jnp.arange(nk, dtype=jnp.int32))
+    assert list(zip(*map(np.asarray, traced), strict=True)) == want
+    assert tiles.widest(lambda i: tiles.key_blocks(i, nk=nk, **kw), nq) == max(map(len, keys))
+
+
+def _inputs():
+    """bf16 q, k, v, dO of one row (H = 2, Hkv = 1: GQA) and its segments: two packed sequences (queries and keys
+    40 on are the second), key 5 padding."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, do = (
+        jax.random.normal(r, (1, h, T, D)).astype(jnp.bfloat16)  # f32 -> bf16
+        for r, h in zip(ks, (2, 1, 1, 2), strict=True)
+    )
+    q_seg = jnp.zeros((1, T), jnp.int32).at[0, 40:].set(1)
+    return q, k, v, do, q_seg, q_seg.at[0, 5].set(-1)
+
+
+@pytest.mark.parametrize("name, window", [("default", 20), ("standard", 5)])
+def test_both_structures_match_reference_with_window(name, window):
+    """Interpreted "grid" and "loop" kernels vs the XLA twin with a sliding window (5: inside one key block pair;
+    20: spans query blocks of 16 and key blocks of 8, neither a multiple), with packed and padded segments. The
+    kernels skip the blocks the twin masks; a fully masked block leaves the twin's running state unchanged, so both
+    sum the same terms in the same block order: O, lse, dq, dk, dv within 16 f32 ulps of their largest magnitude
+    (XLA:CPU's per-program FMA and dot choices; see test_flash_attention_kernel); standard policy: O (bf16) within
+    one bf16 ulp. The window changes O by O(1) (a kernel ignoring it fails)."""
+    policy = fm.default_policy() if name == "default" else fm.standard_policy()
+    q, k, v, do, q_seg, kv_seg = _inputs()
+    kw = dict(causal=True, scale=0.25, window=window)
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=BK, **kw))()
+    o_full, _ = fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=BK, causal=True, scale=0.25)
+    assert float(jnp.max(jnp.abs(o_full - o_r))) > 0.3
+    delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
+    g_r = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=BK, **kw))()
+    for structure in ("grid", "loop"):
+        run = dict(block_q=BQ, block_k=BK, interpret=True, structure=structure, **kw)
+        o, lse = jax.jit(lambda s=run: fk.forward(q, k, v, q_seg, kv_seg, policy=policy, **s))()
+        dq, dk, dv = jax.jit(lambda s=run: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **s))()
+        if name == "default":
+            _assert_f32_order_close(o, o_r)
+        else:
+            o_ref = fm.round_to(o_r, o.dtype)  # f32 -> bf16 (RNE)
+            np.testing.assert_allclose(o.astype(jnp.float32), o_ref.astype(jnp.float32), rtol=2.0**-8, atol=0)
+        _assert_f32_order_close(lse, lse_r)
+        for g, g_ref in zip((dq, dk, dv), g_r, strict=True):
+            _assert_f32_order_close(g, g_ref)
+
+
+def test_reference_with_window_is_masked_softmax():
+    """The XLA twin (f32 inputs, default policy) with a window equals plain f32 softmax over the keys
+    i − w < j <= i, written out here from the definition, within 2^-20 relative to max |O|, and its backward
+    equals autodiff of that softmax within 2^-18 relative."""
+    b, h, t, d, w = 1, 2, 48, 8, 7
+    q, k, v, do = (jax.random.normal(key, (b, h, t, d)) for key in jax.random.split(jax.random.PRNGKey(1), 4))
+    seg = jnp.zeros((b, t), jnp.int32)
+    pos = jnp.arange(t)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
+
+    @jax.jit
+    def both(q, k, v, do):
+        def dense(q, k, v):
+            s = jnp.where(mask, jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.5, -jnp.inf)
+            return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+        o_true, vjp = jax.vjp(dense, q, k, v)
+        kw = dict(causal=True, scale=0.5, window=w, block_k=8)
+        o, lse = fr.reference_forward(q, k, v, seg, seg, policy=fm.default_policy(), **kw)
+        grads = fr.reference_backward(q, k, v, seg, seg, lse, do, jnp.sum(do * o, axis=-1), **kw)
+        return (o, *grads), (o_true, *vjp(do))
+
+    got, want = both(q, k, v, do)
+    for x, y, rel in zip(got, want, (2.0**-20, 2.0**-18, 2.0**-18, 2.0**-18), strict=True):
+        np.testing.assert_allclose(x, y, atol=rel * float(jnp.max(jnp.abs(y))), rtol=0)
+
+
+@pytest.mark.parametrize("structure, bq, bk, window", [("grid", 8, 4, 11), ("loop", 4, 8, 6), ("grid", 4, 8, 6)])
+def test_kernels_visit_only_the_blocks_in_the_window(structure, bq, bk, window, monkeypatch):
+    """Each kernel's block step builds its mask with valid_mask; a wrapper records (query block, key block) from
+    inside the interpreted kernel. Forward, dQ and dK/dV each visit exactly the blocks with a visible pair, once:
+    O(T·w) blocks (a kernel that walked every key block, or every causal one, and masked would record more)."""
+    visits = []
+
+    def counting(q_seg, kv_seg, q_start, k_start, shape, causal, window=0):
+        jax.debug.callback(lambda i, j: visits.append((int(i), int(j))), q_start // shape[0], k_start // shape[1])
+        return tiles.valid_mask(q_seg, kv_seg, q_start, k_start, shape, causal, window)
+
+    monkeypatch.setattr(gpu if structure == "loop" else tpu, "valid_mask", counting)
+    t = 64
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 1, t, 8))
+    seg = jnp.zeros((1, t), jnp.int32)
+    kw = dict(causal=True, scale=1.0, block_q=bq, block_k=bk, window=window, interpret=True, structure=structure)
+    expected = sorted(_visible_blocks(t, bq, bk, window))
+    o, lse = fk.forward(x, x, x, seg, seg, policy=fm.default_policy(), **kw)
+    jax.effects_barrier()
+    assert sorted(visits) == expected
+    causal_blocks = _visible_blocks(t, bq, bk, t)  # a window of T keys masks nothing beyond causal
+    assert len(expected) < 0.6 * len(causal_blocks)  # the window leaves out blocks a causal kernel visits
+    visits.clear()
+    fk.backward(x, x, x, seg, seg, lse, x, lse, **kw)
+    jax.effects_barrier()
+    assert sorted(visits) == sorted(expected * 2)  # dQ and dK/dV
+
+
+def test_window_needs_causal_and_a_count():
+    q, k, v, _, q_seg, kv_seg = _inputs()
+    kw = dict(policy=fm.default_policy(), scale=1.0, block_q=BQ, block_k=BK, interpret=True)
+    with pytest.raises(ValueError, match=r"^sliding window=4 needs causal attention"):
+        fk.forward(q, k, v, q_seg, kv_seg, causal=False, window=4, **kw)
+    with pytest.raises(ValueError, match=r"^sliding window=-1 must be an int >= 0 \(0: no window\)$"):
+        fk.forward(q, k, v, q_seg, kv_seg, causal=True, window=-1, **kw)
