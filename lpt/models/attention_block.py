@@ -1,7 +1,8 @@
 """Causal self-attention with grouped-query heads (GQA), RoPE for Llama, and the attention switch of the recipe.
 
 Llama's options: ``qkv_bias`` (biases on q, k, v; Qwen2), ``qk_norm`` (RMSNorm over each head of q and k, before
-RoPE; Qwen3) and ``head_dim`` (heads of any even width, ``H · head_dim`` need not equal ``d_model``).
+RoPE; Qwen3), ``head_dim`` (heads of any even width, ``H · head_dim`` need not equal ``d_model``) and
+``sliding_window`` (query i attends keys i − w < j ≤ i; Mistral), in the forward and in the KV-cache path alike.
 
 ``precision.attention.impl`` ("xla": blockwise XLA twin of the flash kernel, "pallas": the flash kernel,
 "softmax": plain f32 softmax attention), ``stable`` and ``beta`` (Qiu & Yao's fix) go to
@@ -22,16 +23,20 @@ from lpt.models.layers import RMSNorm, block_linears, rope, rope_inv_freq
 from lpt.sharding import constrain
 
 
-def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: PrecisionSpec) -> jax.Array:
+def attend(
+    q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: PrecisionSpec, sliding_window: int = 0
+) -> jax.Array:
     """Causal GQA attention by the recipe: ``lpt.attention.dot_product_attention`` with its impl / stable / beta.
 
     ``q[B, T, H, Dh]``, ``k, v[B, T, K, Dh]`` (query head h uses kv head ``h // (H / K)``); returns q's dtype.
+    ``sliding_window`` > 0: each query sees only its own and the ``sliding_window − 1`` previous keys.
     """
     return lpt.attention.dot_product_attention(
         q_BTHD,
         k_BSKD,
         v_BSKD,
         causal=True,
+        sliding_window=sliding_window,
         stable=prec.attention.stable,
         beta=prec.attention.beta,
         impl=prec.attention.impl,
@@ -75,8 +80,8 @@ class Attention(nnx.Module):
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         if probes.active():  # diagnostics pass only: repeated-max rate of the logits q kᵀ (trace-time switch)
-            probes.record_attention(q, k)
-        o_BTHD = attend(q, k, v, self.prec)
+            probes.record_attention(q, k, self.spec.sliding_window)
+        o_BTHD = attend(q, k, v, self.prec, self.spec.sliding_window)
         o_BTHD = constrain(o_BTHD, ("batch", "length", "heads", "head_dim"))
         return self.o(o_BTHD.reshape(B, T, H * Dh), key=key)
 

@@ -87,6 +87,9 @@ class ModelSpec:
     head_dim: int = option(0, "width of each q, k, v head; 0: d_model / n_heads (llama may set another, e.g. Qwen3)")
     qkv_bias: bool = option(False, "llama: biases on the q, k, v projections, none on the output one (Qwen2)")
     qk_norm: bool = option(False, "llama: RMSNorm over each head of q and k, before RoPE (Qwen3)")
+    sliding_window: int = option(
+        0, "llama: each query attends only its own and the sliding_window - 1 previous keys (Mistral); 0: no window"
+    )
     d_ff: int = option(384, "MLP hidden width (SwiGLU for llama, GELU for gpt2)")
     max_seq_len: int = option(64, "longest sequence the model accepts (RoPE table / position embedding size)")
     rope_theta: float = option(10000.0, "RoPE base frequency (llama only)")
@@ -107,9 +110,11 @@ class ModelSpec:
                 raise ValueError(f"config key model.{k}={getattr(self, k)!r} must be a positive int")
         if self.head_dim < 0:
             raise ValueError(f"config key model.head_dim={self.head_dim} must be >= 0 (0 = d_model / n_heads)")
+        if self.sliding_window < 0:
+            raise ValueError(f"config key model.sliding_window={self.sliding_window} must be >= 0 (0 = no window)")
         if self.kind == "gpt2" and self.n_kv_heads != self.n_heads:
             raise ValueError(f"gpt2 has no GQA: n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads}")
-        for k, plain in (("qkv_bias", False), ("qk_norm", False), ("head_dim", 0)):
+        for k, plain in (("qkv_bias", False), ("qk_norm", False), ("head_dim", 0), ("sliding_window", 0)):
             if self.kind == "gpt2" and getattr(self, k) != plain:
                 raise ValueError(f"config key model.{k}={getattr(self, k)!r} is a llama option; gpt2 allows {plain!r}")
         if not self.head_dim and self.d_model % self.n_heads:

@@ -5,9 +5,11 @@ slots, ``K`` kv heads), ``index`` (int32 scalar: the slots filled so far, the sa
 (int32[B]: each row's first real slot). Prompts of different lengths are left-padded to one length ``P``: row b's
 prompt fills slots ``P − len_b … P − 1`` and ``start_b = P − len_b``. A token written to slot s of row b has the
 absolute position ``s − start_b`` (0 at the row's first real token; RoPE angles and GPT-2 position embeddings use
-it), and a query at slot i of row b attends exactly the keys at slots ``start_b ≤ s ≤ i``: padding and not yet
-written slots are masked. Every row therefore computes what the ordinary forward computes on that row's unpadded
-tokens (tests/models/test_decode.py: same greedy tokens, logits within 1e-5 in float32).
+it), and a query at slot i of row b attends exactly the keys at slots ``start_b ≤ s ≤ i`` (with a sliding window
+of w keys also ``i − w < s``: the forward's positions, as slots and positions differ by ``start_b``): padding and
+not yet written slots are masked. The cache keeps all S slots (no ring buffer for a window). Every row therefore
+computes what the ordinary forward computes on that row's unpadded tokens (tests/models/test_decode.py: same greedy
+tokens, logits within 1e-5 in float32).
 
 ``Transformer.decode(tokens_BT, cache) -> (logits_BTV, cache)`` writes the T new tokens at slots
 ``index … index + T − 1`` of every row and advances ``index`` by T; it is a pure function of the cache (jit it and
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from lpt.kernels import flash_attention_math as fm
 from lpt.sharding import constrain
 
 
@@ -50,13 +53,15 @@ class KVCache:
         slots_T = self.index + jnp.arange(t, dtype=jnp.int32)
         return jnp.maximum(slots_T[None, :] - self.start[:, None], 0)
 
-    def mask(self, t: int) -> jax.Array:
-        """bool[B, t, S]: the keys the next ``t`` queries attend, ``start_b ≤ s ≤ index + j`` (causal, no padding)."""
+    def mask(self, t: int, sliding_window: int = 0) -> jax.Array:
+        """bool[B, t, S]: the keys the next ``t`` queries attend, ``start_b ≤ s ≤ index + j`` (causal, no padding)
+        and, with ``sliding_window`` w > 0, ``s > index + j − w``
+        (:func:`lpt.kernels.flash_attention_math.position_mask`)."""
         slots_T = self.index + jnp.arange(t, dtype=jnp.int32)
         keys_S = jnp.arange(self.length, dtype=jnp.int32)
-        causal_TS = keys_S[None, :] <= slots_T[:, None]
+        seen_TS = fm.position_mask(slots_T[:, None], keys_S[None, :], True, sliding_window)
         real_BS = keys_S[None, :] >= self.start[:, None]
-        return causal_TS[None] & real_BS[:, None, :]
+        return seen_TS[None] & real_BS[:, None, :]
 
 
 def init_cache(model, batch: int, length: int, *, start=None) -> KVCache:

@@ -138,11 +138,14 @@ def record_fp8(name: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
     c.add(f"fp8/{name}/snr_db", DB, jnp.sum(y_ref * y_ref), jnp.sum(jnp.square(y_f32 - y_ref)))
 
 
-def record_attention(q_BTHD: jax.Array, k_BTKD: jax.Array) -> None:
-    """Record the causal repeated-max fraction of one attention layer (GQA: k has K ≤ H heads)."""
+def record_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, sliding_window: int = 0) -> None:
+    """Record the causal repeated-max fraction of one attention layer (GQA: k has K ≤ H heads; the logits the
+    layer's ``sliding_window`` leaves visible)."""
     B, T, H, _ = q_BTHD.shape
     n = max(1, min(B, ATTENTION_LOGITS_BUDGET // (H * T * T)))
-    frac = lpt.attention.repeated_max_fraction(q_BTHD[:n], k_BTKD[:n], causal=True)  # GQA-aware, over n·H·T rows
+    frac = lpt.attention.repeated_max_fraction(  # GQA-aware, over n·H·T rows
+        q_BTHD[:n], k_BTKD[:n], causal=True, sliding_window=sliding_window
+    )
     c = current()
     c.add("attn/repeated_max_frac", RATIO, frac, 1.0)
     c.add("attn/repeated_max_frac_max", MAX, frac)

@@ -217,7 +217,7 @@ class Transformer(nnx.Module):
         x_BTD = self.embed(tokens_BT)
         if self.pos_embed is not None:
             x_BTD = x_BTD + self.pos_embed(positions_BT)
-        mask_BTS = cache.mask(T)
+        mask_BTS = cache.mask(T, self.spec.sliding_window)
 
         def decode_layer(block: Block, x_BTD, _, kv):
             x_BTD, k_BSKD, v_BSKD = block.decode(

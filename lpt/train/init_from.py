@@ -56,7 +56,7 @@ log = logging.getLogger("lpt.train")
 
 # config.model keys that decide the parameters' paths and shapes (max_seq_len too for gpt2's learned positions)
 # keys compared for information only: they change the function, not the shapes
-OTHER_KEYS = ("max_seq_len", "rope_theta", "rope_scaling", "norm_eps")
+OTHER_KEYS = ("max_seq_len", "rope_theta", "rope_scaling", "norm_eps", "sliding_window")
 
 
 def origin_text(origin: dict) -> str:
