@@ -31,7 +31,7 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 STORAGES = ("float32", "param_dtype")  # float32 masters viewed through param_dtype, or param_dtype itself
 KINDS = ("llama", "gpt2")
 LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
-MATMULS = ("bf16", "fp8")
+MATMULS = ("bf16", "fp8", "mxfp8", "nvfp4")
 ATTENTION_IMPLS = ("xla", "pallas", "softmax")
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
@@ -139,7 +139,12 @@ class ModelSpec:
 class Matmul:
     """``precision.matmul``: the matmul of each layer kind."""
 
-    qkv: str = option("bf16", '"bf16": matmul in compute_dtype; "fp8": blockwise FP8 (lpt.fp8)', MATMULS)
+    qkv: str = option(
+        "bf16",
+        '"bf16": matmul in compute_dtype; "fp8": blockwise FP8 (lpt.fp8); "mxfp8" | "nvfp4": block-scaled GEMMs '
+        "(lpt.fp8.block_scaled_dot, emulated)",
+        MATMULS,
+    )
     out: str = option("bf16", "attention output projection", MATMULS)
     up: str = option("bf16", "MLP up (and gate) projection", MATMULS)
     down: str = option("bf16", "MLP down projection", MATMULS)
@@ -178,6 +183,8 @@ class Numerics:
         "float32", "dtype of matmul inputs/activations (loss, softmax, norms: always f32)", tuple(COMPUTE_DTYPES)
     )
     matmul: Matmul = option(Matmul(), "per-layer matmuls")
+    nvfp4_hadamard: bool = option(True, '"nvfp4" matmuls: random Hadamard transform of the dW GEMM\'s inputs')
+    nvfp4_stochastic_grads: bool = option(True, '"nvfp4" matmuls: stochastic rounding of the output gradient')
     attention: Attention = option(Attention(), "attention")
     pqt: Pqt = option(Pqt(), "pseudo-quantization training")
 
@@ -209,6 +216,36 @@ class PrecisionSpec(Numerics):
     def store_dtype(self):
         """dtype the parameters are stored in."""
         return jnp.float32 if self.storage == "float32" else PARAM_DTYPES[self.param_dtype]
+
+
+def matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The ``(K, N)`` of every weight of each layer kind's matmuls; lm_head only when ``vocab_size`` is known."""
+    D, F, Dh = spec.d_model, spec.d_ff, spec.head_width
+    return {
+        "qkv": ((D, spec.n_heads * Dh), (D, spec.n_kv_heads * Dh)),
+        "out": ((spec.n_heads * Dh, D),),
+        "up": ((D, F),),
+        "down": ((F, D),),
+        "lm_head": ((D, spec.vocab_size),) if spec.vocab_size > 0 else (),
+    }
+
+
+def check_matmul_blocks(spec: ModelSpec, numerics: Numerics) -> None:
+    """Raise ValueError for a layer kind whose block-scaled matmul ("mxfp8", "nvfp4") has a K or N that is not a
+    multiple of the recipe's block (:data:`lpt.fp8.block_scaled.BLOCKS`)."""
+    kinds = {k: numerics.matmul_for(k) for k in LAYER_KINDS}
+    if not any(m in ("mxfp8", "nvfp4") for m in kinds.values()):
+        return
+    from lpt.fp8.block_scaled import BLOCKS  # in-function: lpt.fp8 loads the Pallas kernels
+
+    for kind, shapes in matmul_shapes(spec).items():
+        block = BLOCKS.get(kinds[kind], 1)  # 1: a matmul without blocks
+        for k, n in shapes:
+            if k % block or n % block:
+                raise ValueError(
+                    f"precision.matmul.{kind}={kinds[kind]!r} needs K and N multiples of {block}, but the model's "
+                    f"{kind} weight is {k}x{n}; change the model's widths or use another matmul for {kind}"
+                )
 
 
 def model_spec(model_cfg=None) -> ModelSpec:

@@ -21,7 +21,8 @@ from flax import nnx
 
 from lpt import numerics
 from lpt.models import pqt_wiring, probes
-from lpt.models.config import ModelSpec, PrecisionSpec
+from lpt.models.config import MATMULS, ModelSpec, PrecisionSpec
+from lpt.pqt.keys import layer_key
 
 
 def make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtype, *, const: float | None = None):
@@ -114,13 +115,27 @@ def view_weight(w: jax.Array, prec: PrecisionSpec, dtype=None) -> jax.Array:
 
 
 def matmul(
-    x: jax.Array, w: jax.Array, kind: str, out_dtype, *, name: str = "matmul", w_axes: tuple | None = None
+    x: jax.Array,
+    w: jax.Array,
+    kind: str,
+    out_dtype,
+    *,
+    name: str = "matmul",
+    w_axes: tuple | None = None,
+    key: jax.Array | None = None,
+    path: str = "",
+    prec: PrecisionSpec | None = None,
 ) -> jax.Array:
     """``x[..., K] @ w[K, N]`` with the layer kind's matmul, accumulated in float32, returned in ``out_dtype``.
 
     "bf16": compute-dtype operands (bf16, or f32 when compute_dtype is float32), ``preferred_element_type=f32``.
     "fp8": :func:`lpt.fp8.blockwise_dot` (e4m3 operands with 1×128 / 128×128 scales, f32 promotion every 128 of K,
     e5m2 output gradients); K and N must be multiples of 128.
+    "mxfp8" / "nvfp4": :func:`lpt.fp8.block_scaled_dot` (forward and both backward GEMMs in the format, emulated);
+    K and N must be multiples of 32 / 16. Their stochastic rounding and Hadamard signs use ``layer_key(key, path)``
+    (:func:`lpt.pqt.layer_key`: the step key ``key`` with the layer ``path`` folded in; ``key=None`` in evaluation)
+    and ``prec`` gives NVFP4's switches (``nvfp4_hadamard``, ``nvfp4_stochastic_grads``; None: the recipe's
+    defaults).
 
     ``w_axes`` (the weight's logical axes) tells the FP8 kernels how to split ``w`` under a mesh.
     ``name`` (the layer kind, e.g. "qkv") labels the FP8 statistics recorded in a diagnostics pass
@@ -139,7 +154,15 @@ def matmul(
         if probes.active():  # diagnostics pass only (trace-time switch)
             probes.record_fp8(name, x, w, y_f32)
         return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
-    raise ValueError(f"matmul kind {kind!r} is not supported; allowed: ['bf16', 'fp8']")
+    if kind in ("mxfp8", "nvfp4"):
+        from lpt.fp8 import block_scaled_dot
+
+        nv = kind == "nvfp4" and prec is not None
+        switches = dict(hadamard=prec.nvfp4_hadamard, stochastic_grads=prec.nvfp4_stochastic_grads) if nv else {}
+        key = None if key is None else layer_key(key, path)
+        y_f32 = block_scaled_dot(x.astype(jnp.float32), w, kind, key=key, **switches)  # compute -> f32 (exact)
+        return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
+    raise ValueError(f"matmul kind {kind!r} is not supported; allowed: {list(MATMULS)}")
 
 
 class Linear(nnx.Module):
@@ -177,7 +200,9 @@ class Linear(nnx.Module):
         else:
             w = view_weight(self.kernel[...], self.prec)
         kind = self.prec.matmul_for(self.layer_kind)
-        y = matmul(x, w, kind, out_dtype, name=self.layer_kind, w_axes=self.axes)
+        y = matmul(
+            x, w, kind, out_dtype, name=self.layer_kind, w_axes=self.axes, key=key, path=self.path, prec=self.prec
+        )
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)
         return y

@@ -196,7 +196,8 @@ class Transformer(nnx.Module):
         """float32 ``h @ W_head`` (``W_head = Eᵀ`` if tied)."""
         if self.lm_head is None:
             w_DV = view_weight(self.embed.embedding[...], self.prec).T
-            logits = matmul(h_BTD, w_DV, self.prec.matmul_for("lm_head"), jnp.float32, name="lm_head")
+            kind = self.prec.matmul_for("lm_head")
+            logits = matmul(h_BTD, w_DV, kind, jnp.float32, name="lm_head", key=key, path="lm_head", prec=self.prec)
         else:
             logits = self.lm_head(h_BTD, key=key, out_dtype=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))

@@ -27,7 +27,7 @@ import lpt.configs
 from lpt import options
 from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
-from lpt.models.config import SHAPE_KEYS, ModelSpec
+from lpt.models.config import SHAPE_KEYS, ModelSpec, check_matmul_blocks
 from lpt.models.hf_config import read_config as read_hf_config
 from lpt.options import option, section
 from lpt.train.guard import BAD_STEPS
@@ -221,6 +221,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     if i.step < -1:
         raise ValueError(f"config key init_from.step={i.step} must be >= 0, or -1 for the newest")
+    check_matmul_blocks(typed.model, p)
     if typed.data.seq_len > typed.model.max_seq_len:
         raise ValueError(f"data.seq_len={typed.data.seq_len} exceeds model.max_seq_len={typed.model.max_seq_len}")
 

@@ -307,6 +307,15 @@ def test_a_saved_config_without_newer_keys_still_loads():
         ({"model.n_kv_heads": "3"}, r"model.n_heads=4 is not divisible by n_kv_heads=3"),
         ({"data.worker_count": "-1"}, r"data.worker_count=-1 must be an int >= 0"),
         ({"precision.pqt.layers": "qkv,lm_head"}, r"precision.pqt.layers=\('qkv', 'lm_head'\): must be a tuple"),
+        ({"precision.matmul.qkv": "fp4"}, r"precision.matmul.qkv='fp4' is not allowed; valid values: .*mxfp8, nvfp4"),
+        (
+            {"precision.matmul.up": "nvfp4", "model.d_ff": "200"},
+            r"precision.matmul.up='nvfp4' needs K and N multiples of 16, but the model's up weight is 128x200",
+        ),
+        (
+            {"precision.matmul.qkv": "mxfp8", "model.head_dim": "40"},
+            r"precision.matmul.qkv='mxfp8' needs K and N multiples of 32, but the model's qkv weight is 128x80",
+        ),
     ],
 )
 def test_values_outside_their_range_are_one_line_errors(override, message):
