@@ -22,15 +22,18 @@ recomputed from the current tensors on every call, so there is no state to carry
 accumulation. The output and ``dx`` take ``x``'s dtype, ``dw`` takes ``w``'s dtype.
 
 Under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) every impl runs the forward and the backward each inside
-one ``shard_map`` (:func:`lpt.kernels.dispatch.shard_map`): ``x``'s rows
-(tokens) follow the "batch" axes; ``w``'s K and N follow the layer's logical axes ``w_axes`` (resolved with
-``("batch", k_name, n_name)``, first unused rule wins, by :func:`lpt.sharding.kernel_spec`; ``w_axes=None``
-replicates the weight). Each shard quantizes and multiplies its own blocks, then the partial sums are added with
+one ``shard_map`` (:func:`lpt.kernels.dispatch.shard_map`): ``x``'s rows (tokens) follow the "batch" axes; ``w``'s
+K and N follow the layer's logical axes ``w_axes`` (resolved with ``("batch", k_name, n_name)``, first unused rule
+wins, by :func:`lpt.sharding.kernel_spec`; ``w_axes=None`` replicates the weight). The weight is quantized where it
+is stored (``w_axes`` alone; on Explicit axes its own sharding), each shard its own blocks, before it moves to the
+GEMM's layout: an FSDP weight is gathered as e4m3 codes and block scales, not in its storage dtype, and the backward
+reuses those stored-layout codes. Each shard multiplies its own blocks, then the partial sums are added with
 ``lax.psum`` where the contracted dim is split: the output over K's axes, ``dx`` over N's, ``dw`` over the batch
-axes. A psum adds the shards' f32 partials in a different order than one device adds the K-chunks, so the result
-can differ from the unsharded one in the last f32 bits, except with two shards of one chunk each (``a + b``).
-The XLA impl needs the shard_map as much as the kernels: left to the partitioner, its scan over the token chunks of
-``dw`` (a dimension split over the batch axes) all-gathers the whole operand in every iteration.
+axes, reduce-scattered (``lax.psum_scatter``) onto the weight's stored split where the GEMM holds that dim whole. A
+psum adds the shards' f32 partials in a different order than one device adds the K-chunks, so the result can
+differ from the unsharded one in the last f32 bits, except with two shards of one chunk each (``a + b``). The XLA
+impl needs the shard_map as much as the kernels: left to the partitioner, its scan over the token chunks of ``dw``
+(a dimension split over the batch axes) all-gathers the whole operand in every iteration.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class BlockwiseConfig(NamedTuple):
     interpret: bool | None = None
     mesh: object = None  # the kernels' mesh, None: whole arrays
     axes: tuple | None = None  # mesh axes of (x rows, K, N) on ``mesh`` (PartitionSpec entries)
+    w_axes: tuple | None = None  # mesh axes of w's (K, N) where it is quantized: its stored split, block-aligned
+    dw_scatter: tuple = ()  # (dim, mesh axes) pairs: dw is reduce-scattered back onto w's stored split
 
 
 def scaled_matmul(a, sa, b, sb, cfg: BlockwiseConfig) -> jax.Array:
@@ -82,21 +87,25 @@ def _weight_col_scales(sw_blocks: jax.Array, block: int) -> jax.Array:
     return jnp.repeat(sw_blocks, block, axis=1)  # [K/B, N/B] -> [K/B, N]: one scale per (K-chunk, column)
 
 
-def _forward(x2, w, cfg: BlockwiseConfig):
-    qx, sx = quantize_tiles(x2, cfg.fwd_dtype, axis=-1, block=cfg.block, scale_format=cfg.scale_format)
-    qw, sw = quantize_blocks(w, cfg.fwd_dtype, block=cfg.block, scale_format=cfg.scale_format)
-    y = scaled_matmul(qx, sx, qw, _weight_col_scales(sw, cfg.block), cfg)
-    return y, (qw, sw)
+def _quantize_weight(w, cfg: BlockwiseConfig):
+    """``(qw, sw)``: ``w`` quantized in B x B blocks, each shard its own blocks where ``w`` is stored
+    (``cfg.w_axes``), so the codes, not the wide weight, cross the wire on their way to the GEMM's layout."""
+    quantize = functools.partial(quantize_blocks, dtype=cfg.fwd_dtype, block=cfg.block, scale_format=cfg.scale_format)
+    if cfg.axes is None:
+        return quantize(w)
+    spec = PartitionSpec(*cfg.w_axes)  # the same split for codes [K, N] and scales [K/B, N/B]
+    return dispatch.shard_map(quantize, cfg.mesh, [spec], (spec, spec))(w)
 
 
 def _psum(x, axes):
     return x if axes is None else jax.lax.psum(x, axes)
 
 
-def _forward_shard(x2, w, cfg: BlockwiseConfig):
-    """One shard's forward: ``(y f32, qw, sw)``, y summed over the shards of K."""
-    y, (qw, sw) = _forward(x2, w, cfg)
-    return _psum(y, None if cfg.axes is None else cfg.axes[1]), qw, sw
+def _forward_shard(x2, qw, sw, cfg: BlockwiseConfig):
+    """One shard's forward ``y`` (f32), summed over the shards of K."""
+    qx, sx = quantize_tiles(x2, cfg.fwd_dtype, axis=-1, block=cfg.block, scale_format=cfg.scale_format)
+    y = scaled_matmul(qx, sx, qw, _weight_col_scales(sw, cfg.block), cfg)
+    return _psum(y, None if cfg.axes is None else cfg.axes[1])
 
 
 def _backward_shard(x2, qw, sw, g, cfg: BlockwiseConfig):
@@ -116,7 +125,12 @@ def _backward_shard(x2, qw, sw, g, cfg: BlockwiseConfig):
     dw = scaled_matmul(qxt.T, sxt.T, qgt, sgt, cfg)
     if cfg.axes is None:
         return dx, dw
-    return _psum(dx, cfg.axes[2]), _psum(dw, cfg.axes[0])
+    scattered = {a for _, axes in cfg.dw_scatter for a in axes}
+    rest = tuple(a for a in dispatch.as_axes(cfg.axes[0]) if a not in scattered)
+    dw = _psum(dw, rest or None)
+    for dim, axes in cfg.dw_scatter:  # FSDP: each shard keeps the sum of its own rows of dw (a reduce-scatter)
+        dw = jax.lax.psum_scatter(dw, axes, scatter_dimension=dim, tiled=True)
+    return _psum(dx, cfg.axes[2]), dw
 
 
 def _sharded(fn, cfg: BlockwiseConfig, in_specs, out_specs):
@@ -126,23 +140,26 @@ def _sharded(fn, cfg: BlockwiseConfig, in_specs, out_specs):
         return run
     rows, k, n = cfg.axes
     spec = {"x": PartitionSpec(rows, k), "w": PartitionSpec(k, n), "y": PartitionSpec(rows, n)}
-    return dispatch.shard_map(run, cfg.mesh, [spec[s] for s in in_specs], tuple(spec[s] for s in out_specs))
+    spec["dw"] = PartitionSpec(*cfg.w_axes) if cfg.dw_scatter else spec["w"]
+    out = spec[out_specs] if isinstance(out_specs, str) else tuple(spec[s] for s in out_specs)
+    return dispatch.shard_map(run, cfg.mesh, [spec[s] for s in in_specs], out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _bdot(x2, w, cfg: BlockwiseConfig):
-    y, _, _ = _sharded(_forward_shard, cfg, ("x", "w"), ("y", "w", "w"))(x2, w)
-    return y.astype(x2.dtype)  # f32 accumulator -> x dtype
+    y, _ = _bdot_fwd(x2, w, cfg)
+    return y
 
 
 def _bdot_fwd(x2, w, cfg: BlockwiseConfig):
-    y, qw, sw = _sharded(_forward_shard, cfg, ("x", "w"), ("y", "w", "w"))(x2, w)
+    qw, sw = _quantize_weight(w, cfg)
+    y = _sharded(_forward_shard, cfg, ("x", "w", "w"), "y")(x2, qw, sw)
     return y.astype(x2.dtype), (x2, qw, sw, jnp.zeros((0,), w.dtype))  # f32 -> x dtype; last: w's dtype tag
 
 
 def _bdot_bwd(cfg: BlockwiseConfig, res, g):
     x2, qw, sw, w_tag = res
-    dx, dw = _sharded(_backward_shard, cfg, ("x", "w", "w", "y"), ("x", "w"))(x2, qw, sw, g)
+    dx, dw = _sharded(_backward_shard, cfg, ("x", "w", "w", "y"), ("x", "dw"))(x2, qw, sw, g)
     return dx.astype(x2.dtype), dw.astype(w_tag.dtype)  # f32 -> x dtype, f32 -> w dtype
 
 
@@ -252,8 +269,10 @@ def _with_mesh(cfg: BlockwiseConfig, mesh, x, w, w_axes) -> BlockwiseConfig:
         used = [a for entry in axes for a in dispatch.as_axes(entry)]
         if len(used) != len(set(used)):
             raise ValueError(f"{what}: x's rows, K and w's N are split over {axes}; each mesh axis may split one")
+        stored = (ws[0], ws[1])
     else:  # the rules, resolved together (first unused rule wins: the trainer's FSDP weights are gathered)
         axes = tuple(sharding.rule_spec(("batch", k_name, n_name), mesh, what))
+        stored = tuple(sharding.rule_spec((k_name, n_name), mesh, what))  # w alone: where the rules store it
     m, (k, n) = x.size // w.shape[0], w.shape
     dispatch.check_divisible("rows of x (tokens)", m, mesh, axes[0])
     for what, size, a in (("K", k, axes[1]), ("N", n, axes[2])):
@@ -263,4 +282,30 @@ def _with_mesh(cfg: BlockwiseConfig, mesh, x, w, w_axes) -> BlockwiseConfig:
                 f"{what}={size} split over mesh axes {dispatch.as_axes(a)} gives shards of {shard}, not a multiple "
                 f"of block={cfg.block} (quantization blocks must stay within a shard)"
             )
-    return cfg._replace(mesh=mesh, axes=axes)
+    w_at = _quantized_where(stored, axes[1:], (k, n), mesh, cfg.block)
+    return cfg._replace(mesh=mesh, axes=axes, w_axes=w_at, dw_scatter=_dw_scatter(w_at, axes))
+
+
+def _quantized_where(stored: tuple, kernel: tuple, shape: tuple, mesh, block: int) -> tuple:
+    """The (K, N) mesh axes to quantize ``w`` on: where it is ``stored`` if each shard there holds whole B x B
+    blocks, else the GEMM's own split ``kernel`` (the wide weight is then moved before it is quantized)."""
+    for size, entry in zip(shape, stored, strict=True):
+        parts = dispatch.mesh_axis_size(mesh, entry)
+        if size % parts or (size // parts) % block:
+            return tuple(kernel)
+    return tuple(stored)
+
+
+def _dw_scatter(w_at: tuple, axes: tuple) -> tuple:
+    """``(dim, mesh axes)`` pairs for a reduce-scatter of dw onto ``w_at``: each dim that the GEMM leaves whole but
+    ``w`` is split on over rows' axes (FSDP: w's rows over "fsdp", tokens over ("data", "fsdp")); () when another
+    layout asks for plain sums (dw then leaves the GEMM in its layout and is sliced to w's)."""
+    rows = set(dispatch.as_axes(axes[0]))
+    pairs = []
+    for dim, (at, kernel) in enumerate(zip(w_at, axes[1:], strict=True)):
+        if dispatch.as_axes(at) == dispatch.as_axes(kernel):
+            continue
+        if kernel is not None or not set(dispatch.as_axes(at)) <= rows:
+            return ()
+        pairs.append((dim, dispatch.as_axes(at)))
+    return tuple(pairs)

@@ -80,7 +80,9 @@ _ATTENTION = textwrap.dedent(
 
 _FP8 = textwrap.dedent(
     """
+    import lpt.sharding
     from lpt.fp8 import blockwise_dot, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
+    from lpt.sharding import axis_rules
     # 2 x 128 tokens over "data"; K and N are 2 blocks of 128. A result whose contracted dim is not split is computed
     # by each shard exactly as on one device: bit for bit. One that is summed over shards (lax.psum) adds the shards'
     # f32 partials (each 128-chunk's dot as on one device), while one device accumulates the chunks inside the
@@ -106,23 +108,33 @@ _FP8 = textwrap.dedent(
     }
     # w_axes -> which of (y, dx, dw) is psum-ed: None replicates w (dw over "data"); ("embed", "mlp") splits N
     # over "tensor" (dx too); ("mlp", "embed") splits K over "tensor" (y too).
-    cases = {None: (False, False, True), ("embed", "mlp"): (False, True, True), ("mlp", "embed"): (True, False, True)}
-    for w_axes, summed in cases.items():
+    # FSDP: rules that store w's K over "data" (which the GEMM's rows take), w put there: each shard quantizes its
+    # own rows of w, the codes are gathered, and dw is reduce-scattered back onto them.
+    fsdp = [("batch", "data"), ("embed", "data"), ("mlp", "tensor")]
+    cases = [
+        (None, None, P(), (False, False, True)),
+        (("embed", "mlp"), None, P(), (False, True, True)),
+        (("mlp", "embed"), None, P(), (True, False, True)),
+        (("embed", "mlp"), fsdp, P("data", "tensor"), (False, True, True)),
+    ]
+    for w_axes, rules, w_spec, summed in cases:
         def f(x, w, g):
             y, vjp = jax.vjp(lambda x, w: blockwise_dot(x, w, impl="pallas", w_axes=w_axes), x, w)
             return (y, *vjp(g))
 
         ref = jax.jit(f)(x, w, g)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), axis_rules(mesh, rules or lpt.sharding.RULES):
             assert "sdy.manual_computation" in jax.jit(f).lower(x, w, g).as_text(), "no shard_map around the GEMMs"
-            out = jax.jit(f)(put(x, P("data")), put(w, P()), put(g, P("data")))
+            out = jax.jit(f)(put(x, P("data")), put(w, w_spec), put(g, P("data")))
+        if rules:
+            assert out[2].sharding.spec == w_spec, out[2].sharding
         for name, a, b, psum in zip(("y", "dx", "dw"), out, ref, summed, strict=True):
             if psum:
                 err = np.abs(f64(a) - f64(b))
                 assert np.all(err <= 2 * gamma(3) * chunk_sum[name]), f"{w_axes} {name}: max {err.max()}"
-                print(f"fp8 {w_axes} {name} close")
+                print(f"fp8 {w_axes} {rules} {name} close")
             else:
-                same(a, b, f"fp8 {w_axes} {name}")
+                same(a, b, f"fp8 {w_axes} {rules} {name}")
     """
 )
 
@@ -181,9 +193,10 @@ def test_attention_sharded_equals_unsharded_bitwise():
 
 def test_fp8_sharded_equals_unsharded_bitwise():
     out = _run(_FP8)
-    for line in ("None y bitwise", "None dx bitwise", "('embed', 'mlp') y bitwise", "('mlp', 'embed') dx bitwise"):
-        assert f"fp8 {line} OK" in out, out
-    assert out.count(" close") == 5, out
+    bitwise = ("None None y", "None None dx", "('embed', 'mlp') None y", "('mlp', 'embed') None dx")
+    for line in (*bitwise, "('embed', 'mlp') [('batch', 'data'), ('embed', 'data'), ('mlp', 'tensor')] y"):
+        assert f"fp8 {line} bitwise OK" in out, out
+    assert out.count(" close") == 7, out
 
 
 def test_kahan_adamw_pallas_sharded_equals_unsharded_bitwise():
@@ -263,6 +276,35 @@ def test_fp8_does_not_all_gather_activations_on_gpus():
     args = _fp8_args(mesh, 8)
     assert _all_gathers(_compile(_fp8_fwd_bwd, args, None)) > 0  # control: XLA gathers x's rows
     assert _all_gathers(_compile(_fp8_fwd_bwd, args, mesh)) == 0
+
+
+@pytest.mark.parametrize("topology,n", [("v5e:2x2", 4), ("h100:1x1x8", 8)], ids=["v5e", "h100"])
+def test_fp8_weights_stored_split_travel_as_fp8_codes(topology, n):
+    """FSDP (w's K over "fsdp", tokens over it too): each shard quantizes its own 128-row blocks, so the weight
+    crosses the wire as e4m3 codes plus f32 block scales and dw is reduce-scattered back; the bf16 matmul under the
+    same mesh (the baseline) gathers the bf16 weight. Bytes of all-gathers and collective-permutes (XLA:TPU turns
+    some gathers into permutes) <= 0.55x the baseline's; no all-reduce carries a weight-sized dw."""
+    from lpt.targets import hlo
+
+    mesh = targets.mesh(topology, (n,), ("fsdp",))
+    x = _sds((n, 128, 128 * n), jnp.bfloat16, mesh, P("fsdp"))
+    w = _sds((128 * n, 512), jnp.bfloat16, mesh, P("fsdp", None))
+
+    def bf16_fwd_bwd(x, w):
+        y, vjp = jax.vjp(lambda x, w: jnp.einsum("bsk,kn->bsn", x, w).astype(x.dtype), x, w)
+        return y, vjp(y)
+
+    def moved(f):
+        text = _compile(f, [x, w], mesh).as_text()
+        c = hlo.collectives(text)
+        return c["all-gather"]["bytes_per_step"] + c["collective-permute"]["bytes_per_step"], c, text
+
+    fp8, c, text = moved(_fp8_fwd_bwd)
+    bf16, _, _ = moved(bf16_fwd_bwd)
+    assert fp8 <= 0.55 * bf16, (fp8, bf16)
+    assert "f8e4m3fn[" in "".join(ln for ln in text.splitlines() if "all-gather" in ln)
+    assert c["all-reduce"]["bytes_per_step"] < 128 * n * 512, c  # dw (f32, K x N) is reduce-scattered
+    assert c["reduce-scatter"]["bytes_per_step"] > 0, c
 
 
 def test_fp8_xla_impl_runs_per_shard_too():
