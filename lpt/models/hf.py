@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out: GPT-2 (``GPT2LMHeadModel``), Llama (``LlamaForCausalLM``), Qwen2
-(``Qwen2ForCausalLM``) and Qwen3 (``Qwen3ForCausalLM``) directories; Mistral (``MistralForCausalLM`` without a
-sliding window shorter than its context, a Llama) in, written back as ``LlamaForCausalLM``.
+(``Qwen2ForCausalLM``), Qwen3 (``Qwen3ForCausalLM``) and Mistral (``MistralForCausalLM``: a Llama with a sliding
+window; one whose window masks nothing is written back as ``LlamaForCausalLM``) directories.
 
 A Hugging Face model directory holds ``config.json`` and the weights as ``model.safetensors`` (or shards listed by
 ``model.safetensors.index.json``). The weights never pass through PyTorch: :mod:`lpt.models.hf_files` reads and
@@ -379,11 +379,11 @@ def save_pretrained(
     token_ids: dict | None = None,
 ) -> None:
     """Write ``model`` as a Hugging Face model directory that ``transformers.AutoModelForCausalLM.from_pretrained``
-    loads (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` with ``qkv_bias`` or
-    ``Qwen3ForCausalLM`` with ``qk_norm``; :func:`lpt.models.hf_config.hf_family`): see :func:`save_params`. The
-    stored parameters are written (float32 masters under ``f32_master``, not their ``param_dtype`` view). A model
-    from :func:`from_pretrained` keeps its directory's special tokens with
-    ``token_ids=read_token_ids(that directory)``."""
+    loads (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` with ``qkv_bias``,
+    ``Qwen3ForCausalLM`` with ``qk_norm`` or ``MistralForCausalLM`` with a ``sliding_window``;
+    :func:`lpt.models.hf_config.hf_family`): see :func:`save_params`. The stored parameters are written (float32
+    masters under ``f32_master``, not their ``param_dtype`` view). A model from :func:`from_pretrained` keeps its
+    directory's special tokens with ``token_ids=read_token_ids(that directory)``."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     params = jax.tree.map(np.asarray, params)  # device -> host, stored dtype
     save_params(path, params, _spec_cfg(model.spec), tokenizer_file=tokenizer_file, token_ids=token_ids)

@@ -3,7 +3,8 @@ objects: float32 logits agree within 1e-4 on a right-padded batch (every non-pad
 (untied, tied), Llama with linear and llama3 RoPE scaling, Qwen2 (q, k, v biases, rope_theta 1e6; untied, tied) and
 Qwen3 (q / k norms, head_dim != hidden_size / heads; untied, tied); greedy decoding of Qwen2 and Qwen3 through
 lpt.generate (the KV cache) gives transformers' greedy tokens, one prompt at a time and as a left-padded batch;
-lpt -> save_pretrained -> transformers gives the same logits and from_pretrained gives the same bits back; BF16 and
+lpt -> save_pretrained -> transformers gives the same logits and from_pretrained gives the same bits back (also for
+a sliding window, written as Mistral and as Qwen2; loading windowed models: test_hf_sliding_window.py); BF16 and
 sharded files load; bad files fail naming the tensor or the key.
 
 The models are random with weights of order one (so the logits are too, and a wrong mapping shows)."""
@@ -204,9 +205,9 @@ def _architecture(cfg):
     """The Hugging Face class save_pretrained writes for an lpt ``config.model``."""
     if cfg["kind"] == "gpt2":
         return "GPT2LMHeadModel"
-    return (
-        "Qwen2ForCausalLM" if cfg.get("qkv_bias") else "Qwen3ForCausalLM" if cfg.get("qk_norm") else "LlamaForCausalLM"
-    )
+    if cfg.get("qkv_bias") or cfg.get("qk_norm"):
+        return "Qwen2ForCausalLM" if cfg.get("qkv_bias") else "Qwen3ForCausalLM"
+    return "MistralForCausalLM" if cfg.get("sliding_window") else "LlamaForCausalLM"
 
 
 LPT_LLAMA = dict(
@@ -238,6 +239,8 @@ LPT_GPT2 = dict(
         {**LPT_LLAMA, "qkv_bias": True, "tie_embeddings": True, "scan_layers": True},
         {**LPT_LLAMA, "qk_norm": True, "head_dim": 32},
         {**LPT_LLAMA, "qk_norm": True, "head_dim": 8, "tie_embeddings": True, "scan_layers": True},
+        {**LPT_LLAMA, "sliding_window": 8, "head_dim": 32},  # sequences of 64: the window masks
+        {**LPT_LLAMA, "qkv_bias": True, "sliding_window": 8, "scan_layers": True},
     ],
     ids=[
         "llama_scan_tied",
@@ -249,6 +252,8 @@ LPT_GPT2 = dict(
         "qwen2_scan_tied",
         "qwen3_head_dim",
         "qwen3_scan_tied",
+        "mistral_window",
+        "qwen2_window_scan",
     ],
 )
 def test_save_pretrained_round_trip(cfg, tmp_path, request):
@@ -459,30 +464,30 @@ def test_bad_checkpoints_raise_one_line_errors(llama_dir, tmp_path, change, mess
 
 
 def test_qwen_and_mistral_configs_load_or_raise_one_line_errors(tmp_path):
-    """Qwen2 / Qwen3 / Mistral config.json keys: a sliding window that some layer uses and that is shorter than
-    max_position_embeddings is refused (Mistral's default 4096 of 131072 too), one that no layer uses or that never
-    masks loads; Qwen3's attention_bias (a bias on o_proj too) is refused; without architectures, model_type names
-    the family; a Qwen2 directory read as a bias-free Llama names the bias it did not expect."""
+    """Qwen2 / Qwen3 / Mistral config.json keys: a sliding window shorter than max_position_embeddings that only
+    some layers use is refused (lpt's layers share one attention); one that every layer uses is config.model's
+    sliding_window (Mistral's own, its default 4096 of 131072 too, and Qwen's with every layer sliding); one that no
+    layer uses or that never masks loads as no window; Qwen3's attention_bias (a bias on o_proj too) is refused;
+    without architectures, model_type names the family; a Qwen2 directory read as a bias-free Llama names the bias
+    it did not expect."""
     qwen2 = _save_torch(_torch_model("qwen2", QWEN), tmp_path / "qwen2")
     qwen3 = _save_torch(_torch_model("qwen3", {**QWEN, "head_dim": 32}), tmp_path / "qwen3")
     mistral = _save_torch(_torch_model("mistral", {**QWEN, "sliding_window": None}), tmp_path / "mistral")
     window = {"use_sliding_window": True, "sliding_window": 16}
-    no_window = r"is not supported \(lpt has no sliding-window attention\)$"
     mistral_defaults = json.loads((mistral / "config.json").read_text())
     del mistral_defaults["sliding_window"], mistral_defaults["max_position_embeddings"]
     (tmp_path / "mistral_defaults").mkdir()
     shutil.copy(mistral / "model.safetensors", tmp_path / "mistral_defaults")
     (tmp_path / "mistral_defaults" / "config.json").write_text(json.dumps(mistral_defaults))
     refused = [
-        (mistral, {"sliding_window": 16}, rf"sliding_window=16 < max_position_embeddings=64 {no_window}"),
-        (tmp_path / "mistral_defaults", {}, rf"sliding_window=4096 < max_position_embeddings=131072 {no_window}"),
+        (mistral, {"sliding_window": 0}, r"sliding_window=0 must be a positive integer or null$"),
         (
             qwen2,
             {**window, "layer_types": ["full_attention", "sliding_attention"]},
-            r"use_sliding_window=true with sliding_window=16 < max_position_embeddings=64 is not supported \(lpt has "
-            r"no sliding-window attention\)$",
+            r"use_sliding_window=true with sliding_window=16 on layers \[1\] only \(layer_types / max_window_layers\) "
+            r"is not supported: lpt's layers share one attention; allowed: every layer or none$",
         ),
-        (qwen3, {**window, "layer_types": None, "max_window_layers": 1}, "sliding_window=16"),  # layers >= 1 slide
+        (qwen3, {**window, "layer_types": None, "max_window_layers": 1}, r"on layers \[1\] only"),  # layers >= 1
         (qwen2, {**window, "layer_types": ["full_attention", "local"]}, r"layer_types=\['full_attention', 'local'\]"),
         (qwen3, {"attention_bias": True}, r"attention_bias=True is not supported \(lpt has no bias on o_proj\)"),
         (qwen2, {"num_key_value_heads": "2"}, r"num_key_value_heads='2' is not an integer or null"),
@@ -504,6 +509,14 @@ def test_qwen_and_mistral_configs_load_or_raise_one_line_errors(tmp_path):
         ok = _copy(qwen2, tmp_path / f"ok{i}", config=config)
         assert hf.read_config(ok) == hf.read_config(qwen2)
         jax.tree.map(np.testing.assert_array_equal, hf.load_params(ok, hf.read_config(ok)), want)
+    windowed = [  # (directory, the one it copies, config.model keys other than sliding_window=16 that change)
+        (_copy(qwen2, tmp_path / "w0", config={**window, "layer_types": ["sliding_attention"] * L}), qwen2, {}),
+        (_copy(qwen3, tmp_path / "w1", config={**window, "layer_types": None, "max_window_layers": 0}), qwen3, {}),
+        (_copy(mistral, tmp_path / "w2", config={"sliding_window": 16}), mistral, {}),
+        (tmp_path / "mistral_defaults", mistral, {"sliding_window": 4096, "max_seq_len": 131072}),
+    ]
+    for path, src, changes in windowed:
+        assert hf.read_config(path).to_dict() == {**hf.read_config(src).to_dict(), "sliding_window": 16, **changes}
     with pytest.raises(ValueError, match=r"unexpected tensor 'model.layers.0.self_attn.k_proj.bias' \(shape \(32,\)\)"):
         hf.load_params(qwen2, {**hf.read_config(qwen2).to_dict(), "qkv_bias": False})
     with pytest.raises(
