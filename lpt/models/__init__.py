@@ -41,7 +41,7 @@ Public API
 
 ``config.model`` switches: ``remat`` (``nnx.remat`` per block) and ``scan_layers`` (parameters stacked on a leading
 "layers" axis, ``nnx.scan`` over them); both default False. Llama's attention options: ``qkv_bias`` (Qwen2),
-``qk_norm`` (Qwen3), ``head_dim`` (0: ``d_model / n_heads``).
+``qk_norm`` (Qwen3), ``head_dim`` (0: ``d_model / n_heads``), ``sliding_window`` (Mistral; 0: none).
 See docs/models_and_data.md for the precision recipe.
 """
 

@@ -3,8 +3,9 @@
 ``flops_per_token = 6 N + 12 · n_layers · n_heads · head_dim · seq_len`` (PaLM appendix B convention): ``N`` counts
 every weight that takes part in a matmul (attention and MLP projections and the LM head — counted even when tied,
 since the head matmul is done either way), not the embedding lookups, norms or biases; the second term is the
-QKᵀ and P·V matmuls (forward + backward, without discounting the causal mask). ``head_dim`` is the width of each
-head: ``d_model / n_heads`` unless ``config.model.head_dim`` sets another.
+QKᵀ and P·V matmuls (forward + backward, without discounting the causal mask), over ``min(seq_len,
+sliding_window)`` keys per query with a sliding window. ``head_dim`` is the width of each head: ``d_model /
+n_heads`` unless ``config.model.head_dim`` sets another.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def param_count(model_cfg) -> int:
 
 
 def flops_per_token(model_cfg, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at ``seq_len``: ``6 N + 12 L H Dh T``."""
+    """Training FLOPs (forward + backward) per token at ``seq_len``: ``6 N + 12 L H Dh T`` (T: ``seq_len``, or the
+    sliding window when it is shorter)."""
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len={seq_len!r} must be a positive int")
     s = model_spec(model_cfg)
-    return float(6 * matmul_params(model_cfg) + 12 * s.n_layers * s.n_heads * s.head_width * seq_len)
+    keys = min(seq_len, s.sliding_window) if s.sliding_window else seq_len  # keys each query attends
+    return float(6 * matmul_params(model_cfg) + 12 * s.n_layers * s.n_heads * s.head_width * keys)

@@ -1,7 +1,8 @@
 """``model.sliding_window``: the KV-cache path (lpt.models.decode) masks the keys a window leaves out exactly as the
 forward does. Greedy decoding with the cache gives the tokens of recomputing the full forward for every new token,
 with float32 logits within 1e-5 of it, for left-padded prompts whose sequences outgrow the window (T up to 19,
-window 4); the window changes the logits, so a cache that ignored it would fail. Bad values fail in one line."""
+window 4); the window changes the logits, so a cache that ignored it would fail. FLOPs per token count the window's
+keys; bad values fail in one line."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,3 +59,12 @@ def test_cache_mask_with_window():
 def test_bad_window_raises(kind, window, match):
     with pytest.raises(ValueError, match=match):
         _model(window, kind)
+
+
+def test_flops_per_token_count_the_window():
+    """The attention term 12·L·H·Dh·keys counts min(seq_len, window) keys per query."""
+    cfg = {**CFG, "vocab_size": 256}
+    attention = 12 * 2 * 4 * 8  # L, H, Dh = 32 / 4
+    full = M.flops_per_token(cfg, 32)
+    assert full - M.flops_per_token({**cfg, "sliding_window": 4}, 32) == attention * (32 - 4)
+    assert M.flops_per_token({**cfg, "sliding_window": 64}, 32) == full
