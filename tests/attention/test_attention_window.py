@@ -1,14 +1,14 @@
 """``dot_product_attention(..., sliding_window=w)``: every impl (XLA twin, interpreted Pallas kernel, plain softmax)
 against masked f32 softmax written out from the definition (query i sees keys i − w < j <= i), forward and
 gradients, with GQA, a padded row and T not a multiple of the blocks; a window as long as the sequence changes
-nothing; bad windows fail in one line."""
+nothing; the repeated-maximum diagnostic counts only the logits a window shows; bad windows fail in one line."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lpt.attention import dot_product_attention
+from lpt.attention import dot_product_attention, repeated_max_fraction
 
 B, T, H, HKV, D, W = 2, 37, 4, 2, 16, 10  # T pads to 48: blocks of 16 queries, 8 keys
 KV_MASK = jnp.arange(T)[None, :] >= jnp.array([[0], [3]])  # row 1: keys 0..2 are padding
@@ -64,6 +64,15 @@ def test_window_of_the_whole_sequence_masks_nothing():
     q, k, v, _ = _inputs()
     run = jax.jit(lambda q, k, v, w: dot_product_attention(q, k, v, sliding_window=w, block_k=8), static_argnums=3)
     np.testing.assert_array_equal(run(q, k, v, T), run(q, k, v, 0))
+
+
+def test_repeated_max_fraction_sees_only_the_window():
+    """Equal keys make every visible logit of a row a maximum: a row repeats its maximum iff it sees >= 2 keys. All
+    rows but the first do causally; with a window of 1 key none does, with 2 all but the first again."""
+    q, k, _, _ = _inputs()
+    k = jnp.broadcast_to(k[:, :1], k.shape)
+    frac = {w: float(repeated_max_fraction(q, k, sliding_window=w)) for w in (0, 1, 2)}
+    assert frac == {0: np.float32((T - 1) / T), 1: 0.0, 2: np.float32((T - 1) / T)}  # f32 ratios
 
 
 @pytest.mark.parametrize(
