@@ -11,6 +11,10 @@ modes take the tile the hardware wants that divides T:
 
 Without such a tile the mode uses the caller's block, and its compiler reports the problem: every mode's kernel is
 built when ``lax.platform_dependent`` traces, so a choice for another platform must not raise.
+
+:func:`key_blocks` and :func:`query_blocks` are the one rule for which blocks a program visits (all, causal up to
+the diagonal, a sliding window from its first block): both structures' grids, index maps and loops, and
+:func:`cost`, take their ranges from them.
 """
 
 from __future__ import annotations
