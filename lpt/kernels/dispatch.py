@@ -15,7 +15,8 @@ The mesh side: a ``pallas_call`` cannot be partitioned by XLA (Mosaic refuses; T
 all-gathered), so a kernel wrapper that runs under a multi-device mesh wraps its per-shard function in
 :func:`shard_map`. :func:`kernel_mesh` names that mesh: an explicit ``mesh=`` argument, else the mesh of
 ``jax.set_mesh`` (``jax.sharding.get_abstract_mesh()``), else none, and then the kernel runs unwrapped.
-:func:`as_axes`, :func:`mesh_axis_size` and :func:`check_divisible` help the wrappers validate their specs.
+:func:`as_axes`, :func:`mesh_axis_size` and :func:`check_divisible` help the wrappers validate their specs;
+:func:`mesh_platform` says which devices a mesh holds, for a wrapper that must refuse a platform at trace time.
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ def kernel_mesh(mesh=None):
         return mesh
     abstract = jax.sharding.get_abstract_mesh()
     return None if abstract.empty else abstract
+
+
+def mesh_platform(mesh) -> str | None:
+    """The platform of ``mesh``'s devices ("tpu", "cuda", "cpu"): the devices' own, or an abstract mesh's abstract
+    device; None when an abstract mesh names no device (``AbstractMesh`` built by hand)."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    device = mesh.abstract_device
+    return None if device is None else device.platform
 
 
 def as_axes(axes) -> tuple[str, ...]:

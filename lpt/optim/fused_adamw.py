@@ -174,8 +174,8 @@ def kahan_adamw(
     blocks of 128) (:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_on_shards`). Without it, on a mesh with
     Explicit axes (the default of ``jax.make_mesh``) each leaf runs per shard of the sharding in its type; otherwise
     ``custom_partitioning`` follows whatever sharding the partitioner picks
-    (:func:`~lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`; XLA:TPU's compile-only client cannot partition
-    it: pass ``param_specs`` there).
+    (:func:`~lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`) on GPUs and CPUs; XLA:TPU cannot partition that
+    call, so on a TPU mesh with Auto axes and no ``param_specs`` it is a ValueError that says to pass them.
 
     ``sequential_leaves`` (XLA path) chains the leaves through one element of each leaf's new compensation so the
     f32 temporaries of <= 3 leaves exist at a time (see ``_runtime_one``); on a multi-device mesh that element costs
@@ -315,6 +315,7 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
     # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
     from lpt.kernels import adamw_kahan_sharded as sharded
     from lpt.kernels.dispatch import kernel_mesh
+    from lpt.kernels.dispatch import mesh_platform as kernel_platform
 
     mv, scl = mv
     eight = isinstance(mdt, M8.Moment8)
@@ -336,6 +337,12 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
             extra["scales"] = jax.sharding.reshard(scl, spec)
         g, p, c, mv = (jax.sharding.reshard(x, spec) for x in (g, p, c, mv))
     if spec is None:
+        if mesh is not None and mesh.size > 1 and kernel_platform(mesh) == "tpu":
+            raise ValueError(
+                "kahan_adamw(impl='pallas') on a TPU mesh with Auto axes needs param_specs (a tree like the params of "
+                "their PartitionSpecs or NamedShardings) or Explicit mesh axes: XLA:TPU cannot run the "
+                "custom_partitioning call that finds each leaf's split otherwise"
+            )
         out = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw, **extra)
     else:
         out = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw, **extra)

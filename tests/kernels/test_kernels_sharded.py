@@ -451,3 +451,21 @@ def test_kahan_adamw_follows_the_users_explicit_mesh_without_param_specs():
     with jax.set_mesh(mesh):
         compiled = jax.jit(tx.update).lower(w, jax.eval_shape(tx.init, w), w).compile()
     assert compiled.as_text().count("tpu_custom_call") >= 3 and _all_gathers(compiled) == 0
+
+
+def test_kahan_adamw_on_a_tpu_auto_mesh_without_param_specs_says_to_pass_them():
+    """On Auto axes without param_specs the kernel would go through custom_partitioning, which XLA:TPU cannot
+    partition ("Custom emitter for CustomSPMDPartitioning not found", also on real TPUs): a one-line error at trace
+    time instead; the same call with param_specs compiles per shard."""
+    import lpt.optim as O
+
+    mesh = _user_mesh("v5e:2x2", (4,), ("data",), jax.sharding.AxisType.Auto)
+    w = {"a": _sds((256, 512), jnp.bfloat16, mesh, P("data"))}
+    tx = O.kahan_adamw(1e-2, impl="pallas")
+    state = jax.eval_shape(tx.init, w)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"TPU mesh with Auto axes needs param_specs"):
+        jax.jit(tx.update).lower(w, state, w)
+    tx = O.kahan_adamw(1e-2, impl="pallas", param_specs={"a": P("data")})
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(tx.update).lower(w, state, w).compile()
+    assert "tpu_custom_call" in compiled.as_text() and _all_gathers(compiled) == 0
