@@ -42,6 +42,8 @@ RECIPES: dict[str, tuple[str, dict[str, str], str]] = {
         "bf16 params, norm-preserving update",
     ),
     "fp8": ("tiny_cpu_fp8.py", {}, "blockwise FP8 matmuls"),
+    "mxfp8": ("tiny_cpu_mxfp8.py", {}, "MXFP8 matmuls (1x32 e4m3, e8m0 scales)"),
+    "nvfp4": ("tiny_cpu_nvfp4.py", {}, "NVFP4 matmuls (Hadamard transform of dW's inputs, SR of gradients)"),
     "gaussws": ("tiny_cpu_gaussws.py", {}, "GaussWS pseudo-quantization training"),
 }
 BASELINE = "fp32"

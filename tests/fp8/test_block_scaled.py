@@ -68,7 +68,7 @@ def _inputs(m, k, n, seed=0):
     return jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
 
 
-@functools.partial(jax.jit, static_argnums=(3,), static_argnames=("hadamard", "stochastic_grads"))
+@functools.partial(jax.jit, static_argnums=(3,), static_argnames=("hadamard", "stochastic_grads", "impl"))
 def _vjp(x, w, g, recipe, key=None, **kw):
     y, vjp = jax.vjp(lambda x, w: block_scaled_dot(x, w, recipe, key=key, **kw), x, w)
     dx, dw = vjp(g)
@@ -85,13 +85,36 @@ def _run(x, w, g, recipe, **kw):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _scaled_matmul_as_documented(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
+    """jax.nn.scaled_matmul's definition from its docstring (it lowers for CUDA and ROCm only), in f32."""
+
+    def scaled(c, s):
+        s32 = jnp.repeat(s.astype(jnp.float32), c.shape[-1] // s.shape[-1], axis=-1)  # scales -> f32 (exact)
+        return c.astype(jnp.float32) * s32  # codes -> f32 (exact); the product is exact
+
+    y = jnp.einsum("bmk,bnk->bmn", scaled(a, a_scales), scaled(b, b_scales), precision=jax.lax.Precision.HIGHEST)
+    return y.astype(preferred_element_type)
+
+
 @pytest.mark.parametrize(
-    "recipe,hadamard,sr",
-    [("mxfp8", False, False), ("mxfp8", True, True), ("nvfp4", False, False), ("nvfp4", True, True)],
+    "recipe,hadamard,sr,impl",
+    [
+        ("mxfp8", False, False, "xla"),
+        ("mxfp8", True, True, "xla"),
+        ("nvfp4", False, False, "xla"),
+        ("nvfp4", True, True, "xla"),
+        ("mxfp8", False, False, "scaled_matmul"),
+        ("nvfp4", True, True, "scaled_matmul"),
+    ],
 )
-def test_forward_and_backward_equal_reference(recipe, hadamard, sr):
+def test_forward_and_backward_equal_reference(recipe, hadamard, sr, impl, monkeypatch):
+    """Both impls: the emulation, and the codes and block scales handed to jax.nn.scaled_matmul (here its documented
+    math, since it lowers for GPUs only), which checks their layout (contraction axis last, 16x16 tile scales
+    repeated along the other axis)."""
+    if impl == "scaled_matmul":
+        monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul_as_documented)
     x, w, g = _inputs(40, 64, 96)  # 40 tokens: dw pads them to a multiple of the block
-    got = _run(x, w, g, recipe, key=KEY, hadamard=hadamard, stochastic_grads=sr)
+    got = _run(x, w, g, recipe, key=KEY, hadamard=hadamard, stochastic_grads=sr, impl=impl)
     ref = ref_dot(x, w, g, recipe, KEY, hadamard, sr)
     for name, (want, mag, k) in ref.items():
         err = np.abs(got[name] - want)
@@ -106,8 +129,10 @@ def test_defaults_are_the_recipes():
     on = _run(x, w, g, "nvfp4", key=KEY)
     explicit = _run(x, w, g, "nvfp4", key=KEY, hadamard=True, stochastic_grads=True)
     off = _run(x, w, g, "nvfp4", key=KEY, hadamard=False, stochastic_grads=False)
+    emulated = _run(x, w, g, "nvfp4", key=KEY, impl="xla")  # impl="auto" is the emulation off CUDA
     for name in ("y", "dx", "dw"):
         np.testing.assert_array_equal(on[name], explicit[name])
+        np.testing.assert_array_equal(on[name], emulated[name])
     assert not np.array_equal(on["dw"], off["dw"])
     mx = _run(x, w, g, "mxfp8")  # no key needed
     np.testing.assert_array_equal(mx["dw"], _run(x, w, g, "mxfp8", key=KEY, hadamard=False)["dw"])
@@ -140,6 +165,7 @@ def test_dtypes_and_leading_axes():
     "kwargs,match",
     [
         (dict(recipe="fp4"), "recipe must be one of"),
+        (dict(recipe="mxfp8", impl="cudnn"), "impl must be one of"),
         (dict(recipe="nvfp4", hadamard="yes"), "hadamard must be True, False or None"),
         (dict(recipe="mxfp8", w=jnp.ones((48, 32))), "multiples of 32"),
         (dict(recipe="nvfp4", w=jnp.ones((64, 24))), "multiples of 16"),
@@ -202,7 +228,8 @@ def test_stochastic_gradients_are_unbiased():
     n = 512
 
     def dx_of(key):
-        _, vjp = jax.vjp(lambda x: block_scaled_dot(x, w, "nvfp4", key=key, hadamard=False), x)
+        # impl="xla": jax.nn.scaled_matmul (impl="auto"'s CUDA branch) batches only all four operands together
+        _, vjp = jax.vjp(lambda x: block_scaled_dot(x, w, "nvfp4", key=key, hadamard=False, impl="xla"), x)
         return vjp(g)[0]
 
     dxs = np.asarray(jax.jit(jax.vmap(dx_of))(jax.random.split(KEY, n)), np.float64)
