@@ -6,7 +6,11 @@ Subpackages are imported lazily by name (``lpt.optim``, ``lpt.numerics``, ``lpt.
 
 import importlib
 
+from lpt import startup
+
 __version__ = "0.1.0"
+
+startup.start_command()  # python -m lpt.<command> on a machine without accelerators: jax on the CPU, quietly
 
 _SUBPACKAGES = ("numerics", "optim", "fp8", "attention", "pqt", "kernels", "models", "data", "train", "lab")
 

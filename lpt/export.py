@@ -138,6 +138,7 @@ def check(out: str | Path, params: dict, model_cfg, *, rows: int = 2, max_len: i
     tokens = np.random.RandomState(0).randint(0, model.spec.vocab_size, (rows, length)).astype(np.int32)
     graphdef, state = nnx.split(model)
     ours = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens), np.float64)
+    transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar: the check prints one result line
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         theirs = hf_model.eval()(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy().astype(np.float64)

@@ -303,7 +303,9 @@ def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any
     step = found[-1] if step is None else step
     if step not in found:
         raise ValueError(f"step={step} is not a checkpoint in {directory}; available: {found}")
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    with console.without("CheckpointManagerOptions.read_only=True", "Given directory is read only"):
+        options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+        manager = ocp.CheckpointManager(directory, options=options)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore())
     restored = manager.restore(step, args=args)
     manager.close()

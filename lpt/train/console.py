@@ -14,11 +14,13 @@ has already reported that failure in one line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import sys
 
 import jax
+
+from lpt import startup
 
 _TENSORSTORE_SPEC = " See full TensorStore details"
 
@@ -53,6 +55,28 @@ class _OneLine(logging.Filter):
             record.msg, record.args = one_line(record.getMessage()), ()
             record.exc_info = record.exc_text = record.stack_info = None
         return True
+
+
+class _Without(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+@contextlib.contextmanager
+def without(*starts: str, logger: str = "absl"):
+    """Within this context, ``logger`` drops the records whose message starts with one of ``starts`` (a library's
+    note about what the caller asked for on purpose, e.g. orbax's on opening a checkpoint read-only)."""
+    drop = _Without(starts)
+    log = logging.getLogger(logger)
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def _abandoned_read(unraisable) -> bool:
@@ -93,17 +117,15 @@ def _quiet_excepthook(previous):
     return hook
 
 
-ACCELERATOR_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/accel0", "/dev/vfio", "/dev/kfd")  # CUDA, TPU, ROCm
+ACCELERATOR_DEVICES = startup.ACCELERATOR_DEVICES
 
 
 def cpu_unless_accelerator() -> bool:
-    """Start jax on the CPU alone when the machine has no accelerator device node and nobody chose the platforms
-    (``JAX_PLATFORMS`` unset): jax would otherwise try each installed plugin (CUDA, libtpu) and print their failed
+    """Start jax on the CPU alone when :func:`lpt.startup.cpu_only` says so (no accelerator device node,
+    ``JAX_PLATFORMS`` unset): jax would otherwise try each installed plugin (CUDA, libtpu) and print their failed
     start-ups (tracebacks and libtpu's host probing, ~30 lines on stderr). Call before jax starts a backend; True if
     it chose the CPU."""
-    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
-        return False
-    if any(os.path.exists(path) for path in ACCELERATOR_DEVICES):
+    if jax.config.jax_platforms or not startup.cpu_only():
         return False
     jax.config.update("jax_platforms", "cpu")
     return True
