@@ -23,7 +23,6 @@ then a resume, equals an uninterrupted local run in every loss and parameter) an
 
 import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -36,8 +35,9 @@ import numpy as np
 import pytest
 from cpu_devices import cpu_env
 from etils.epath import testing as epath_testing
+from run_records import flat, losses, trainer_log
 
-from lpt.train import checkpoint, metrics, paths
+from lpt.train import checkpoint, paths
 from lpt.train import workdir as workdir_lib
 from lpt.train.__main__ import main
 
@@ -119,26 +119,8 @@ def run(workdir, *extra, hooks=()) -> int:
     return main([*ARGS, "--workdir", str(workdir), *extra], hooks=hooks)
 
 
-def losses(jsonl) -> tuple[dict, dict]:
-    """(train loss by step, eval loss by step); each step once (a resume drops the steps it re-runs)."""
-    train, evals = {}, {}
-    for r in metrics.read_jsonl(jsonl):
-        for key, out in (("loss", train), ("eval_loss", evals)):
-            if key in r:
-                assert r["step"] not in out, f"step {r['step']} logged twice"
-                out[r["step"]] = r[key]
-    return train, evals
-
-
 def params(workdir, step) -> dict:
-    return {k: np.asarray(v) for k, v in _flat(checkpoint.load_params(workdir, step)[0]).items()}
-
-
-def _flat(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+    return flat(checkpoint.load_params(workdir, step)[0])
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +140,8 @@ def gcs_run(tmp_path_factory):
         "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/..']; "
         "import fault_runner, test_object_storage as t; "
         "from lpt.train.__main__ import main; "
-        "args = fault_runner.argparse.Namespace(sigterm_at=-1, kill_at=3, fault_process=None); "
         "ctx = t.fake_gcs(sys.argv[2]); ctx.__enter__(); "
-        "sys.exit(main([*t.ARGS, '--workdir', t.URL], hooks=fault_runner.hooks(args)))"
+        "sys.exit(main([*t.ARGS, '--workdir', t.URL], hooks=fault_runner.hooks(kill_at=3)))"
     )
     p = subprocess.run(
         [sys.executable, "-c", code, str(ROOT / "tests" / "train"), str(root)],
@@ -177,25 +158,9 @@ def gcs_run(tmp_path_factory):
         "steps": sorted(d.name for d in (run_dir / "checkpoints").iterdir()),
         "train": losses(run_dir / "metrics.jsonl")[0],
     }
-    handler = _Collect()
-    logging.getLogger("lpt.train").addHandler(handler)
-    try:
-        with fake_gcs(root):
-            assert run(URL) == 0
-    finally:
-        logging.getLogger("lpt.train").removeHandler(handler)
-    return root, killed, handler.messages
-
-
-class _Collect(logging.Handler):
-    """Keeps the messages logged (module-scoped fixtures have no caplog)."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
+    with trainer_log() as messages, fake_gcs(root):
+        assert run(URL) == 0
+    return root, killed, messages
 
 
 def test_a_gs_workdir_trains_and_resumes_bitwise_after_a_sigkill(reference, gcs_run):

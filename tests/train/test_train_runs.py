@@ -1,11 +1,15 @@
-"""End-to-end runs of ``python -m lpt.train`` in subprocesses (tiny model, 6 steps).
+"""End-to-end runs of ``python -m lpt.train`` (tiny model, 6 steps): in subprocesses where a run needs a process
+of its own (a SIGKILL, more than one device, two processes), in this process otherwise.
 
 * exact resume: 6 steps straight == (crash by SIGKILL after step 3, resume) + (SIGTERM at step 5: save, clean exit)
   + resume to 6, bitwise in the loss sequence, the validation loss and every parameter;
 * the same losses on a 4-device CPU mesh with fsdp=4, and with data=2 x tensor=2 restored from the 1-device run's
   step-4 checkpoint (restore onto a different mesh);
 * the same losses in a 2-process ``jax.distributed`` run on localhost, preempted (SIGTERM to one process) and
-  resumed.
+  resumed;
+* the recipes with optimizer state or randomness of their own (tiny_cpu_bf16_kahan8, tiny_cpu_nvfp4): 4 steps
+  straight == preempted (SIGTERM after step 3) and resumed, bitwise, in this process; their losses on a 2-device
+  mesh follow the 1-device run.
 
 The subprocesses share a persistent compilation cache so that runs of the same program compile once.
 """
@@ -18,10 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fault_runner
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from cpu_devices import cpu_env
+from run_records import losses, state_arrays, trainer_log
+
+from lpt.train.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -78,32 +85,7 @@ def run(workdir, cache_dir, *extra, devices=1, faults=(), check=True, background
 
 def records(workdir) -> tuple[dict, dict]:
     """(train loss by step, eval loss by step); each step must appear once (a resume drops re-run steps)."""
-    train, evals = {}, {}
-    for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        for key, out in (("loss", train), ("eval_loss", evals)):
-            if key in r:
-                assert r["step"] not in out, f"step {r['step']} logged twice in {workdir}"
-                out[r["step"]] = r[key]
-    return train, evals
-
-
-def params_at(workdir, step, part="params") -> dict:
-    state = ocp.StandardCheckpointer().restore(Path(workdir).resolve() / "checkpoints" / str(step) / "state")
-    leaves = {}
-
-    def collect(prefix, node):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                collect(f"{prefix}/{k}", v)
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                collect(f"{prefix}/{i}", v)
-        elif node is not None:  # None: an empty optimizer-state field
-            leaves[prefix] = np.asarray(node)
-
-    collect("", state[part])
-    return leaves
+    return losses(Path(workdir) / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +118,7 @@ def test_exact_resume_after_kill_and_sigterm(reference, tmp_path, cache_dir):
     assert "resumed from step 5" in p.stderr
     assert sorted(int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()) == [5, 6]
     assert records(tmp_path) == records(reference)  # bitwise: every train loss and both validation losses
-    ref, got = params_at(reference, 6), params_at(tmp_path, 6)
+    ref, got = state_arrays(reference, 6), state_arrays(tmp_path, 6)
     assert ref.keys() == got.keys() and len(ref) > 5
     for k in ref:
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
@@ -214,32 +196,47 @@ def test_two_process_distributed_matches_single_process(reference, tmp_path, cac
     assert not (tmp_path / "checkpoints_damaged").exists() and not (tmp_path / "checkpoints" / "6" / "data").exists()
 
 
+def train_here(workdir, config: str, *extra: str, **faults) -> int:
+    """``python -m lpt.train`` on the tiny model in this process (one device); ``faults`` as
+    :func:`fault_runner.hooks` takes them (``sigterm_at=3``)."""
+    argv = ["--config", str(ROOT / config), "--workdir", str(workdir), *TINY, *extra]
+    return main(argv, hooks=fault_runner.hooks(**faults))
+
+
+def straight_and_resumed(tmp_path, config: str) -> tuple[Path, Path]:
+    """4 steps of ``config`` in this process, straight and preempted (SIGTERM after step 3: step 3 saved, a clean
+    exit) then resumed; asserts the preemption, the resume and bitwise equal losses. Returns the two workdirs."""
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    assert train_here(ref, config, "--config.train.steps=4") == 0
+    with trainer_log() as log:
+        assert train_here(resumed, config, "--config.train.steps=4", sigterm_at=3) == 0
+    assert any("preempted: saved checkpoint at step 3" in m for m in log)
+    with trainer_log() as log:
+        assert train_here(resumed, config, "--config.train.steps=4") == 0
+    assert any("resumed from step 3" in m for m in log)
+    assert records(resumed) == records(ref)  # bitwise: every train loss and the validation losses
+    return ref, resumed
+
+
 def test_bf16_kahan_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir):
     """The bf16 Kahan recipe with 8-bit moments (tiny_cpu_bf16_kahan8): its fused optimizer state (uint16 moment
     codes, complex64 block scales, bf16 compensation, count) is in the checkpoint and survives a preemption bit for
     bit; on a 2-device fsdp mesh (leaves not sequenced there, scales sharded like the params) the losses follow the
     1-device run."""
-    kahan = dict(config="configs/tiny_cpu_bf16_kahan8.py")
-    ref = tmp_path / "ref"
-    run(ref, cache_dir, "--config.train.steps=4", **kahan)
-    resumed = tmp_path / "resumed"
-    p = run(resumed, cache_dir, "--config.train.steps=4", faults=["--sigterm-at=3"], **kahan)
-    assert "preempted: saved checkpoint at step 3" in p.stderr
-    p = run(resumed, cache_dir, "--config.train.steps=4", **kahan)
-    assert "resumed from step 3" in p.stderr
-    assert records(resumed) == records(ref)
-    a, b = params_at(ref, 4), params_at(resumed, 4)
+    config = "configs/tiny_cpu_bf16_kahan8.py"
+    ref, resumed = straight_and_resumed(tmp_path, config)
+    a, b = state_arrays(ref, 4), state_arrays(resumed, 4)
     assert a.keys() == b.keys() and all(v.dtype.name == "bfloat16" for v in a.values())
     for k in a:
         np.testing.assert_array_equal(b[k], a[k], err_msg=k)
-    a, b = params_at(ref, 4, "opt_state"), params_at(resumed, 4, "opt_state")
+    a, b = state_arrays(ref, 4, "opt_state"), state_arrays(resumed, 4, "opt_state")
     assert {"uint16", "complex64"} <= {v.dtype.name for v in a.values()}
     assert a.keys() == b.keys()
     for k in a:  # bitwise: the codes, the scales, the compensation and the count
         assert b[k].dtype == a[k].dtype and b[k].tobytes() == a[k].tobytes(), k
     sharded = tmp_path / "fsdp"
     mesh = ("--config.train.steps=4", "--config.train.mesh.data=1", "--config.train.mesh.fsdp=2")
-    run(sharded, cache_dir, *mesh, devices=2, **kahan)
+    run(sharded, cache_dir, *mesh, devices=2, config=config)
     (ref_train, _), (train, _) = records(ref), records(sharded)
     np.testing.assert_allclose([train[s] for s in range(1, 5)], [ref_train[s] for s in range(1, 5)], rtol=1e-3)
 
@@ -248,20 +245,13 @@ def test_nvfp4_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir):
     """tiny_cpu_nvfp4 (its stochastic rounding and Hadamard signs come from each layer's step key): a preempted and
     resumed run is bitwise the straight one, losses and parameters; on a 2-device data mesh (tokens split, so dW
     adds the shards' partial sums) the losses follow the 1-device run."""
-    nv = dict(config="configs/tiny_cpu_nvfp4.py")
-    ref = tmp_path / "ref"
-    run(ref, cache_dir, "--config.train.steps=4", **nv)
-    resumed = tmp_path / "resumed"
-    p = run(resumed, cache_dir, "--config.train.steps=4", faults=["--sigterm-at=3"], **nv)
-    assert "preempted: saved checkpoint at step 3" in p.stderr
-    p = run(resumed, cache_dir, "--config.train.steps=4", **nv)
-    assert "resumed from step 3" in p.stderr
-    assert records(resumed) == records(ref)
-    a, b = params_at(ref, 4), params_at(resumed, 4)
+    config = "configs/tiny_cpu_nvfp4.py"
+    ref, resumed = straight_and_resumed(tmp_path, config)
+    a, b = state_arrays(ref, 4), state_arrays(resumed, 4)
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(b[k], a[k], err_msg=k)
     sharded = tmp_path / "data2"
-    run(sharded, cache_dir, "--config.train.steps=4", "--config.train.mesh.data=2", devices=2, **nv)
+    run(sharded, cache_dir, "--config.train.steps=4", "--config.train.mesh.data=2", devices=2, config=config)
     (ref_train, _), (train, _) = records(ref), records(sharded)
     np.testing.assert_allclose([train[s] for s in range(1, 5)], [ref_train[s] for s in range(1, 5)], rtol=1e-3)
