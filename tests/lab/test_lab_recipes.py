@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from lpt.lab import recipes
 from lpt.lab.__main__ import main
 
 
@@ -25,7 +26,10 @@ def test_lab_recipes_quick(tmp_path):
 
 
 def test_lab_cost_quick(tmp_path):
-    c = main(["cost", "--out", str(tmp_path), "--quick", "--recipes", "bf16_kahan"])["cost"]["tiny"]
+    # the recipes section's quick model and budget (one layer): the steps test_lab_recipes_quick measures too, which
+    # the persistent compilation cache then holds; bytes per parameter and the report do not depend on the size
+    sizes = [a for k, v in recipes.QUICK.items() for a in ("--set", f"{k}={v}")]
+    c = main(["cost", "--out", str(tmp_path), "--quick", "--recipes", "bf16_kahan", *sizes])["cost"]["tiny"]
     assert c["fp32"]["bytes_per_param"] == pytest.approx(12.0, abs=1e-3)
     assert c["bf16_kahan"]["bytes_per_param"] == pytest.approx(8.0, abs=1e-3)
     assert c["fp32"]["time_ratio"] == 1.0 and 0.2 < c["bf16_kahan"]["time_ratio"] < 20
