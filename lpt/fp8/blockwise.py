@@ -51,7 +51,7 @@ from lpt.kernels import dispatch
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
 
-__all__ = ["IMPLS", "BlockwiseConfig", "blockwise_dot", "scaled_matmul"]
+__all__ = ["IMPLS", "BlockwiseConfig", "GemmWeight", "blockwise_dot", "gemm_weight", "scaled_matmul"]
 
 IMPLS = ("xla", "pallas", "mosaic_gpu")
 _STATIC_OPTIONS = ("impl", "block", "fwd_dtype", "grad_dtype", "scale_format", "interpret")  # of blockwise_dot
@@ -130,6 +130,10 @@ def _backward_shard(x2, qw, sw, g, cfg: BlockwiseConfig):
     dw = _psum(dw, rest or None)
     for dim, axes in cfg.dw_scatter:  # FSDP: each shard keeps the sum of its own rows of dw (a reduce-scatter)
         dw = jax.lax.psum_scatter(dw, axes, scatter_dimension=dim, tiled=True)
+    if cfg.dw_scatter:
+        # XLA:TPU's while-loop all-reduce code motion fails a RET_CHECK on a reduce-scatter whose result is cast
+        # before it is accumulated (a microbatch loop summing bf16 dw in f32); the barrier keeps it in place
+        dw = jax.lax.optimization_barrier(dw)
     return _psum(dx, cfg.axes[2]), dw
 
 
@@ -164,6 +168,84 @@ def _bdot_bwd(cfg: BlockwiseConfig, res, g):
 
 
 _bdot.defvjp(_bdot_fwd, _bdot_bwd)
+
+
+class GemmWeight(NamedTuple):
+    """A weight quantized ahead of the GEMMs that use it (:func:`gemm_weight`), e.g. once per optimizer step for
+    all of its microbatches: ``codes`` and ``scales`` already in the GEMM's layout, ``w`` the weight itself (only
+    its gradient and dtype are used)."""
+
+    w: jax.Array  # [..., K, N]: dw flows to it
+    codes: jax.Array  # [..., K, N] in fwd_dtype
+    scales: jax.Array  # [..., K/B, N/B] f32
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _bdot_codes(x2, w, qw, sw, cfg: BlockwiseConfig):
+    y, _ = _bdot_codes_fwd(x2, w, qw, sw, cfg)
+    return y
+
+
+def _bdot_codes_fwd(x2, w, qw, sw, cfg: BlockwiseConfig):
+    y = _sharded(_forward_shard, cfg, ("x", "w", "w"), "y")(x2, qw, sw)
+    return y.astype(x2.dtype), (x2, qw, sw, jnp.zeros((0,), w.dtype))  # f32 -> x dtype; last: w's dtype tag
+
+
+def _bdot_codes_bwd(cfg: BlockwiseConfig, res, g):
+    dx, dw = _bdot_bwd(cfg, res, g)
+    _, qw, sw, _ = res
+    return dx, dw, jnp.zeros_like(qw), jnp.zeros_like(sw)  # the codes are constants of the step
+
+
+_bdot_codes.defvjp(_bdot_codes_fwd, _bdot_codes_bwd)
+
+
+def gemm_weight(
+    w,
+    *,
+    block: int = 128,
+    fwd_dtype=jnp.float8_e4m3fn,
+    scale_format: str = "f32",
+    w_axes: tuple[str | None, str | None] | None = None,
+    mesh=None,
+) -> GemmWeight:
+    """``w[..., K, N]`` (leading dims: stacked layers) quantized in B x B blocks where it is stored and moved to the
+    layout :func:`blockwise_dot` multiplies it in: under an FSDP mesh one all-gather of the e4m3 codes. Pass the
+    result as ``blockwise_dot``'s ``w`` (one layer's slice of it) with the same options, as often as needed: the
+    GEMMs are those of ``blockwise_dot(x, w)``, bit for bit, without quantizing or gathering ``w`` again.
+
+    On a multi-device mesh the axes come from the sharding rules (Auto mesh axes, :mod:`lpt.sharding`); on Explicit
+    axes it is a ValueError (``blockwise_dot`` follows the operands' own shardings there, which depend on x)."""
+    w = jnp.asarray(w)
+    cfg = blockwise_config(block=block, fwd_dtype=fwd_dtype, scale_format=scale_format)
+    if w.ndim < 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"w must be a floating-point [..., K, N] array, got shape {w.shape} and dtype {w.dtype}")
+    k, n = w.shape[-2:]
+    if k % cfg.block or n % cfg.block:
+        raise ValueError(f"K={k} and N={n} must be multiples of block={cfg.block}")
+    mesh = dispatch.kernel_mesh(mesh)
+    if mesh is not None and mesh.size > 1 and sharding.explicit(mesh):
+        raise ValueError("gemm_weight needs Auto mesh axes (the sharding rules say where w is stored and multiplied)")
+    cfg = _with_mesh(cfg, mesh, None, w[(0,) * (w.ndim - 2)], w_axes)
+    lead = w.ndim - 2
+    quantize = functools.partial(quantize_blocks, dtype=cfg.fwd_dtype, block=cfg.block, scale_format=cfg.scale_format)
+    for _ in range(lead):
+        quantize = jax.vmap(quantize)
+    if cfg.axes is None:
+        return GemmWeight(w, *quantize(w))
+    kernel = PartitionSpec(*(None,) * lead, *cfg.axes[1:])
+    if not cfg.dw_scatter:  # stored as multiplied, or split otherwise: quantized in the GEMM's layout
+        return GemmWeight(w, *dispatch.shard_map(quantize, cfg.mesh, [kernel], (kernel, kernel))(w))
+
+    def gathered(w_shard):
+        q, s = quantize(w_shard)
+        for dim, axes in cfg.dw_scatter:  # the dims the GEMM holds whole: gather the codes, not the weight
+            q = jax.lax.all_gather(q, axes, axis=lead + dim, tiled=True)
+            s = jax.lax.all_gather(s, axes, axis=lead + dim, tiled=True)
+        return q, s
+
+    stored = PartitionSpec(*(None,) * lead, *cfg.w_axes)
+    return GemmWeight(w, *dispatch.shard_map(gathered, cfg.mesh, [stored], (kernel, kernel))(w))
 
 
 def blockwise_config(**options) -> BlockwiseConfig:
@@ -210,7 +292,8 @@ def blockwise_dot(
 
     Args:
       x: activations ``[..., K]`` (any float dtype; the output has this dtype).
-      w: weight ``[K, N]`` (any float dtype; ``dw`` has this dtype).
+      w: weight ``[K, N]`` (any float dtype; ``dw`` has this dtype), or a :class:`GemmWeight` of one (from
+        :func:`gemm_weight` with the same options): its codes are multiplied as they are, ``dw`` goes to its ``w``.
       impl: ``"xla"`` (scan over K-chunks), ``"pallas"`` (portable Pallas kernel; interpreted on CPU) or
         ``"mosaic_gpu"`` (Hopper wgmma kernel; CUDA only, or ``interpret=True``; needs grad_dtype == fwd_dtype).
       block: tile / block edge B and promotion interval (128 as in DeepSeek-V3). K and N must be multiples of it.
@@ -228,8 +311,9 @@ def blockwise_dot(
       ValueError: for non-float inputs, mismatched K, K or N not a multiple of ``block``, unknown options, or
         under a mesh: rows not divisible by the batch axes, or a shard of K or N not a multiple of ``block``.
     """
+    prepared = w if isinstance(w, GemmWeight) else None
     x = jnp.asarray(x)
-    w = jnp.asarray(w)
+    w = jnp.asarray(w if prepared is None else prepared.w)
     options = dict(impl=impl, block=block, fwd_dtype=fwd_dtype, grad_dtype=grad_dtype, scale_format=scale_format)
     cfg = blockwise_config(interpret=interpret, **options)
     for name, a in (("x", x), ("w", w)):
@@ -247,20 +331,28 @@ def blockwise_dot(
         )
     lead = x.shape[:-1]
     cfg = _with_mesh(cfg, dispatch.kernel_mesh(mesh), x, w, w_axes)
+    if prepared is not None:
+        if prepared.codes.dtype != cfg.fwd_dtype or prepared.codes.shape != w.shape:
+            raise ValueError(
+                f"a GemmWeight of {prepared.codes.dtype} codes {prepared.codes.shape} does not fit fwd_dtype="
+                f"{cfg.fwd_dtype} and w {w.shape}; make it with gemm_weight and the same options"
+            )
+        return _bdot_codes(x.reshape(-1, k), w, prepared.codes, prepared.scales, cfg).reshape(*lead, n)
     y2 = _bdot(x.reshape(-1, k), w, cfg)
     return y2.reshape(*lead, n)
 
 
 def _with_mesh(cfg: BlockwiseConfig, mesh, x, w, w_axes) -> BlockwiseConfig:
     """``cfg`` with the mesh and the (rows, K, N) mesh axes (:func:`lpt.sharding.operand_spec`: the operands' own
-    shardings on Explicit mesh axes, the rules on Auto ones); unchanged without a multi-device mesh."""
+    shardings on Explicit mesh axes, the rules on Auto ones); unchanged without a multi-device mesh. ``x=None``:
+    the rows are not known yet (:func:`gemm_weight`), and the rules decide."""
     if mesh is None or mesh.size == 1:
         return cfg
     if w_axes is not None and len(w_axes) != 2:
         raise ValueError(f"w_axes must name the weight's (K, N) dims, got {w_axes!r}")
     what = f"blockwise_dot(impl={cfg.impl!r})"
     k_name, n_name = (None, None) if w_axes is None else w_axes
-    if sharding.explicit(mesh):  # the operands' own splits: x's rows and K; w's N (w is resharded to x's K split)
+    if x is not None and sharding.explicit(mesh):  # the operands' splits: x's rows, K; w's N (w moves to x's K split)
         xs = sharding.operand_spec(x, (None,) * x.ndim, mesh, what)
         ws = sharding.operand_spec(w, (None, None), mesh, what)
         if any(a is not None for a in xs[1:-1]):
@@ -273,8 +365,9 @@ def _with_mesh(cfg: BlockwiseConfig, mesh, x, w, w_axes) -> BlockwiseConfig:
     else:  # the rules, resolved together (first unused rule wins: the trainer's FSDP weights are gathered)
         axes = tuple(sharding.rule_spec(("batch", k_name, n_name), mesh, what))
         stored = tuple(sharding.rule_spec((k_name, n_name), mesh, what))  # w alone: where the rules store it
-    m, (k, n) = x.size // w.shape[0], w.shape
-    dispatch.check_divisible("rows of x (tokens)", m, mesh, axes[0])
+    k, n = w.shape
+    if x is not None:
+        dispatch.check_divisible("rows of x (tokens)", x.size // k, mesh, axes[0])
     for what, size, a in (("K", k, axes[1]), ("N", n, axes[2])):
         shard = dispatch.check_divisible(what, size, mesh, a)
         if shard % cfg.block:

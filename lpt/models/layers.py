@@ -152,7 +152,7 @@ def matmul(
         # f32 accumulator back, then round once to out_dtype like the bf16 path.
         y_f32 = blockwise_dot(x.astype(jnp.float32), w, w_axes=w_axes)  # compute -> f32 (exact)
         if probes.active():  # diagnostics pass only (trace-time switch)
-            probes.record_fp8(name, x, w, y_f32)
+            probes.record_fp8(name, x, getattr(w, "w", w), y_f32)  # a GemmWeight's weight, or w
         return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
     if kind in ("mxfp8", "nvfp4"):
         from lpt.fp8 import block_scaled_dot
@@ -193,12 +193,18 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None, out_dtype=None) -> jax.Array:
         out_dtype = self.prec.compute if out_dtype is None else out_dtype
+        kernel = self.kernel.get_value()
+        # a tuple: an lpt.fp8.GemmWeight whose FP8 codes the train step made once for all microbatches
+        prepared = kernel if isinstance(kernel, tuple) else None
+        stored = kernel if prepared is None else prepared.w
         if self.bitwidth is not None and key is not None:
             # storage -> param_dtype view, then ŵ = w + PQN in the compute dtype (Ahn & Yoo Eq. 3)
-            w_view = view_weight(self.kernel[...], self.prec, self.prec.view_dtype)
+            w_view = view_weight(stored, self.prec, self.prec.view_dtype)
             w = pqt_wiring.sample(w_view, self.bitwidth, key, method=self.pqt_method, path=self.path, prec=self.prec)
         else:
-            w = view_weight(self.kernel[...], self.prec)
+            w = view_weight(stored, self.prec)
+        if prepared is not None:
+            w = prepared._replace(w=w)  # the codes as made, the gradient to the weight's view
         kind = self.prec.matmul_for(self.layer_kind)
         y = matmul(
             x, w, kind, out_dtype, name=self.layer_kind, w_axes=self.axes, key=key, path=self.path, prec=self.prec
@@ -206,6 +212,42 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)
         return y
+
+
+def fp8_linears(model: nnx.Module) -> list[tuple[tuple, Linear]]:
+    """``(path, layer)`` of each :class:`Linear` of ``model`` whose matmul is "fp8" (blockwise FP8), the path as
+    ``nnx.iter_graph`` gives it (its kernel is ``path + ("kernel",)`` in the params)."""
+    return [
+        (tuple(path), m)
+        for path, m in nnx.iter_graph(model)
+        if isinstance(m, Linear) and m.prec.matmul_for(m.layer_kind) == "fp8"
+    ]
+
+
+def fp8_gemm_weights(model: nnx.Module, params: dict) -> dict:
+    """``{path: GemmWeight}`` for each layer of :func:`fp8_linears`: its kernel in ``params`` (a pure dict of the
+    model's params, stacked layers included) viewed as the layer views it, quantized and moved to the GEMM's layout
+    once (:func:`lpt.fp8.blockwise.gemm_weight`); :func:`with_gemm_weights` puts them in place of the kernels. A
+    layer that samples weight noise (PQT) is a ValueError: its weight changes with every key."""
+    from lpt.fp8.blockwise import gemm_weight  # in-function: lpt.fp8 loads Pallas kernels
+
+    out = {}
+    for path, layer in fp8_linears(model):
+        if layer.bitwidth is not None:
+            raise ValueError(f"optim.fp8_gather='step': layer {layer.path} samples weight noise (PQT) every key")
+        kernel = functools.reduce(lambda d, k: d[k], path, params)["kernel"]
+        out[path] = gemm_weight(view_weight(kernel, layer.prec), w_axes=layer.axes)
+    return out
+
+
+def with_gemm_weights(params: dict, prepared: dict) -> dict:
+    """``params`` (a pure dict) with each prepared layer's kernel replaced by its :class:`~lpt.fp8.GemmWeight`
+    (the kernel itself as its ``w``, so that the gradient reaches it)."""
+    out = jax.tree.map(lambda a: a, params)  # a fresh dict tree
+    for path, gw in prepared.items():
+        layer = functools.reduce(lambda d, k: d[k], path, out)
+        layer["kernel"] = gw._replace(w=layer["kernel"])
+    return out
 
 
 def block_linears(spec: ModelSpec, prec: PrecisionSpec, *, path: str, rngs: nnx.Rngs):

@@ -35,6 +35,7 @@ from lpt.targets import hlo
 from lpt.train import config as config_lib
 from lpt.train import loop
 from lpt.train import state as state_lib
+from lpt.train import step as step_lib
 
 GIB = 1 << 30
 USAGE = "python -m lpt.train.compile --config CFG --topology TOPO [--config.key=value ...]"
@@ -105,6 +106,7 @@ def compile_step(cfg, topology: str) -> dict:
         "remat": bool(cfg.model.remat),
         "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         "state_bytes": shard_bytes(state),
+        "fp8_codes_bytes": step_lib.fp8_codes_bytes(cfg, state_lib.make_model_def(cfg), mesh),
         "batch_bytes": shard_bytes(batch),
         "hbm_bytes": facts.hbm_bytes,
         "peak_flops": facts.peak_flops,

@@ -27,7 +27,7 @@ import lpt.configs
 from lpt import options
 from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
-from lpt.models.config import SHAPE_KEYS, ModelSpec, check_matmul_blocks
+from lpt.models.config import LAYER_KINDS, SHAPE_KEYS, ModelSpec, check_matmul_blocks
 from lpt.models.hf_config import read_config as read_hf_config
 from lpt.options import option, section
 from lpt.train.guard import BAD_STEPS
@@ -49,6 +49,12 @@ class OptimConfig:
     weight_decay: float = option(0.1, "decoupled weight decay (matrices only)")
     grad_clip: float = option(1.0, "clip the global gradient norm (0 = off)")
     microbatches: int = option(1, "gradient accumulation steps per optimizer step")
+    fp8_gather: str = option(
+        "microbatch",
+        '"microbatch" | "step": FP8 weights quantized and gathered in each microbatch, or once per step for all '
+        "of them (their codes then stay in HBM for the whole step; the compile report's fp8_codes_bytes)",
+        ("microbatch", "step"),
+    )
 
 
 @section("train.mesh")
@@ -222,6 +228,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if i.step < -1:
         raise ValueError(f"config key init_from.step={i.step} must be >= 0, or -1 for the newest")
     check_matmul_blocks(typed.model, p)
+    noisy = [k for k in LAYER_KINDS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
+    if o.fp8_gather == "step" and noisy:
+        raise ValueError(
+            f"optim.fp8_gather='step' quantizes each FP8 weight once per step, but precision.pqt.method="
+            f"{p.pqt.method!r} samples new weight noise in every microbatch of layers {noisy}; use fp8_gather="
+            "'microbatch' with PQT"
+        )
     if typed.data.seq_len > typed.model.max_seq_len:
         raise ValueError(f"data.seq_len={typed.data.seq_len} exceeds model.max_seq_len={typed.model.max_seq_len}")
 

@@ -6,7 +6,11 @@ by ``precision.pqt.loss_weight``) when a PQT method is on. The step key is ``fol
 (microbatch ``i`` folds in ``i`` once more), so randomness depends on (seed, step) only, never on the mesh.
 
 With ``optim.microbatches = m > 1`` the batch is split into m equal slices along the batch axis; gradients are
-summed in float32 over a ``lax.scan`` and divided by m (cast back to the param dtype before the optimizer).
+summed in float32 over a ``lax.scan`` and divided by m (cast back to the param dtype before the optimizer). With
+``optim.fp8_gather = "step"`` the blockwise-FP8 layers' weights are quantized and moved to their GEMMs' layout (an
+FSDP all-gather of e4m3 codes) once, before the microbatches, which all multiply those codes
+(:func:`lpt.models.layers.fp8_gemm_weights`): the same numbers as quantizing in each microbatch, one gather per
+step instead of one per microbatch (and per remat recompute), for the HBM of every FP8 layer's gathered codes.
 
 Both steps are ``jax.jit``-ed with explicit in/out shardings; the train step donates the incoming state. Their bodies
 are traced under :func:`on_mesh`: the logical-axis rules (``lpt.sharding.axis_rules``) and the mesh as the abstract
@@ -22,15 +26,18 @@ is the same whether diagnostics are on or off).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import Mesh
 
 import lpt.optim
 from lpt import models, sharding
+from lpt.models import layers as model_layers
 from lpt.train import guard as guard_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train.optimizer import optimizer_diagnostics
@@ -67,6 +74,35 @@ def grad_view(params):
     return jax.tree.map(lambda p: p.astype(jnp.float32) if p.dtype.itemsize == 1 else p, params)  # fp8 -> f32
 
 
+def fp8_model(model_def: ModelDef):
+    """The model with abstract variables: what :func:`lpt.models.layers.fp8_linears` walks."""
+    return nnx.merge(model_def.graphdef, model_def.abstract_params, model_def.abstract_rest)
+
+
+def fp8_layers(model_def: ModelDef) -> list:
+    """The model's blockwise-FP8 ``Linear`` layers (:func:`lpt.models.layers.fp8_linears`)."""
+    return model_layers.fp8_linears(fp8_model(model_def))
+
+
+def fp8_codes_bytes(cfg, model_def: ModelDef, mesh: Mesh) -> int:
+    """Bytes per device of the FP8 codes and block scales that ``optim.fp8_gather="step"`` holds for a whole step
+    (each FP8 layer's weight in its GEMM's layout: whole over fsdp, split over tensor); 0 with "microbatch"."""
+    if cfg.optim.fp8_gather != "step":
+        return 0
+    model = fp8_model(model_def)
+    params = nnx.to_pure_dict(model_def.abstract_params)
+    shapes = jax.eval_shape(lambda p: model_layers.fp8_gemm_weights(model, grad_view(p)), params)
+    total = 0
+    with on_mesh(mesh):
+        for path, layer in model_layers.fp8_linears(model):
+            spec = sharding.kernel_spec(("batch", *layer.axes), mesh)[1:]  # the GEMM's (K, N) split
+            axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+            parts = math.prod(mesh.shape[a] for a in axes)
+            gw = shapes[path]
+            total += (gw.codes.size * gw.codes.dtype.itemsize + gw.scales.size * gw.scales.dtype.itemsize) // parts
+    return total
+
+
 def make_train_step(
     cfg, model_def: ModelDef, tx: optax.GradientTransformation, schedule, mesh: Mesh, shardings: TrainState
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
@@ -76,7 +112,11 @@ def make_train_step(
     use_aux = cfg.precision.pqt.method != "none"
     skip = cfg.train.bad_step == "skip"
 
-    def loss_fn(params, rest, inputs_BT, targets_BT, key):
+    prepare = cfg.optim.fp8_gather == "step" and bool(fp8_layers(model_def))
+
+    def loss_fn(params, rest, inputs_BT, targets_BT, key, prepared):
+        if prepared:  # the FP8 layers multiply the step's codes; their gradients still reach the kernels
+            params = model_layers.with_gemm_weights(params, prepared)
         model = model_def.merge(params, rest)
         logits_BTV = model(inputs_BT, key=key)
         ce = cross_entropy(logits_BTV, targets_BT)
@@ -88,10 +128,11 @@ def make_train_step(
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with on_mesh(mesh):
             key = jax.random.fold_in(seed_key, state.step)
+            view = grad_view(state.params)
+            # optim.fp8_gather="step": FP8 weights quantized and gathered here, once for all microbatches
+            prepared = model_layers.fp8_gemm_weights(fp8_model(model_def), view) if prepare else {}
             if m == 1:
-                (_, (ce, aux)), grads = grad_fn(
-                    grad_view(state.params), state.rest, batch["inputs"], batch["targets"], key
-                )
+                (_, (ce, aux)), grads = grad_fn(view, state.rest, batch["inputs"], batch["targets"], key, prepared)
             else:
                 split = lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:])
                 micro = (split(batch["inputs"]), split(batch["targets"]), jnp.arange(m))
@@ -99,7 +140,7 @@ def make_train_step(
                 def body(acc, xs):
                     inputs, targets, i = xs
                     (_, (ce_i, aux_i)), g = grad_fn(
-                        grad_view(state.params), state.rest, inputs, targets, jax.random.fold_in(key, i)
+                        view, state.rest, inputs, targets, jax.random.fold_in(key, i), prepared
                     )
                     g_f32 = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[0], g)  # grad dtype -> f32
                     return (g_f32, acc[1] + ce_i, acc[2] + aux_i), None
@@ -107,7 +148,6 @@ def make_train_step(
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
                 z = jnp.zeros((), jnp.float32)
                 (g_sum, ce_sum, aux_sum), _ = jax.lax.scan(body, (zeros, z, z), micro)
-                view = grad_view(state.params)
                 grads = jax.tree.map(lambda g, p: (g / m).astype(p.dtype), g_sum, view)  # f32 -> grad dtype
                 ce, aux = ce_sum / m, aux_sum / m
             grad_norm = optax.global_norm(grads).astype(jnp.float32)

@@ -170,3 +170,30 @@ def test_smaller_block_bf16_activations_and_dtypes():
     x64 = np.asarray(x.astype(jnp.bfloat16), np.float64)  # the bf16 input is what the layer sees
     assert float(snr_db(x64 @ w, y)) >= 25.0
     assert float(snr_db(x64.T @ g, dw)) >= 20.0
+
+
+def test_a_gemm_weight_made_once_multiplies_as_the_weight_does():
+    """gemm_weight(w) for stacked layers [L, K, N], each layer's slice passed as blockwise_dot's weight: output, dx
+    and dw equal blockwise_dot on the weight itself bit for bit (the same codes feed the same GEMMs), and dw reaches
+    the stacked weight; the codes are those of quantize_blocks. A GemmWeight of other options is refused."""
+    from lpt.fp8.blockwise import gemm_weight
+
+    x, g = _normal(2, (2, 40, 256)), _normal(3, (2, 40, 384))
+    w = jnp.asarray(_normal(4, (3, 256, 384), 1 / 16), jnp.bfloat16)
+
+    def loss(x, w, prepared):
+        gw = gemm_weight(w)
+        layers = [jax.tree.map(lambda a, i=i: a[i], gw) if prepared else w[i] for i in range(3)]
+        return sum(jnp.sum(blockwise_dot(x, layer) * g) for layer in layers)
+
+    direct = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, False), argnums=(0, 1)))(x, w)
+    made = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, True), argnums=(0, 1)))(x, w)
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(made), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert np.any(np.asarray(made[1][1], np.float32) != 0)  # dw reached the stacked weight
+    gw = gemm_weight(w)
+    q, s = quantize_blocks(w[1])
+    assert np.array_equal(np.asarray(gw.codes[1], np.float32), np.asarray(q, np.float32))
+    assert np.array_equal(np.asarray(gw.scales[1]), np.asarray(s))
+    with pytest.raises(ValueError, match="make it with gemm_weight and the same options"):
+        blockwise_dot(x, jax.tree.map(lambda a: a[0], gw), fwd_dtype=jnp.float8_e5m2)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from lpt.train import config as config_lib
 from lpt.train import mesh as mesh_lib
@@ -98,3 +99,31 @@ def test_float8_stored_params_get_float32_gradients():
     # (measured first-step grad norm: 0.717 through f32 views, 0.109 with fp8 cotangents)
     assert losses[0][1] > 0.4, losses
     assert losses[-1][0] < losses[0][0], losses
+
+
+FP8 = {**SMALL, "model.d_model": "128", "model.d_ff": "256", "model.n_layers": "2", "model.scan_layers": "True"}
+FP8 |= {f"precision.matmul.{k}": "fp8" for k in ("qkv", "out", "up", "down")}
+
+
+def test_fp8_codes_made_once_per_step_train_as_each_microbatch_does():
+    """optim.fp8_gather="step" (FP8 weights quantized once, before the microbatch loop; on a pod, gathered once):
+    the same losses, gradient norms and params as quantizing in each of 4 microbatches, up to the f32 round-off of
+    programs that XLA may fuse differently (the GEMMs take the same codes). The gather itself is counted in
+    tests/kernels/test_kernels_sharded.py (one per step instead of one per microbatch)."""
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(3):
+        tokens = rng.integers(0, 256, size=(8, 17), dtype=np.int32)
+        batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    each, each_params = _run(4, batches, **FP8)
+    once, once_params = _run(4, batches, **FP8, **{"optim.fp8_gather": "step"})
+    np.testing.assert_allclose(np.asarray(once), np.asarray(each), rtol=1e-6)
+    for a, b in zip(each_params, once_params, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-7)
+
+
+def test_fp8_codes_once_per_step_refuse_weight_noise():
+    overrides = {**FP8, "optim.fp8_gather": "step", "precision.pqt.method": "gaussws"}
+    overrides["precision.pqt.layers"] = "up,down"
+    with pytest.raises(ValueError, match=r"optim.fp8_gather='step' quantizes each FP8 weight once per step"):
+        config_lib.apply_overrides(config_lib.load_config_file(ROOT / "configs" / "tiny_cpu.py"), overrides)
