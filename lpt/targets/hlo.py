@@ -10,7 +10,8 @@
 
 An async pair counts once (the ``-start``; its result tuple holds the operands first, the results after them; ``-done``
 is skipped). XLA:TPU splits one collective into several instructions that share a ``channel_id`` (start, continuation,
-done fusions); instructions of one kind with the same ``channel_id`` count once.
+done fusions); instructions of one kind with the same ``channel_id`` count once, unless XLA named them as different
+async collectives (``async_collective_name``): collectives of a ``shard_map`` body can share one ``channel_id``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _CALLEE = re.compile(r"\b(?:calls|body|condition|to_apply|true_computation|false
 _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_ASYNC_NAME = re.compile(r'async_collective_name="([^"]+)"')
 
 
 def _bits(dtype: str) -> int:
@@ -169,9 +171,11 @@ def collectives(text: str) -> dict[str, dict[str, int]]:
                 continue
             channel = _CHANNEL.search(line)
             if channel:
-                if (kind, channel.group(1)) in seen:
+                async_name = _ASYNC_NAME.search(line)
+                key = (kind, channel.group(1), async_name.group(1) if async_name else None)
+                if key in seen:
                     continue
-                seen.add((kind, channel.group(1)))
+                seen.add(key)
             nbytes, times = _result_bytes(op, result), mult.get(name, 1)
             row = out[kind]
             row["count"] += 1

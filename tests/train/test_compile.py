@@ -184,12 +184,15 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
   %w = (s32[], f32[8,4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"16"}}
   %ar = f32[8,4]{1,0} all-reduce(%a), channel_id=1, to_apply=%add
   %ar2 = f32[8,4]{1,0} all-reduce(%a), channel_id=1, to_apply=%add
+  %g1 = f8e4m3fn[8,4]{1,0} all-gather(%c), channel_id=7, frontend_attributes={async_collective_name="ag-start.1"}
+  %g2 = f8e4m3fn[8,4]{1,0} all-gather(%d), channel_id=7, frontend_attributes={async_collective_name="ag-start.2"}
   %rs = f32[2,4]{1,0} reduce-scatter(%a), channel_id=2, dimensions={0}, to_apply=%add
   ROOT %cc = f32[8,4]{1,0} custom-call(%a), custom_call_target="tpu_custom_call"
 }
 """
     c = hlo.collectives(text)
-    assert c["all-gather"] == {"count": 2, "bytes": 128 + 64, "count_per_step": 32, "bytes_per_step": 16 * 192}
+    # %g1, %g2: two collectives of one shard_map body share a channel, XLA names them apart: both count
+    assert c["all-gather"] == {"count": 4, "bytes": 192 + 64, "count_per_step": 34, "bytes_per_step": 16 * 192 + 64}
     assert c["all-reduce"] == {"count": 1, "bytes": 128, "count_per_step": 1, "bytes_per_step": 128}  # same channel
     assert c["reduce-scatter"]["bytes"] == 32
     assert hlo.kernels(text) == {"tpu_custom_call": 1}
@@ -199,7 +202,7 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
         "  ROOT %lt = pred[] compare(%i, %k), direction=LT\n}\n"
     )
     assert hlo.loop_trip_counts(scan) == [12]
-    assert hlo.collectives(scan)["all-gather"]["count_per_step"] == 24
+    assert hlo.collectives(scan)["all-gather"]["count_per_step"] == 12 * 2 + 2
     assert hlo.array_bytes("(f8e4m3fn[4,4]{1,0}, pred[3], s4[8])") == [16, 3, 4]
 
 
