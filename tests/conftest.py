@@ -1,5 +1,6 @@
-"""Test session setup: computation on the CPU, compile-only TPU/GPU targets available (lpt.targets), and one
-persistent compilation cache for the whole run.
+"""Test session setup: computation on the CPU, compile-only TPU/GPU targets available (lpt.targets), one
+persistent compilation cache for the whole run, and the tests that share a module-scoped fixture kept on one xdist
+worker.
 
 The environment is set before jax initializes a backend; xdist workers and subprocess tests inherit it. The cache
 (a fresh temporary directory per run, removed at exit) lets the many tests that train the same tiny model compile
@@ -9,8 +10,10 @@ each step once; a cached executable is the one the compiler produced, so results
 import atexit
 import functools
 import os
+import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +58,29 @@ def pytest_runtest_makereport(item, call):
             item.location[1] or 0,
             "XLA:CPU cannot compile float16 on this ISA (no F16C)",
         )
+
+
+_MODULE_FIXTURE = re.compile(r"""scope=["']module["']""")
+
+
+@functools.cache
+def _has_module_fixture(path: Path) -> bool:
+    return path.suffix == ".py" and path.is_file() and bool(_MODULE_FIXTURE.search(path.read_text()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n N`` (xdist's default ``--dist load``): a test file that defines a module-scoped fixture (a training
+    run, a built model) is one unit of work, run by one worker, so that the fixture is built once and not once per
+    worker that gets some of its tests; every other test is a unit of its own. xdist sends the larger units first
+    (``--loadscope-reorder``), so the run ends on single tests. Other ``--dist`` modes are left as they are."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if _has_module_fixture(config.rootpath / file) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
