@@ -42,7 +42,7 @@ def tree(path: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A finished 2-step tiny run (bytes tokenizer)."""
+    """A finished 3-step tiny run (bytes tokenizer)."""
     workdir = tmp_path_factory.mktemp("run") / "workdir"
     train_tiny(workdir)
     return workdir

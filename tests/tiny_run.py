@@ -18,8 +18,8 @@ OVERRIDES = {
     "model.max_seq_len": "32",
     "data.seq_len": "32",
     "train.global_batch": "4",
-    "train.steps": "2",
-    "train.eval_every": "2",
+    "train.steps": "3",  # one program (the schedule spans train.steps) for test_eval, test_generate, test_tool_errors
+    "train.eval_every": "3",
     "train.eval_batches": "1",
     "train.log_every": "1",
     "train.diagnostics_every": "0",
