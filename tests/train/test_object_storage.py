@@ -51,7 +51,7 @@ ARGS = [
     "--config.model.d_ff=64",
     "--config.train.global_batch=8",
     "--config.data.seq_len=32",
-    "--config.train.steps=4",
+    "--config.train.steps=6",  # test_train_faults trains this program too (the schedule spans train.steps)
     "--config.train.checkpoint_every=2",
     "--config.train.keep_checkpoints=5",
     "--config.train.eval_every=2",
@@ -125,7 +125,7 @@ def params(workdir, step) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The same 4 steps, uninterrupted, in a local workdir."""
+    """The same 6 steps, uninterrupted, in a local workdir."""
     w = tmp_path_factory.mktemp("local")
     assert run(w) == 0
     return w
@@ -134,7 +134,7 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gcs_run(tmp_path_factory):
     """The fake bucket's root after a run in ``URL``: SIGKILLed after step 3 (a subprocess, checkpoint 2 complete),
-    then resumed to step 4 in this process. Returns (root, the resume's log records)."""
+    then resumed to step 6 in this process. Returns (root, the resume's log records)."""
     root = tmp_path_factory.mktemp("gcs")
     code = (
         "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/..']; "
@@ -172,13 +172,13 @@ def test_a_gs_workdir_trains_and_resumes_bitwise_after_a_sigkill(reference, gcs_
     assert losses(run_dir / "metrics.jsonl") == losses(reference / "metrics.jsonl")  # every loss, bit for bit
     with fake_gcs(root):
         assert losses(f"{URL}/metrics.jsonl") == losses(reference / "metrics.jsonl")  # read through epath too
-        got, want = params(URL, 4), params(reference, 4)
-        assert checkpoint.steps(URL) == [2, 4]
+        got, want = params(URL, 6), params(reference, 6)
+        assert checkpoint.steps(URL) == [2, 4, 6]
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
-    assert all((run_dir / "checkpoints" / s / "commit_success.txt").is_file() for s in ("2", "4"))
+    assert all((run_dir / "checkpoints" / s / "commit_success.txt").is_file() for s in ("2", "4", "6"))
     assert not (run_dir / "lpt.lock").exists()  # released at the end
-    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 4
-    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 4
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
+    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 6
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per process that wrote
 
@@ -194,14 +194,14 @@ def test_eval_generate_and_export_read_a_gs_run(gcs_run, tmp_path, capsys):
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert generate.main(["--workdir", URL, "--prompt", "The", "--max-new-tokens", "3", "--temperature", "0"]) == 0
         assert export.main(["--workdir", URL, "--out", str(tmp_path / "hf")]) == 0
-    assert result["step"] == 4 and result["loss"] == summary["eval_loss"]
+    assert result["step"] == 6 and result["loss"] == summary["eval_loss"]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_a_fine_tune_starts_from_a_gs_run(gcs_run, tmp_path):
     with fake_gcs(gcs_run[0]):
         assert run(tmp_path, f"--config.init_from.workdir={URL}", "--config.train.steps=1") == 0
-    assert json.loads((tmp_path / "summary.json").read_text())["init_from"] == {"workdir": URL, "step": 4}
+    assert json.loads((tmp_path / "summary.json").read_text())["init_from"] == {"workdir": URL, "step": 6}
 
 
 def test_a_new_gs_run_that_fails_before_its_first_step_leaves_nothing(tmp_path, capsys):
