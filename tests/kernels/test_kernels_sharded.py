@@ -307,35 +307,6 @@ def test_fp8_weights_stored_split_travel_as_fp8_codes(topology, n):
     assert c["reduce-scatter"]["bytes_per_step"] > 0, c
 
 
-def test_fp8_codes_gathered_once_serve_every_microbatch():
-    """gemm_weight before a scan over 4 microbatches (what optim.fp8_gather="step" does): one all-gather of the
-    codes per step, against one per microbatch (forward, and again in the backward) when each microbatch's
-    blockwise_dot quantizes and gathers its FSDP-stored weight: bytes of gathers and permutes per step <= 1/3."""
-    from lpt.fp8.blockwise import gemm_weight
-    from lpt.targets import hlo
-
-    mesh = targets.mesh("v5e:2x2", (4,), ("fsdp",))
-    x = _sds((4, 4, 128, 512), jnp.bfloat16, mesh, P(None, "fsdp"))  # [microbatch, batch, tokens, K]
-    w = _sds((512, 512), jnp.bfloat16, mesh, P("fsdp", None))
-    axes = ("embed", "mlp")
-
-    def grads(x, w, once):
-        gw = gemm_weight(w, w_axes=axes) if once else None
-
-        def body(acc, x_i):
-            dot = lambda w: blockwise_dot(x_i, gw._replace(w=w) if once else w, impl="pallas", w_axes=axes)
-            y, vjp = jax.vjp(dot, w)
-            return acc + vjp(y)[0].astype(jnp.float32), None  # bf16 -> f32
-
-        return jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), x)[0]
-
-    moved = []
-    for once in (False, True):
-        c = hlo.collectives(_compile(lambda x, w, once=once: grads(x, w, once), [x, w], mesh).as_text())
-        moved.append(c["all-gather"]["bytes_per_step"] + c["collective-permute"]["bytes_per_step"])
-    assert 0 < moved[1] <= moved[0] / 3, moved
-
-
 def test_fp8_xla_impl_runs_per_shard_too():
     """The XLA twin under a mesh: without the shard_map the partitioner gathers the batch-split operand of dW's scan
     over token chunks inside the loop (once per chunk); with it nothing is gathered (TPU, 4 chips, 8 token chunks)."""

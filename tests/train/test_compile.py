@@ -1,6 +1,7 @@
 """``python -m lpt.train.compile``: the trainer's step compiled ahead of time for a TPU slice / GPU node, in-process.
 
-One small model compile per test (configs/tiny_cpu.py, ~5-10 s each on 2 cores).
+One small model compile per test (configs/tiny_cpu.py, ~5-10 s each on 2 cores), except the FP8 wire test (three
+compiles of a one-layer llama, ~20-40 s each).
 """
 
 from __future__ import annotations
@@ -233,3 +234,27 @@ def test_newer_targets_compile(capsys, topology, kind, devices, hbm):
     assert rc == 0, err
     assert r["device_kind"] == kind and r["devices"] == devices and r["hbm_bytes"] == hbm and r["fits"] is True
     assert r["flops"] * devices == pytest.approx(r["model_flops"], rel=0.15) and r["mfu_bound"] > 0
+
+
+def test_fp8_weights_cross_the_wire_as_codes_once_per_step_on_request():
+    """The compile report's collectives for a one-layer llama on v5e:2x2 (fsdp 4, embed 512: each shard holds whole
+    128 x 128 blocks), 2 microbatches: the FP8 recipe's gathers and permutes move <= 0.55x the bf16 recipe's bytes
+    (its weights travel as e4m3 codes, not bf16), and with optim.fp8_gather=step <= 0.5x the FP8 recipe's (one
+    gather per step, not one per microbatch and remat), whose resident codes the report gives as fp8_codes_bytes."""
+    small = {"model.d_model": "512", "model.n_heads": "4", "model.n_kv_heads": "4", "model.d_ff": "1024"}
+    small |= {"model.n_layers": "1", "model.max_seq_len": "128", "data.seq_len": "128", "train.global_batch": "8"}
+    small |= {"optim.microbatches": "2"}
+    bf16 = {f"precision.matmul.{k}": "bf16" for k in ("qkv", "out", "up", "down")}
+    moved, codes = {}, {}
+    for name, overrides in (("bf16", bf16), ("fp8", {}), ("step", {"optim.fp8_gather": "step"})):
+        cfg = config_lib.apply_overrides(config_lib.load_config_file("llama_1b"), {**small, **overrides})
+        report = compile_lib.compile_step(cfg, "v5e:2x2")
+        assert report["fits"], report
+        c = report["collectives"]
+        moved[name] = c["all-gather"]["bytes_per_step"] + c["collective-permute"]["bytes_per_step"]
+        codes[name] = report["fp8_codes_bytes"]
+    assert moved["fp8"] <= 0.55 * moved["bf16"], moved
+    assert moved["step"] <= 0.5 * moved["fp8"], moved
+    # qkv, out, gate, up, down of one layer: K x N e4m3 codes + one f32 scale per block, whole on every device
+    per_layer = 512 * (512 * 3) + 512 * 512 + 3 * 512 * 1024
+    assert codes == {"bf16": 0, "fp8": 0, "step": per_layer + 4 * per_layer // (128 * 128)}, codes
