@@ -27,6 +27,22 @@ OVERRIDES = {
     "optim.warmup_steps": "1",
 }
 
+# ``python -m lpt.train --config tiny_cpu`` flags of a one-layer d_model-32 model on 8 x 32 tokens, a checkpoint every
+# 2 steps: with --config.train.steps=6 the one program of test_train_faults, test_object_storage and test_console
+# (compiled once into the shared cache)
+TRAIN_FLAGS = [
+    "--config.model.d_model=32",
+    "--config.model.n_layers=1",
+    "--config.model.d_ff=64",
+    "--config.train.global_batch=8",
+    "--config.data.seq_len=32",
+    "--config.train.checkpoint_every=2",
+    "--config.train.keep_checkpoints=5",
+    "--config.train.eval_batches=1",
+    "--config.train.log_every=1",
+    "--config.train.diagnostics_every=0",
+]
+
 
 def tiny_config(overrides: dict[str, str] | None = None, config: str = "tiny_cpu"):
     """``configs/<config>.py`` with :data:`OVERRIDES`, then ``overrides``."""

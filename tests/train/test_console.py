@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny_run import TRAIN_FLAGS
 
 from lpt.train import console
 
@@ -103,8 +104,7 @@ def test_a_run_on_a_machine_without_accelerators_prints_only_lpts_lines(tmp_path
     progress bar). Without lpt.startup each process printed 8 lines from the CUDA stub ("Could not find cuda drivers"),
     without lpt.train.console ~30 (failed plugin start-ups), and the eval two orbax notes on reading read-only."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}
-    argv = ["--config", "tiny_cpu", "--workdir", str(tmp_path), "--config.train.steps=1", "--config.train.eval_every=1"]
-    argv += ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.train.global_batch=4"]
+    argv = ["--config", "tiny_cpu", "--workdir", str(tmp_path), *TRAIN_FLAGS, "--config.train.steps=6"]
     ours = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING) |train: |\{)")
     stderr = {}
     for command in (["lpt.train", *argv], ["lpt.eval", "--workdir", str(tmp_path), "--batches", "1"]):

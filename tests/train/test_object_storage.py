@@ -36,6 +36,7 @@ import pytest
 from cpu_devices import cpu_env
 from etils.epath import testing as epath_testing
 from run_records import flat, losses, trainer_log
+from tiny_run import TRAIN_FLAGS
 
 from lpt.train import checkpoint, paths
 from lpt.train import workdir as workdir_lib
@@ -43,22 +44,7 @@ from lpt.train.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
 URL = "gs://fake-bucket/runs/tiny"
-ARGS = [
-    "--config",
-    "tiny_cpu",
-    "--config.model.d_model=32",
-    "--config.model.n_layers=1",
-    "--config.model.d_ff=64",
-    "--config.train.global_batch=8",
-    "--config.data.seq_len=32",
-    "--config.train.steps=6",  # test_train_faults trains this program too (the schedule spans train.steps)
-    "--config.train.checkpoint_every=2",
-    "--config.train.keep_checkpoints=5",
-    "--config.train.eval_every=2",
-    "--config.train.eval_batches=1",
-    "--config.train.log_every=1",
-    "--config.train.diagnostics_every=0",
-]
+ARGS = ["--config", "tiny_cpu", *TRAIN_FLAGS, "--config.train.steps=6", "--config.train.eval_every=2"]
 
 
 @contextlib.contextmanager

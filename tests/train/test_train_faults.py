@@ -12,27 +12,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_run import TRAIN_FLAGS
 
 from lpt.train import config as config_lib
 from lpt.train import metrics
 from lpt.train import workdir as workdir_lib
 from lpt.train.__main__ import main
 
-ARGS = [
-    "--config",
-    "tiny_cpu",
-    "--config.model.d_model=32",
-    "--config.model.n_layers=1",
-    "--config.model.d_ff=64",
-    "--config.train.global_batch=8",
-    "--config.data.seq_len=32",
-    "--config.train.checkpoint_every=2",
-    "--config.train.keep_checkpoints=5",
-    "--config.train.eval_every=6",
-    "--config.train.eval_batches=1",
-    "--config.train.log_every=1",
-    "--config.train.diagnostics_every=0",
-]
+ARGS = ["--config", "tiny_cpu", *TRAIN_FLAGS, "--config.train.eval_every=6"]
 
 
 class Crash(Exception):
