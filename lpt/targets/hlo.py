@@ -12,6 +12,7 @@ An async pair counts once (the ``-start``; its result tuple holds the operands f
 is skipped). XLA:TPU splits one collective into several instructions that share a ``channel_id`` (start, continuation,
 done fusions); instructions of one kind with the same ``channel_id`` count once, unless XLA named them as different
 async collectives (``async_collective_name``): collectives of a ``shard_map`` body can share one ``channel_id``.
+A fusion that calls an ``all-reduce-scatter`` computation (XLA:TPU's fused reduce-scatter) counts as a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _ASYNC_NAME = re.compile(r'async_collective_name="([^"]+)"')
+_REDUCE_SCATTER_FUSION = re.compile(r"\bcalls=%all-reduce-scatter\b")
 
 
 def _bits(dtype: str) -> int:
@@ -167,6 +169,8 @@ def collectives(text: str) -> dict[str, dict[str, int]]:
                 continue
             result, op = m.groups()
             kind = op[: -len("-start")] if op.endswith("-start") else op
+            if op == "fusion" and _REDUCE_SCATTER_FUSION.search(line):
+                kind = "reduce-scatter"  # XLA:TPU's fused reduce-scatter (an all-reduce-scatter emitter)
             if kind not in out:
                 continue
             channel = _CHANNEL.search(line)

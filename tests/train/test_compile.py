@@ -188,6 +188,7 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
   %g1 = f8e4m3fn[8,4]{1,0} all-gather(%c), channel_id=7, frontend_attributes={async_collective_name="ag-start.1"}
   %g2 = f8e4m3fn[8,4]{1,0} all-gather(%d), channel_id=7, frontend_attributes={async_collective_name="ag-start.2"}
   %rs = f32[2,4]{1,0} reduce-scatter(%a), channel_id=2, dimensions={0}, to_apply=%add
+  %rsf = f32[2,4]{1,0} fusion(%a), kind=kCustom, calls=%all-reduce-scatter.2.clone.1
   ROOT %cc = f32[8,4]{1,0} custom-call(%a), custom_call_target="tpu_custom_call"
 }
 """
@@ -195,7 +196,7 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
     # %g1, %g2: two collectives of one shard_map body share a channel, XLA names them apart: both count
     assert c["all-gather"] == {"count": 4, "bytes": 192 + 64, "count_per_step": 34, "bytes_per_step": 16 * 192 + 64}
     assert c["all-reduce"] == {"count": 1, "bytes": 128, "count_per_step": 1, "bytes_per_step": 128}  # same channel
-    assert c["reduce-scatter"]["bytes"] == 32
+    assert c["reduce-scatter"]["bytes"] == 32 + 32  # XLA:TPU's fused reduce-scatter too
     assert hlo.kernels(text) == {"tpu_custom_call": 1}
     # XLA:TPU writes no known_trip_count: a scan's condition `i < constant(12)` gives the trip count
     scan = text.replace(', backend_config={"known_trip_count":{"n":"16"}}', "") + (
