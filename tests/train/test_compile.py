@@ -197,7 +197,7 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
     assert c["all-gather"] == {"count": 4, "bytes": 192 + 64, "count_per_step": 34, "bytes_per_step": 16 * 192 + 64}
     assert c["all-reduce"] == {"count": 1, "bytes": 128, "count_per_step": 1, "bytes_per_step": 128}  # same channel
     assert c["reduce-scatter"]["bytes"] == 32 + 32  # XLA:TPU's fused reduce-scatter too
-    assert hlo.kernels(text) == {"tpu_custom_call": 1}
+    assert hlo.kernels(text) == {"tpu_custom_call": 1, "kCustom fusion": 1}
     # XLA:TPU writes no known_trip_count: a scan's condition `i < constant(12)` gives the trip count
     scan = text.replace(', backend_config={"known_trip_count":{"n":"16"}}', "") + (
         "\n%cond (c: (s32[], f32[8,4])) -> pred[] {\n  %k = s32[]{:T(128)} constant(12)\n"
