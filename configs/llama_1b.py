@@ -9,13 +9,14 @@ Expected result: not measured here (developed on CPUs). 0.97B parameters with by
 parameter of param+optimizer state under bf16+Kahan (~7.8 GB) sharded over the fsdp axis, activations over data.
 FLOPs per token = 6N + attention = 6.6 GFLOP (lpt.models.flops_per_token). MFU is logged when the device peak is known.
 
-Compiled with `python -m lpt.train.compile --config llama_1b --topology TOPO` (2026-11-23; pallas flash attention,
+Compiled with `python -m lpt.train.compile --config llama_1b --topology TOPO` (2026-11-26; pallas flash attention,
 FP8 matmuls in qkv/out/up/down, the fused Kahan AdamW kernel, 4 microbatches of 8 sequences per v5e chip):
-- v5e:2x4 (v5e-8): 10.29 GiB per chip of 15.75 (state 0.91 GiB, temps 9.31 GiB); 3.485e15 model FLOPs per step;
-  16 Mosaic kernels; collectives per step: all-gather 1184 / 15.6 GB (the fsdp weight gathers, per layer and
-  microbatch), all-reduce 139 / 0.54 GB; 105 s to compile on 2 CPU cores.
-- v5p:2x2x1 (v5p-8): 20.80 GiB per chip of 95.74 (state 1.81 GiB, temps 18.90 GiB); 3.485e15 model FLOPs per step;
-  16 Mosaic kernels; collectives per step: all-gather 1164 / 15.6 GB, all-reduce 143 / 0.28 GB; 66 s to compile.
+- v5e:2x4 (v5e-8): 10.39 GiB per chip of 15.75 (state 0.91 GiB, temps 9.41 GiB); 3.485e15 model FLOPs per step;
+  16 Mosaic kernels; collectives per step: all-gather 2592 / 8.48 GB (the fsdp weights' e4m3 codes, per layer and
+  microbatch; 0.38x the bf16 recipe's gathers and permutes), reduce-scatter 64 / 0.54 GB; 280 s to compile on 2
+  CPU cores. With --config.optim.fp8_gather=step: all-gather 302 / 0.99 GB, 11.60 GiB per chip.
+- v5p:2x2x1 (v5p-8): 20.37 GiB per chip of 95.74 (state 1.81 GiB, temps 18.48 GiB); 3.485e15 model FLOPs per step;
+  16 Mosaic kernels; collectives per step: all-gather 2572 / 8.47 GB; 270 s to compile.
 Rerun all of these with `python benchmarks/configs_compile.py`; tests/train/test_config_fit.py holds the state bytes,
 FLOPs and HBM.
 """
