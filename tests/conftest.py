@@ -65,7 +65,7 @@ _MODULE_FIXTURE = re.compile(r"""scope=["']module["']""")
 
 @functools.cache
 def _has_module_fixture(path: Path) -> bool:
-    return path.suffix == ".py" and path.is_file() and bool(_MODULE_FIXTURE.search(path.read_text()))
+    return path.suffix == ".py" and path.is_file() and bool(_MODULE_FIXTURE.search(path.read_text("utf-8")))
 
 
 @pytest.hookimpl(optionalhook=True)
