@@ -5,9 +5,11 @@ Command:
 
     python -m lpt.train --config configs/tiny_cpu_mxfp8.py --workdir runs/tiny_cpu_mxfp8
 
-Expected result: see docs/results.md ("MXFP8 and NVFP4 matmuls on the tiny LM"). MXFP8 is emulated
-(lpt.fp8.block_scaled_dot: dequantized blocks, f32 accumulation), so this run is slower than tiny_cpu.py. The LM
-head stays bf16.
+Expected result (2 CPU cores, Intel Xeon with AVX-512, 2026-11-26, seed 0; the last digits depend on the CPU):
+validation loss 1.4011 after 600 steps, -0.65% vs the same model with bf16 matmuls (1.4103; seed 1: 1.3891 vs
+1.3832, +0.43%), inside the scatter of single runs. MXFP8 is emulated on the CPU (lpt.fp8.block_scaled_dot:
+dequantized blocks, f32 accumulation), so this run is slower than tiny_cpu.py. The LM head stays bf16. See
+docs/results.md ("MXFP8 and NVFP4 matmuls on the tiny LM").
 """
 
 from tiny_cpu import get_config as tiny_cpu_config
