@@ -113,8 +113,8 @@ def test_attention_switches_reach_lpt_attention(monkeypatch):
     monkeypatch.setattr(lpt.attention, "dot_product_attention", spy)
     prec = M.precision_spec({"attention": {"impl": "pallas", "stable": False, "beta": 2.0}})
     q = jnp.ones((1, 4, 2, 8), jnp.float32)
-    attend(q, q[:, :, :1], q[:, :, :1], prec)
-    assert seen == {"causal": True, "stable": False, "beta": 2.0, "impl": "pallas"}
+    attend(q, q[:, :, :1], q[:, :, :1], prec, sliding_window=3)
+    assert seen == {"causal": True, "stable": False, "beta": 2.0, "impl": "pallas", "sliding_window": 3}
 
 
 PQT = {"compute_dtype": "bfloat16", "pqt": {"method": "gaussws", "layers": ("out", "down"), "loss_weight": 0.1}}
