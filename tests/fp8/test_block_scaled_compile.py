@@ -1,10 +1,10 @@
 """block_scaled_dot compiles for a B200 without the hardware (lpt.targets, the CUDA plugin).
 
 With ``impl="auto"`` the CUDA branch hands each GEMM to ``jax.nn.scaled_matmul``. XLA turns it into cuDNN's
-block-scaled GEMM (custom call ``__cudnn$blockScaledDot``) when the target declares cuDNN 9.10 or newer: forward,
-dX and dW of a layer are three such calls for MXFP8 and for NVFP4. XLA's own sm_100 target config, shipped as
-lpt/targets/b200.txtpb, declares cuDNN 9.8; with it XLA lowers the same program to a dequantize-and-multiply in f32
-(cuBLAS on f32 operands, no block-scaled call), which the second case pins.
+block-scaled GEMM (custom call ``__cudnn$blockScaledDot``) when the target declares cuDNN 9.10 or newer, as
+lpt/targets/b200.txtpb does (XLA's sm_100 file with cuDNN 9.10 in place of its 9.8): forward, dX and dW of a layer
+are three such calls for MXFP8 and for NVFP4. With cuDNN 9.8 XLA lowers the same program to a dequantize-and-multiply
+in f32 (cuBLAS on f32 operands, no block-scaled call), which the second case pins.
 """
 
 import re
@@ -26,7 +26,7 @@ _CUDNN = re.compile(r"(dnn_version_info \{\s*major: 9\s*minor: )(\d+)")
 def _b200(cudnn_minor: int):
     """One compile-only B200 whose target config declares cuDNN 9.<cudnn_minor>."""
     text = targets.gpu_target_config("b200")
-    assert _CUDNN.search(text).group(2) == "8"  # the shipped config's cuDNN
+    assert _CUDNN.search(text).group(2) == "10"  # the shipped config's cuDNN
     text = _CUDNN.sub(rf"\g<1>{cudnn_minor}", text)
     return topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x1x1").devices
 
@@ -48,6 +48,6 @@ def test_b200_gemms_are_cudnn_block_scaled(recipe):
     assert _compiled_grad(_b200(10), recipe).count(BLOCK_SCALED) == 3
 
 
-def test_b200_with_the_shipped_cudnn_dequantizes():
+def test_b200_with_cudnn_9_8_dequantizes():
     hlo = _compiled_grad(_b200(8), "mxfp8")
     assert BLOCK_SCALED not in hlo and "__cublas$lt$matmul" in hlo
