@@ -66,6 +66,7 @@ from jax import lax
 
 from lpt.fp8.block_formats import mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
 from lpt.fp8.hadamard import HADAMARD_BLOCK, block_hadamard, random_hadamard
+from lpt.fp8.quantize import check_dense_operands
 
 __all__ = ["BLOCKS", "IMPLS", "RECIPES", "BlockScaledConfig", "block_scaled_config", "block_scaled_dot"]
 
@@ -260,15 +261,7 @@ def block_scaled_dot(
         mismatched K, or K or N not a multiple of the recipe's block.
     """
     cfg = block_scaled_config(recipe, hadamard, stochastic_grads, impl)
-    x = jnp.asarray(x)
-    w = jnp.asarray(w)
-    for name, a in (("x", x), ("w", w)):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating-point array, got dtype {a.dtype}")
-    if w.ndim != 2:
-        raise ValueError(f"w must be 2-D [K, N], got shape {w.shape}")
-    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"x[..., K] and w[K, N] disagree on K: x {x.shape}, w {w.shape}")
+    x, w = check_dense_operands(x, w)
     k, n = w.shape
     b = BLOCKS[recipe]
     if k % b or n % b:

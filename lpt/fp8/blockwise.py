@@ -46,7 +46,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lpt import sharding
-from lpt.fp8.quantize import check_fp8_dtype, check_scale_format, quantize_blocks, quantize_tiles
+from lpt.fp8.quantize import (
+    check_dense_operands,
+    check_fp8_dtype,
+    check_scale_format,
+    quantize_blocks,
+    quantize_tiles,
+)
 from lpt.kernels import dispatch
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
@@ -312,17 +318,9 @@ def blockwise_dot(
         under a mesh: rows not divisible by the batch axes, or a shard of K or N not a multiple of ``block``.
     """
     prepared = w if isinstance(w, GemmWeight) else None
-    x = jnp.asarray(x)
-    w = jnp.asarray(w if prepared is None else prepared.w)
     options = dict(impl=impl, block=block, fwd_dtype=fwd_dtype, grad_dtype=grad_dtype, scale_format=scale_format)
     cfg = blockwise_config(interpret=interpret, **options)
-    for name, a in (("x", x), ("w", w)):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating-point array, got dtype {a.dtype}")
-    if w.ndim != 2:
-        raise ValueError(f"w must be 2-D [K, N], got shape {w.shape}")
-    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"x[..., K] and w[K, N] disagree on K: x {x.shape}, w {w.shape}")
+    x, w = check_dense_operands(x, w if prepared is None else prepared.w)
     k, n = w.shape
     if cfg.block <= 0 or k % cfg.block or n % cfg.block:
         raise ValueError(

@@ -42,6 +42,7 @@ __all__ = [
     "FP8_DTYPES",
     "SCALE_FORMATS",
     "QuantStats",
+    "check_dense_operands",
     "check_dtype_in",
     "check_fp8_dtype",
     "check_scale_format",
@@ -67,6 +68,20 @@ def check_dtype_in(dtype, allowed, what: str = "dtype") -> jnp.dtype:
     if d not in allowed:
         raise ValueError(f"{what} must be {names}, got {d}")
     return d
+
+
+def check_dense_operands(x, w) -> tuple[jax.Array, jax.Array]:
+    """``(x, w)`` as arrays for a dense layer's ``x[..., K] @ w[K, N]``: a one-line ValueError for a non-float
+    operand, a ``w`` that is not 2-D, or mismatched K."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [K, N], got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"x[..., K] and w[K, N] disagree on K: x {x.shape}, w {w.shape}")
+    return x, w
 
 
 def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
