@@ -138,7 +138,7 @@ def _backward_shard(x2, qw, sw, g, cfg: BlockwiseConfig):
         dw = jax.lax.psum_scatter(dw, axes, scatter_dimension=dim, tiled=True)
     if cfg.dw_scatter:
         # XLA:TPU's while-loop all-reduce code motion fails a RET_CHECK on a reduce-scatter whose result is cast
-        # before it is accumulated (a microbatch loop summing bf16 dw in f32); the barrier keeps it in place
+        # and then accumulated (a microbatch loop summing bf16 dw in f32); the barrier keeps it in the loop body
         dw = jax.lax.optimization_barrier(dw)
     return _psum(dx, cfg.axes[2]), dw
 
