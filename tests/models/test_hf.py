@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_parity import greedy_both, lpt_logits, max_diff, padded_batch, torch_logits
 
 import lpt.models as M
 from lpt.models import hf
@@ -76,31 +77,6 @@ def _torch_model(kind, cfg, seed=0):
     return model
 
 
-def _batch(T, seed=0):
-    """tokens int32[3, T], right-padded (pad id 0) to lengths T, T - 5, T // 2, and the attention mask."""
-    rng = np.random.RandomState(seed)
-    tokens = rng.randint(1, V, (3, T)).astype(np.int32)
-    mask = np.zeros((3, T), np.int64)
-    for row, n in enumerate((T, T - 5, T // 2)):
-        mask[row, :n] = 1
-    return tokens * mask.astype(np.int32), mask
-
-
-def _torch_logits(model, tokens, mask):
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask))
-    return out.logits.float().numpy()
-
-
-def _lpt_logits(model, tokens):
-    graphdef, state = nnx.split(model)
-    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
-
-
-def _max_diff(a, b, mask):
-    return float(np.abs(a - b)[mask.astype(bool)].max())
-
-
 def _save_torch(model, path, **kw):
     model.save_pretrained(path, **kw)
     return path
@@ -120,10 +96,10 @@ def test_logits_match_transformers(case, tmp_path):
     assert model_cfg.kind == ("gpt2" if kind == "gpt2" else "llama") and model_cfg.n_layers == L
     assert not model_cfg.scan_layers
     assert jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype == np.float32
-    tokens, mask = _batch(T)
-    ref = _torch_logits(tm, tokens, mask)
-    got = _lpt_logits(model, tokens)
-    diff = _max_diff(got, ref, mask)
+    tokens, mask = padded_batch(T, V)
+    ref = torch_logits(tm, tokens, mask)
+    got = lpt_logits(model, tokens)
+    diff = max_diff(got, ref, mask)
     print(
         f"\n{case}: max |lpt - transformers| = {diff:.3g} over {int(mask.sum())} positions, max |logit| = "
         f"{np.abs(ref).max():.3g}"
@@ -134,7 +110,7 @@ def test_logits_match_transformers(case, tmp_path):
         M.save_pretrained(model, tmp_path / "out")
         llama = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
         assert type(llama).__name__ == "LlamaForCausalLM"
-        assert _max_diff(_torch_logits(llama.eval(), tokens, mask), ref, mask) <= TOL
+        assert max_diff(torch_logits(llama.eval(), tokens, mask), ref, mask) <= TOL
     if case.endswith("_tied"):
         assert model.lm_head is None and model_cfg.tie_embeddings
     if kind in ("qwen2", "qwen3", "mistral"):  # one Llama block with options: Qwen2 q, k, v biases, Qwen3 q / k norms
@@ -144,13 +120,13 @@ def test_logits_match_transformers(case, tmp_path):
         # rope_theta 1e6 changes the logits: without it lpt would fail above
         plain_cfg = {**model_cfg.to_dict(), "rope_theta": 10000.0}
         plain = hf.model_from_params(plain_cfg, {}, hf.load_params(tmp_path / "hf", plain_cfg))
-        effect = _max_diff(_lpt_logits(plain, tokens), ref, mask)
+        effect = max_diff(lpt_logits(plain, tokens), ref, mask)
         print(f"{case}: the same weights with rope_theta 1e4 differ by {effect:.3g}")
         assert effect > 100 * TOL
     if case in ("llama_linear", "llama3"):  # the scaling changes the logits: without it lpt would fail above
         unscaled = {**model_cfg.to_dict(), "rope_scaling": {"type": "none"}}
         plain = hf.model_from_params(unscaled, {}, hf.load_params(tmp_path / "hf", unscaled))
-        effect = _max_diff(_lpt_logits(plain, tokens), ref, mask)
+        effect = max_diff(lpt_logits(plain, tokens), ref, mask)
         print(f"{case}: the same weights without rope scaling differ by {effect:.3g}")
         assert effect > 100 * TOL
 
@@ -160,22 +136,11 @@ def test_greedy_decoding_matches_transformers(case, tmp_path):
     """lpt.generate's greedy tokens (the KV-cache path that ``--hf`` runs) equal transformers' ``generate``, for each
     prompt alone and for the three as one left-padded batch (rows of different lengths). Untied models: the tied
     ones, with their N(0, 1) embeddings, greedily repeat their last token."""
-    from lpt.generate import generate_tokens
-
     kind, cfg, _ = CASES[case]
     tm = _torch_model(kind, cfg)
     model, _ = M.from_pretrained(_save_torch(tm, tmp_path / "hf"))
     prompts, n = [[5, 9, 100, 17, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7]], 12
-    batched = generate_tokens(model, prompts, max_new_tokens=n, temperature=0.0)
-    P = max(map(len, prompts))
-    ids, attn = np.zeros((3, P), np.int64), np.zeros((3, P), np.int64)
-    for row, p in enumerate(prompts):
-        ids[row, P - len(p) :], attn[row, P - len(p) :] = p, 1
-    kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        ref_batched = tm.generate(torch.tensor(ids), attention_mask=torch.tensor(attn), **kw)[:, P:].tolist()
-        ref_single = [tm.generate(torch.tensor([p]), **kw)[0, len(p) :].tolist() for p in prompts]
-    single = [generate_tokens(model, [p], max_new_tokens=n, temperature=0.0)[0] for p in prompts]
+    batched, single, ref_batched, ref_single = greedy_both(tm, model, prompts, n)
     print(f"\n{case}: greedy tokens {batched}")
     assert batched == ref_batched and single == ref_single and batched == single
     assert all(len(row) == n for row in batched) and len({tuple(r) for r in batched}) == 3
@@ -264,9 +229,9 @@ def test_save_pretrained_round_trip(cfg, tmp_path, request):
     tm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     assert type(tm).__name__ == _architecture(cfg)
     assert tm.config.tie_word_embeddings == cfg.get("tie_embeddings", False)
-    tokens, mask = _batch(cfg["max_seq_len"], seed=1)
-    got, ref = _lpt_logits(model, tokens), _torch_logits(tm, tokens, mask)
-    diff = _max_diff(got, ref, mask)
+    tokens, mask = padded_batch(cfg["max_seq_len"], V, seed=1)
+    got, ref = lpt_logits(model, tokens), torch_logits(tm, tokens, mask)
+    diff = max_diff(got, ref, mask)
     print(
         f"\n{request.node.callspec.id}: lpt -> transformers max |diff| = {diff:.3g}, max |logit| = "
         f"{np.abs(ref).max():.3g}"
@@ -325,13 +290,13 @@ def test_bf16_files_load_and_save_as_bf16(tmp_path):
     kernel = model.blocks[1].attn.k.kernel[...]
     assert kernel.dtype == jax.numpy.bfloat16
     np.testing.assert_array_equal(np.asarray(kernel, np.float32), want)  # stored in bf16: no rounding
-    tokens, mask = _batch(32)
-    got, ref = _lpt_logits(model, tokens), _torch_logits(tm.float(), tokens, mask)
+    tokens, mask = padded_batch(32, V)
+    got, ref = lpt_logits(model, tokens), torch_logits(tm.float(), tokens, mask)
     print(
         f"\nbf16 params and compute vs transformers f32 on the same bf16 weights: max |diff| = "
-        f"{_max_diff(got, ref, mask):.3g}"
+        f"{max_diff(got, ref, mask):.3g}"
     )
-    assert np.isfinite(got).all() and _max_diff(got, ref, mask) < 0.1 * np.abs(ref).max()
+    assert np.isfinite(got).all() and max_diff(got, ref, mask) < 0.1 * np.abs(ref).max()
     M.save_pretrained(model, tmp_path / "out")
     from safetensors import safe_open
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_parity import greedy_both, lpt_logits, max_diff, padded_batch, torch_logits
 
 import lpt.models as M
 from lpt.models import hf
@@ -61,41 +62,20 @@ def _torch_model(case):
     return model
 
 
-def _batch():
-    """tokens int32[3, T] right-padded (pad id 0) to lengths T, T - 5, T // 2, and the attention mask."""
-    tokens = np.random.RandomState(0).randint(1, V, (3, T)).astype(np.int32)
-    mask = (np.arange(T)[None, :] < np.array([[T], [T - 5], [T // 2]])).astype(np.int64)
-    return tokens * mask.astype(np.int32), mask
-
-
-def _torch_logits(model, tokens, mask):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
-
-
-def _lpt_logits(model, tokens):
-    graphdef, state = nnx.split(model)
-    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
-
-
-def _max_diff(a, b, mask):
-    return float(np.abs(a - b)[mask.astype(bool)].max())
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_and_export_round_trip(case, tmp_path):
     tm = _torch_model(case)
     tm.save_pretrained(tmp_path / "hf")
     model, model_cfg = M.from_pretrained(tmp_path / "hf")
     assert model_cfg.sliding_window == WINDOW and model_cfg.qkv_bias == (case == "qwen2")
-    tokens, mask = _batch()
-    ref = _torch_logits(tm, tokens, mask)
-    diff = _max_diff(_lpt_logits(model, tokens), ref, mask)
+    tokens, mask = padded_batch(T, V)
+    ref = torch_logits(tm, tokens, mask)
+    diff = max_diff(lpt_logits(model, tokens), ref, mask)
     params = hf.load_params(tmp_path / "hf", model_cfg)
     pallas = hf.model_from_params(model_cfg, {"attention": {"impl": "pallas"}}, params)  # interpreted on CPU
-    diff_pallas = _max_diff(_lpt_logits(pallas, tokens), ref, mask)
+    diff_pallas = max_diff(lpt_logits(pallas, tokens), ref, mask)
     no_window = {**model_cfg.to_dict(), "sliding_window": 0}
-    effect = _max_diff(_lpt_logits(hf.model_from_params(no_window, {}, params), tokens), ref, mask)
+    effect = max_diff(lpt_logits(hf.model_from_params(no_window, {}, params), tokens), ref, mask)
     print(
         f"\n{case}: max |lpt - transformers| = {diff:.3g} (xla), {diff_pallas:.3g} (pallas) over {int(mask.sum())} "
         f"positions, max |logit| = {np.abs(ref).max():.3g}; without the window {effect:.3g}"
@@ -108,7 +88,7 @@ def test_logits_match_transformers_and_export_round_trip(case, tmp_path):
     assert written["architectures"] == [type(tm).__name__] and written["sliding_window"] == WINDOW
     back_tm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     assert type(back_tm).__name__ == type(tm).__name__
-    assert _max_diff(_torch_logits(back_tm.eval(), tokens, mask), ref, mask) <= TOL
+    assert max_diff(torch_logits(back_tm.eval(), tokens, mask), ref, mask) <= TOL
     back, back_cfg = M.from_pretrained(tmp_path / "out")
     assert back_cfg == model_cfg
     original = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -118,22 +98,11 @@ def test_logits_match_transformers_and_export_round_trip(case, tmp_path):
 def test_mistral_greedy_decoding_matches_transformers(tmp_path):
     """lpt.generate's greedy tokens (KV cache with the window mask) equal transformers' generate for prompts of 5, 2
     and 12 tokens and 20 new ones (sequences up to 32 = 4 windows), each alone and as one left-padded batch."""
-    from lpt.generate import generate_tokens
-
     tm = _torch_model("mistral")
     tm.save_pretrained(tmp_path / "hf")
     model, _ = M.from_pretrained(tmp_path / "hf")
     prompts, n = [[5, 9, 100, 17, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], 20
-    batched = generate_tokens(model, prompts, max_new_tokens=n, temperature=0.0)
-    P = max(map(len, prompts))
-    ids, attn = np.zeros((3, P), np.int64), np.zeros((3, P), np.int64)
-    for row, p in enumerate(prompts):
-        ids[row, P - len(p) :], attn[row, P - len(p) :] = p, 1
-    kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        ref_batched = tm.generate(torch.tensor(ids), attention_mask=torch.tensor(attn), **kw)[:, P:].tolist()
-        ref_single = [tm.generate(torch.tensor([p]), **kw)[0, len(p) :].tolist() for p in prompts]
-    single = [generate_tokens(model, [p], max_new_tokens=n, temperature=0.0)[0] for p in prompts]
+    batched, single, ref_batched, ref_single = greedy_both(tm, model, prompts, n)
     print(f"\nmistral window {WINDOW}: greedy tokens {batched}")
     assert batched == ref_batched and single == ref_single and batched == single
     assert all(len(row) == n for row in batched) and len(set(sum(batched, []))) > 8
