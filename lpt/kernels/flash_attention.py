@@ -53,7 +53,7 @@ def forward(
     o_dtype = q.dtype if policy.residual == "input" else jnp.float32  # bf16 O halves the write when it suffices
 
     def build(mode):
-        bq, bk = tiles(mode, tq, tk, d, block_q, block_k)
+        bq, bk = tiles(mode, tq, tk, d, block_q, block_k, q.dtype.itemsize)
         return _module(mode, structure).forward_call(
             mode,
             shape=q.shape,
@@ -102,11 +102,11 @@ def backward(
     kw = dict(g=g, tk=tk, causal=causal, window=window, scale=scale)
 
     def build_dq(mode):
-        bq, bk = tiles(mode, tq, tk, d, block_q, block_k)
+        bq, bk = tiles(mode, tq, tk, d, block_q, block_k, q.dtype.itemsize)
         return _module(mode, structure).dq_call(mode, shape=q.shape, bq=bq, bk=bk, **kw)
 
     def build_dkdv(mode):
-        bq, bk = tiles(mode, tq, tk, d, block_q, block_k)
+        bq, bk = tiles(mode, tq, tk, d, block_q, block_k, q.dtype.itemsize)
         return _module(mode, structure).dkdv_call(mode, shape=(b, hkv, g * tq, d), bq=bq, bk=bk, **kw)
 
     def grouped(x):  # [B, H, Tq, n] -> [B, Hkv, G·Tq, n] (free: query heads of one kv head are adjacent)

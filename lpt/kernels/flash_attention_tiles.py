@@ -163,15 +163,18 @@ def _triton_tile(block: int, cap: int) -> int:
     return tile if tile >= 16 else block  # < 16: the caller's block (Triton rejects it if it is illegal)
 
 
-def tiles(mode: str, tq: int, tk: int, d: int, block_q: int, block_k: int) -> tuple[int, int]:
-    """(bq, bk) the kernel uses in ``mode`` for sequence lengths tq, tk (multiples of the blocks), head dim d."""
+def tiles(mode: str, tq: int, tk: int, d: int, block_q: int, block_k: int, itemsize: int = 2) -> tuple[int, int]:
+    """(bq, bk) the kernel uses in ``mode`` for sequence lengths tq, tk (multiples of the blocks), head dim d, inputs
+    of ``itemsize`` bytes. Triton stages q, k, v tiles in shared memory (H100/H200: 227 KiB per block): rows of at
+    most 128 bytes take 128-row tiles, 256 bytes 64 (bf16 D=128, f32 D=64), longer rows 32."""
     if mode == "interpret":
         return block_q, block_k
     if mode == "mosaic":
         cap = 512 if d <= 128 else 256
         return _mosaic_tile(tq, block_q, cap), _mosaic_tile(tk, block_k, cap)
     if mode == "triton":
-        cap = 128 if d <= 64 else 64
+        row = d * itemsize
+        cap = 128 if row <= 128 else 64 if row <= 256 else 32
         return _triton_tile(block_q, cap), _triton_tile(block_k, cap)
     raise ValueError(f"mode={mode!r} is not one of ('interpret', 'triton', 'mosaic')")
 

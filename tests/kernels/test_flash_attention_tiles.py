@@ -1,5 +1,6 @@
 """Tiles per mode: the interpreter keeps the caller's blocks; Mosaic takes the largest multiple dividing T up to 512
-(256 for D > 128); Triton 128 for D <= 64, else 64. The compile tests prove them legal for v5e and H100."""
+(256 for D > 128); Triton goes by the bytes of a row of q: 128 up to 128 bytes, 64 up to 256, else 32. The compile
+tests prove them legal for v5e and H100."""
 
 import pytest
 from test_flash_attention_kernel import BK, BQ, HKV, B, D, H, T, _inputs  # noqa: F401
@@ -18,6 +19,8 @@ def test_tiles_per_mode():
     assert tiles("mosaic", 32, 32, 128, 8, 8) == (32, 32)  # T itself is always a legal TPU block
     assert tiles("triton", 32768, 32768, 128, 128, 128) == (64, 64)
     assert tiles("triton", 32768, 32768, 64, 128, 128) == (128, 128)
+    assert tiles("triton", 32768, 32768, 64, 128, 128, itemsize=4) == (64, 64)  # f32 rows are twice as long
+    assert tiles("triton", 32768, 32768, 128, 128, 128, itemsize=4) == (32, 32)
     with pytest.raises(ValueError, match="structure"):
         fk.forward(*_inputs()[:3], *_inputs()[4:], policy=fm.default_policy(), causal=True, scale=1.0, block_q=8,
                    block_k=8, interpret=True, structure="ring")  # fmt: skip
