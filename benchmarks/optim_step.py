@@ -11,6 +11,9 @@ Rows (all jitted with the params and optimizer state donated; without donation t
 * ``base_nocopy``: the same without producing the bf16 copy (what the update alone costs).
 * ``fused:nearest``, ``fused:stochastic``: ``lpt.optim.kahan_adamw`` (one fused transform, ``impl="xla"``) with that
   moment rounding (``fused_parallel:...``: the same with ``sequential_leaves=False``).
+* ``fused8:...``: the same with e4m3 moments and block scales (``moment_dtype="float8_e4m3fn"``).
+* ``pallas:...``, ``pallas8:...``: ``kahan_adamw(impl="pallas")``, the one-pass kernel, with 16-bit or 8-bit
+  moments (GPU or TPU: on a CPU the kernel is interpreted, and its time means nothing).
 * ``chain:nearest``, ``chain:stochastic``: ``lpt.optim.adamw(update="kahan")``, the composable chain with the same
   numbers.
 * ``optax_kahan``: ``optax.chain(optax.adamw(...), lpt.optim.kahan_summation())``, the chain a user would build from
@@ -90,6 +93,10 @@ def build(row: str, n_params: float):
         tx = optax.chain(optax.adamw(LR, weight_decay=WD), O.kahan_summation())
     elif kind in ("fused", "fused_parallel"):  # fused_parallel: leaves not sequenced (sequential_leaves=False)
         tx = O.kahan_adamw(LR, weight_decay=WD, moment_rounding=rounding, sequential_leaves=kind == "fused")
+    elif kind in ("fused8", "pallas", "pallas8"):  # 8: e4m3 moments with block scales; pallas: the kernel (GPU/TPU)
+        eight = {"moment_dtype": "float8_e4m3fn"} if kind.endswith("8") else {}
+        impl = "pallas" if kind.startswith("pallas") else "xla"
+        tx = O.kahan_adamw(LR, weight_decay=WD, moment_rounding=rounding, impl=impl, **eight)
     else:
         tx = O.adamw(LR, weight_decay=WD, update="kahan", moment_rounding=rounding)
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every GPU check of lpt in one go, on a machine with one CUDA GPU: the kernels compiled (Triton, Mosaic GPU) against
+# their XLA twins, then the GPU benchmarks. Each part has its own time limit, so one that hangs leaves the others'
+# numbers; the logs go to LOGDIR (default gpu_logs/), one file per part, and a summary prints last. About 12 minutes
+# on an H200, most of it compiling.
+#
+#     bash benchmarks/gpu_all.sh [LOGDIR]
+set -u
+LOGDIR=${1:-gpu_logs}
+mkdir -p "$LOGDIR"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+
+part() {  # part NAME SECONDS COMMAND...: run, log, and record its exit status
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$LOGDIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc, $((SECONDS - start)) s" | tee -a "$LOGDIR/summary.txt"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  $PY -c "import jax, flax, optax, orbax.checkpoint as o, ml_dtypes; print('jax', jax.__version__, 'flax', \
+flax.__version__, 'optax', optax.__version__, 'ml_dtypes', ml_dtypes.__version__); print(jax.devices())"
+} >"$LOGDIR/machine.log" 2>&1
+
+part kernels 240 $PY -m pytest -q -s -p no:cacheprovider tests/kernels/test_kernels_on_gpu.py
+part attention 120 $PY benchmarks/attention_gpu.py --batch 2 --seq 2048 8192 --heads 16 --kv-heads 4 --head-dim 128
+part fp8 150 $PY benchmarks/fp8_gpu.py --sizes 4096 8192
+part optim 180 $PY benchmarks/optim_step.py --params 200e6 --rounds 5 \
+  --rows base,fused:stochastic,fused8:stochastic,pallas:stochastic,pallas8:stochastic
+part train_step 150 $PY benchmarks/train_step.py --config configs/gpt2_124m.py --steps 8 \
+  --config.data.source=embedded --config.train.global_batch=16
+
+cat "$LOGDIR/machine.log"
+for f in kernels attention fp8 optim train_step; do
+  echo "===== $f"
+  grep -vE "^\s*$" "$LOGDIR/$f.log" | tail -n 40
+done
+cat "$LOGDIR/summary.txt"

@@ -1,0 +1,279 @@
+"""Every Pallas kernel compiled for a real GPU (Triton; Mosaic GPU for the Hopper FP8 variant) against its XLA twin
+on the same GPU, at sizes where each kernel runs many programs. Skipped on a machine without a CUDA device: the
+interpreted tests beside this file prove the numbers on any CPU; these prove that the compiled kernel computes the
+same function.
+
+Tolerances. The two programs multiply the same rounded operands and add the products in another order, on other
+units: the kernels' dots run on tensor cores, XLA:GPU's through cuBLAS or its own emitters. Each comparison says
+which error it allows:
+
+* flash attention: O, dQ, dK, dV within 2^-10 of the largest |reference| and a relative Frobenius error under 1e-4
+  (the f32 sums differ in order; P̃ is rounded to bf16 in both, and an f32 difference of one ulp in a logit flips
+  about one in 2^15 of those roundings, each moving O by at most 2^-8·P·|v|). A wrong mask, block index or
+  rescaling is O(1).
+* FP8 GEMM: within 2·γ_n(u)·Σ|terms| with n = 128 + K/128 + 2 and u = 2^-13, not f32's 2^-24: Hopper's FP8
+  tensor cores keep about 14 bits while they accumulate inside one K-chunk (DeepSeek-AI, "DeepSeek-V3 Technical
+  Report", §3.3.2), which is why the kernel promotes every 128 terms. The measured error is printed.
+* adamw_kahan: bit for bit against the XLA twin, as on CPU (the kernel's elementwise math is written so that no
+  compiler may contract or reassociate it); a failure prints how many elements differ and by how many ulps.
+
+Run with ``-s`` to see the measured errors.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from float_bounds import assert_within, gamma
+
+import lpt.optim as O
+from lpt.attention import dot_product_attention
+from lpt.fp8 import blockwise_dot
+from lpt.kernels import adamw_kahan_math as K
+from lpt.kernels import flash_attention as fk
+from lpt.kernels import flash_attention_math as fm
+from lpt.kernels import flash_attention_reference as fr
+from lpt.kernels.adamw_kahan import adamw_kahan
+from lpt.kernels.flash_attention_tiles import tiles
+from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
+from lpt.optim import moments8 as M8
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (compiled kernels)")
+
+HP = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def _hopper() -> bool:
+    return jax.default_backend() == "gpu" and float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
+
+
+def _close(x, ref, what):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    scale = np.max(np.abs(ref))
+    err = np.abs(x - ref)
+    rel = np.linalg.norm(x - ref) / np.linalg.norm(ref)
+    print(
+        f"{what}: max|x-ref|/max|ref| = {err.max() / scale:.2e} ({err.max() / scale / 2**-24:.0f} f32 ulps), "
+        f"relative Frobenius {rel:.2e}"
+    )
+    assert scale > 0 and np.all(np.isfinite(x))
+    assert err.max() <= 2.0**-10 * scale, what
+    assert rel < 1e-4, what
+
+
+def _attention_inputs(b, h, hkv, t, d, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (b, h, t, d)).astype(jnp.bfloat16)  # f32 -> bf16
+    k = jax.random.normal(ks[1], (b, hkv, t, d)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, hkv, t, d)).astype(jnp.bfloat16)
+    do = jax.random.normal(ks[3], (b, h, t, d)).astype(jnp.bfloat16)
+    q_seg = jnp.zeros((b, t), jnp.int32).at[-1, t // 3 :].set(1)  # the last row: two packed sequences
+    kv_seg = q_seg.at[0, 7].set(-1)  # row 0: key 7 is padding
+    return q, k, v, do, q_seg, kv_seg
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(True, 0), (False, 0), (True, 256)], ids=["causal", "full", "window"])
+@pytest.mark.parametrize("name", ["default", "standard"])
+def test_flash_attention_triton_equals_twin(d, causal, window, name):
+    """The Triton forward, dQ and dK/dV kernels vs the blockwise XLA twin with the kernel's key-block size, GQA 4:1,
+    T = 1024, with packed sequences and a padded key."""
+    policy = fm.default_policy() if name == "default" else fm.standard_policy()
+    q, k, v, do, q_seg, kv_seg = _attention_inputs(2, 8, 2, 1024, d)
+    kw = dict(causal=causal, scale=d**-0.5, window=window)
+    blocks = dict(block_q=128, block_k=128)
+    o, lse = jax.jit(lambda: fk.forward(q, k, v, q_seg, kv_seg, policy=policy, **blocks, **kw))()
+    _, bk = tiles("triton", 1024, 1024, d, 128, 128)
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
+    if o.dtype == jnp.float32:
+        _close(o, o_r, f"o d={d} {name} causal={causal} window={window}")
+    else:  # the standard policy rounds O to bf16 in the kernel: the f32 differences plus one bf16 rounding
+        err = np.abs(np.asarray(o, np.float64) - np.asarray(o_r, np.float64))
+        bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
+        print(f"o d={d} {name}: max |o - twin| / bound = {np.max(err / bound):.2f}")
+        assert np.all(err <= bound)
+    np.testing.assert_allclose(lse, lse_r, rtol=2.0**-16, atol=0)
+    delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
+    grads = jax.jit(lambda: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **blocks, **kw))()
+    refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
+    for what, g, g_r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
+        _close(g, g_r, f"{what} d={d} {name} causal={causal} window={window}")
+
+
+def test_attention_api_pallas_equals_xla_with_grads():
+    """The user-facing ``dot_product_attention(impl="pallas")`` vs ``impl="xla"`` on the GPU, forward and the
+    three gradients through ``jax.vjp``, [B, T, H, D] layout, T = 2048."""
+    ks = jax.random.split(jax.random.PRNGKey(1), 4)
+    q = jax.random.normal(ks[0], (2, 2048, 8, 64), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (2, 2048, 2, 64), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (2, 2048, 2, 64), jnp.bfloat16)
+    do = jax.random.normal(ks[3], (2, 2048, 8, 64), jnp.bfloat16)
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def run(q, k, v, impl):
+        o, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, impl=impl, causal=True), q, k, v)
+        return (o, *vjp(do))
+
+    for what, a, b in zip(("o", "dq", "dk", "dv"), run(q, k, v, "pallas"), run(q, k, v, "xla"), strict=True):
+        # bf16 outputs: each within a bf16 rounding of the other on top of the f32 differences
+        x, r = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = np.max(np.abs(x - r)) / np.max(np.abs(r))
+        print(f"api {what}: max|pallas-xla|/max|xla| = {err:.2e}")
+        assert err <= 2.0**-7, what
+        assert np.linalg.norm(x - r) / np.linalg.norm(r) < 4e-3, what
+
+
+def _fp8_operands(m, k, n, da, db, seed=0):
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray((rng.standard_normal((m, k)) * 8).astype(np.float32)).astype(da)  # f32 -> fp8
+    b = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)).astype(db)  # f32 -> fp8
+    sa = jnp.asarray(rng.uniform(0.5, 2.0, (m, k // 128)).astype(np.float32))
+    sb = jnp.asarray(rng.uniform(0.5, 2.0, (k // 128, n)).astype(np.float32))
+    return a, sa, b, sb
+
+
+def _fp8_magnitude(args):
+    a, sa, b, sb = (np.asarray(x, np.float64) for x in args)  # fp8 / f32 -> f64, exact
+    k = a.shape[1]
+    return sum(
+        np.abs(a[:, c : c + 128]) @ np.abs(b[c : c + 128]) * sa[:, i, None] * sb[i]
+        for i, c in enumerate(range(0, k, 128))
+    )
+
+
+def _fp8_check(out, args, what):
+    ref = jax.jit(fp8_blockwise_matmul_reference)(*args)
+    mag = _fp8_magnitude(args)
+    k = args[0].shape[1]
+    err = np.abs(np.asarray(out, np.float64) - np.asarray(ref, np.float64))
+    print(f"{what}: max |kernel - twin| / Σ|terms| = {np.max(err / mag):.2e} (2^-24 = {2.0**-24:.1e})")
+    assert_within(out, ref, 2 * gamma(128 + k // 128 + 2, u=2.0**-13) * mag, what)
+
+
+@pytest.mark.parametrize(
+    "m,k,n,da,db",
+    [
+        (1000, 2048, 1024, jnp.float8_e4m3fn, jnp.float8_e4m3fn),  # M not a multiple of the tile
+        (512, 1024, 768, jnp.float8_e5m2, jnp.float8_e4m3fn),  # mixed formats (the backward GEMMs)
+    ],
+)
+def test_fp8_blockwise_triton_equals_twin(m, k, n, da, db):
+    args = _fp8_operands(m, k, n, da, db)
+    _fp8_check(jax.jit(fp8_blockwise_matmul)(*args), args, f"triton {m}x{k}x{n} {jnp.dtype(da).name}")
+
+
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs compute capability 9.0")
+def test_fp8_blockwise_mosaic_gpu_equals_twin():
+    args = _fp8_operands(1000, 2048, 1024, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+    _fp8_check(jax.jit(fp8_blockwise_matmul_mgpu)(*args), args, "mosaic_gpu 1000x2048x1024")
+
+
+@pytest.mark.parametrize("impl", ["pallas", "mosaic_gpu"])
+def test_blockwise_dot_kernels_equal_xla_with_grads(impl):
+    """``blockwise_dot(impl=...)`` vs ``impl="xla"``: forward, dX and dW (the mosaic_gpu path takes e4m3
+    gradients: wgmma cannot mix formats)."""
+    if impl == "mosaic_gpu" and not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((1024, 2048)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2048, 1024)) / 32, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((1024, 1024)), jnp.float32)
+    grad_dtype = jnp.float8_e4m3fn if impl == "mosaic_gpu" else jnp.float8_e5m2
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def run(x, w, impl):
+        y, vjp = jax.vjp(lambda x, w: blockwise_dot(x, w, impl=impl, grad_dtype=grad_dtype), x, w)
+        return (y, *vjp(g))
+
+    for what, a, b in zip(("y", "dx", "dw"), run(x, w, impl), run(x, w, "xla"), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        print(f"blockwise_dot {impl} {what}: relative Frobenius vs xla {rel:.2e}")
+        # about 14 accumulation bits inside each 128-term chunk: a few 2^-14 relative, far from a wrong block (~1)
+        assert rel < 2.0**-10, what
+
+
+def _leaf(shape, seed):
+    rng = np.random.default_rng(seed)
+    g = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    p = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal(shape) * 1e-3, jnp.bfloat16)
+    mv = jnp.asarray(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32) & 0x3FFF3FFF)  # moments >= 0
+    return g, p, c, mv
+
+
+def _bits_equal(a, b, what):
+    a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    ia, ib = a.view(bits).astype(np.int64), b.view(bits).astype(np.int64)
+    bad = int(np.sum(ia != ib))
+    print(
+        f"{what}: {bad} of {a.size} differ" + (f", at most {np.max(np.abs(ia - ib))} in the last bits" if bad else "")
+    )
+    assert bad == 0, what
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_adamw_kahan_triton_equals_twin(stochastic):
+    g, p, c, mv = _leaf((1000, 4099), seed=0)  # 4.1M elements, the last block padded
+    scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
+    words = jnp.asarray([1, 2], jnp.uint32)
+    kernel = jax.jit(functools.partial(adamw_kahan, **HP, stochastic=stochastic))(g, p, c, mv, scalars, words)
+    twin = jax.jit(functools.partial(K.adamw_kahan_reference, **HP, stochastic=stochastic))(g, p, c, mv, scalars, words)
+    for what, a, b in zip(("p", "c", "mv"), kernel, twin, strict=True):
+        _bits_equal(a, b, f"adamw_kahan stochastic={stochastic} {what}")
+    assert np.mean(np.asarray(kernel[0]) != np.asarray(p)) > 0.5
+
+
+@pytest.mark.parametrize("spec", sorted(M8.MOMENT8))
+def test_adamw_kahan_8bit_triton_equals_twin(spec):
+    m8 = M8.MOMENT8[spec]
+    moments8 = (m8.m_format, m8.v_format, m8.v_sqrt)
+    rng = np.random.default_rng(2)
+    shape = (512, 2048)
+    g = jnp.asarray(rng.standard_normal(shape) * 10.0 ** rng.uniform(-5, 0, shape), jnp.bfloat16)
+    p = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal(shape) * 1e-3, jnp.bfloat16)
+    m_codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    v_codes = rng.integers(0, 0x7F, shape, dtype=np.uint8)
+    codes = M8.pack_codes(jnp.asarray(m_codes & 0xF7), jnp.asarray(v_codes & 0x77))  # finite in both formats
+    mag = lambda: 10.0 ** rng.uniform(-8, 0, (512, 16))
+    scales = jax.lax.complex(jnp.asarray(mag(), jnp.float32), jnp.asarray(mag(), jnp.float32))  # f32 -> complex64
+    scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
+    words = jnp.asarray([1, 2, 3, 4], jnp.uint32)
+    kw = dict(HP, stochastic=True, scales=scales, moments8=moments8)
+    kernel = jax.jit(lambda *a: adamw_kahan(*a, **kw))(g, p, c, codes, scalars, words)
+    twin = jax.jit(lambda *a: K.adamw_kahan_reference(*a, **kw))(g, p, c, codes, scalars, words)
+    for what, a, b in zip(("p", "c", "codes", "scales"), kernel, twin, strict=True):
+        _bits_equal(a, b, f"adamw_kahan 8-bit {spec} {what}")
+
+
+def test_kahan_adamw_pallas_equals_xla_over_steps():
+    """Five steps of ``kahan_adamw(impl="pallas")`` and ``impl="xla"`` on one GPU: the same params and state."""
+    rng = np.random.default_rng(1)
+    p = {"w": jnp.asarray(rng.standard_normal((1024, 1536)), jnp.bfloat16), "b": jnp.zeros(1536, jnp.float32)}
+    out = {}
+    for impl in ("xla", "pallas"):
+        tx = O.kahan_adamw(optax.linear_schedule(1e-2, 1e-3, 4), impl=impl, weight_decay=0.1, seed=3)
+
+        @jax.jit
+        def step(g, st, q, tx=tx):
+            d, st = tx.update(g, st, q)
+            return optax.apply_updates(q, d), st
+
+        q, st = p, tx.init(p)
+        for i in range(5):
+            g = jax.tree.map(
+                lambda x, i=i: jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * (i + 1)).reshape(x.shape), p
+            )
+            q, st = step(jax.tree.map(lambda x, y: x.astype(y.dtype), g, p), st, q)
+        out[impl] = (q, st)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(out["xla"]), jax.tree.leaves(out["pallas"]), strict=True
+    ):
+        _bits_equal(a, b, f"kahan_adamw 5 steps {jax.tree_util.keystr(path)}")
