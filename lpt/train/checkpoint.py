@@ -162,8 +162,12 @@ class Checkpointer:
                 f"before it are complete: free space or fix the file system, then run again to resume"
             ) from None
 
-    def restore_latest(self, abstract: TrainState, config=None) -> tuple[TrainState, dict] | None:
+    def restore_latest(self, abstract: TrainState, config=None, layout_of=None) -> tuple[TrainState, dict] | None:
         """Restore the newest readable checkpoint onto ``abstract``'s shardings (None if there is none).
+
+        ``layout_of`` (saved config dict or None -> abstract TrainState with shardings), when given, names the layout
+        a step was written with where it differs from ``abstract`` (:func:`lpt.train.resume.layout_of`: other moment
+        storage); the step is restored onto that layout and the caller converts it.
 
         With ``config`` (the run's), a step saved with another model, precision recipe or data position
         (:func:`lpt.train.config.resume_conflicts`) raises ValueError naming every differing key; nothing is moved.
@@ -172,7 +176,6 @@ class Checkpointer:
         dtypes raises ValueError (a changed model, precision or optimizer: use a new workdir); nothing is moved then.
         If every step was damaged (all moved aside), ValueError says so: the next run starts from step 0.
         """
-        wanted = _layout(abstract.to_dict())
         moved = []
         for step in reversed(self.steps()):
             metadata = self._saved_metadata(step)
@@ -190,6 +193,8 @@ class Checkpointer:
                     f"data position ({'; '.join(conflicts)}); a run resumes only with the same ones: use a new "
                     f"--workdir (with --config.init_from.workdir={self.directory.parent} to start from its weights)"
                 )
+            target = layout_of(saved if isinstance(saved, dict) else None) if layout_of is not None else abstract
+            wanted = _layout(target.to_dict())
             try:
                 stored = _layout(ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state"))
                 if not stored:
@@ -204,7 +209,7 @@ class Checkpointer:
                     f"use a new --workdir"
                 )
             try:
-                return self.restore(step, abstract)
+                return self.restore(step, target)
             except Exception as e:  # noqa: BLE001 -- the layout matches, so a read failure is damage
                 moved.append(self.move_aside(step, e))
         if moved:

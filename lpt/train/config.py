@@ -142,6 +142,7 @@ POSITIVE = (
 RESUME_FIXED = ("model.", "precision.", "data.source", "data.paths", "data.tokenizer", "data.seq_len")
 RESUME_FIXED += ("data.validation_fraction", "data.shuffle_seed", "train.global_batch")
 RESUME_FREE = ("model.remat", "precision.update_impl")  # the same math, another memory or kernel
+RESUME_CONVERTED = ("precision.moment_dtype",)  # the trainer re-stores the checkpoint's moments (lpt.train.resume)
 
 
 def resume_conflicts(saved: ml_collections.ConfigDict | dict, current: ml_collections.ConfigDict) -> list[str]:
@@ -151,7 +152,7 @@ def resume_conflicts(saved: ml_collections.ConfigDict | dict, current: ml_collec
     return [
         f"{key}={old[key]!r} -> {new[key]!r}"
         for key in LEAVES
-        if key.startswith(RESUME_FIXED) and key not in RESUME_FREE and old[key] != new[key]
+        if key.startswith(RESUME_FIXED) and key not in RESUME_FREE + RESUME_CONVERTED and old[key] != new[key]
     ]
 
 

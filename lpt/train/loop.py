@@ -31,7 +31,7 @@ from lpt import data as data_lib
 from lpt import models
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import config as config_lib
-from lpt.train import distributed, init_from, machine, metrics, optimizer, paths
+from lpt.train import distributed, init_from, machine, metrics, optimizer, paths, resume
 from lpt.train import mesh as mesh_lib
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
@@ -133,11 +133,15 @@ def _train(
 
     # 4. Resume from the newest readable checkpoint in workdir, else initialise (from config.init_from if set).
     ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.train.keep_checkpoints)
-    restored = ckpt.restore_latest(state_lib.with_shardings(prog.abstract, prog.shardings), cfg)
+    #    A checkpoint whose Adam moments are stored otherwise (precision.moment_dtype) is read in its own layout and
+    #    its moments re-stored into this run's (lpt.train.resume).
+    layout = state_lib.with_shardings(prog.abstract, prog.shardings)
+    restored = ckpt.restore_latest(layout, cfg, resume.layout_of(cfg, mesh, layout, prog.model_def))
     if restored is None:  # a fresh init, or config.init_from's params (a fine-tune) with a fresh optimizer
         state, origin = init_from.initial_state(cfg, prog)
     else:
         state, meta = restored
+        state = resume.convert(state, meta.get("config"), cfg, prog.shardings)
         origin = meta.get("init_from")
         log.info("resumed from step %d (saved on mesh %s, now %s)", int(state.step), meta.get("mesh"), dict(mesh.shape))
     start = int(state.step)
