@@ -31,7 +31,9 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 STORAGES = ("float32", "param_dtype")  # float32 masters viewed through param_dtype, or param_dtype itself
 KINDS = ("llama", "gpt2")
 LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
+BLOCK_KINDS = LAYER_KINDS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
 MATMULS = ("bf16", "fp8", "mxfp8", "nvfp4")
+LOW_PRECISION = MATMULS[1:]
 ATTENTION_IMPLS = ("xla", "pallas", "softmax")
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
@@ -185,6 +187,9 @@ class Numerics:
     matmul: Matmul = option(Matmul(), "per-layer matmuls")
     nvfp4_hadamard: bool = option(True, '"nvfp4" matmuls: random Hadamard transform of the dW GEMM\'s inputs')
     nvfp4_stochastic_grads: bool = option(True, '"nvfp4" matmuls: stochastic rounding of the output gradient')
+    bf16_layers: tuple[str, ...] = option(
+        (), 'blocks whose "fp8"/"mxfp8"/"nvfp4" matmuls run as "bf16": indices, negative from the end ("-2,-1")'
+    )
     attention: Attention = option(Attention(), "attention")
     pqt: Pqt = option(Pqt(), "pseudo-quantization training")
 
@@ -202,6 +207,23 @@ class Numerics:
 
     def pqt_for(self, layer_kind: str) -> str:
         return self.pqt.method if layer_kind in self.pqt.layers else "none"
+
+    def bf16_blocks(self, n_layers: int) -> tuple[int, ...]:
+        """The sorted block indices in ``[0, n_layers)`` of :attr:`bf16_layers` (negative ones counted from the end);
+        ValueError for an entry that is not an integer in ``[-n_layers, n_layers)``."""
+        out = set()
+        for entry in self.bf16_layers:
+            try:
+                i = int(entry)
+            except ValueError:
+                i = None
+            if i is None or not -n_layers <= i < n_layers:
+                raise ValueError(
+                    f"precision.bf16_layers entry {entry!r} is not a block index of a {n_layers}-block model; allowed: "
+                    f"integers in [{-n_layers}, {n_layers - 1}] (negative from the end)"
+                )
+            out.add(i % n_layers)
+        return tuple(sorted(out))
 
 
 @section("precision")
@@ -232,8 +254,16 @@ def matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
 
 def check_matmul_blocks(spec: ModelSpec, numerics: Numerics) -> None:
     """Raise ValueError for a layer kind whose block-scaled matmul ("mxfp8", "nvfp4") has a K or N that is not a
-    multiple of the recipe's block (:data:`lpt.fp8.block_scaled.BLOCKS`)."""
+    multiple of the recipe's block (:data:`lpt.fp8.block_scaled.BLOCKS`), and for ``bf16_layers`` that are not
+    block indices or that name blocks without a low-precision matmul."""
     kinds = {k: numerics.matmul_for(k) for k in LAYER_KINDS}
+    numerics.bf16_blocks(spec.n_layers)
+    if numerics.bf16_layers and not any(kinds[k] in LOW_PRECISION for k in BLOCK_KINDS):
+        raise ValueError(
+            f"precision.bf16_layers={','.join(numerics.bf16_layers)} keeps blocks in bf16, but no block matmul is "
+            f"low-precision (precision.matmul.{{{','.join(BLOCK_KINDS)}}} are all bf16); set one to one of "
+            f"{LOW_PRECISION} or leave bf16_layers empty"
+        )
     if not any(m in ("mxfp8", "nvfp4") for m in kinds.values()):
         return
     from lpt.fp8.block_scaled import BLOCKS  # in-function: lpt.fp8 loads the Pallas kernels

@@ -12,8 +12,10 @@ Precision in every layer (see :mod:`lpt.models.config`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +116,22 @@ def view_weight(w: jax.Array, prec: PrecisionSpec, dtype=None) -> jax.Array:
     return round_ste(w, dtype)  # f32/f16 -> bf16 by RNE
 
 
+_BLOCK = threading.local()  # (index, n_layers) of the transformer block being traced, or None
+
+
+@contextlib.contextmanager
+def in_block(index, n_layers: int):
+    """Within it, :func:`matmul` traces for block ``index`` (a Python int, or a traced int32 inside a scan over the
+    blocks) of an ``n_layers``-block model: the blocks of ``precision.bf16_layers`` run their low-precision matmuls
+    as "bf16"."""
+    outer = getattr(_BLOCK, "value", None)
+    _BLOCK.value = (index, n_layers)
+    try:
+        yield
+    finally:
+        _BLOCK.value = outer
+
+
 def matmul(
     x: jax.Array,
     w: jax.Array,
@@ -128,6 +146,10 @@ def matmul(
 ) -> jax.Array:
     """``x[..., K] @ w[K, N]`` with the layer kind's matmul, accumulated in float32, returned in ``out_dtype``.
 
+    In a block of ``prec.bf16_layers`` (:func:`in_block`) a low-precision ``kind`` runs as "bf16": decided at trace
+    time for a Python index, by ``lax.cond`` on a scanned one (only the chosen branch runs); a diagnostics pass
+    computes both and selects, so that the low-precision statistics are recorded outside the cond.
+
     "bf16": compute-dtype operands (bf16, or f32 when compute_dtype is float32), ``preferred_element_type=f32``.
     "fp8": :func:`lpt.fp8.blockwise_dot` (e4m3 operands with 1×128 / 128×128 scales, f32 promotion every 128 of K,
     e5m2 output gradients); K and N must be multiples of 128.
@@ -141,6 +163,23 @@ def matmul(
     ``name`` (the layer kind, e.g. "qkv") labels the FP8 statistics recorded in a diagnostics pass
     (:mod:`lpt.models.probes`); outside one nothing is recorded and no operation is added.
     """
+    kw = dict(name=name, w_axes=w_axes, key=key, path=path, prec=prec)
+    block = getattr(_BLOCK, "value", None)
+    if kind == "bf16" or prec is None or not prec.bf16_layers or block is None:
+        return _matmul(x, w, kind, out_dtype, **kw)
+    index, n_layers = block
+    chosen = prec.bf16_blocks(n_layers)
+    plain = lambda x, w: _matmul(x, getattr(w, "w", w), "bf16", out_dtype, **kw)  # a GemmWeight's weight, or w
+    low = lambda x, w: _matmul(x, w, kind, out_dtype, **kw)
+    if isinstance(index, int):
+        return plain(x, w) if index in chosen else low(x, w)
+    keep = jnp.isin(index, jnp.asarray(chosen, jnp.int32))
+    if probes.active():
+        return jnp.where(keep, plain(x, w), low(x, w))
+    return jax.lax.cond(keep, plain, low, x, w)
+
+
+def _matmul(x, w, kind: str, out_dtype, *, name, w_axes, key, path, prec) -> jax.Array:
     if kind == "bf16":
         y_f32 = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
         return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype (RNE)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lpt.models import pqt_wiring, probes
+from lpt.models import layers, pqt_wiring, probes
 from lpt.models.attention_block import Attention
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
 from lpt.models.decode import KVCache
@@ -102,7 +102,8 @@ def run_blocks(blocks, x, layer, xs=(), *, key: jax.Array | None, spec: ModelSpe
         step = nnx.remat(layer) if remat else layer
         ys = []
         for i, block in enumerate(blocks):
-            x, y = step(block, x, key, jax.tree.map(lambda a, i=i: a[i], xs))
+            with layers.in_block(i, spec.n_layers):
+                x, y = step(block, x, key, jax.tree.map(lambda a, i=i: a[i], xs))
             ys.append(y)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
@@ -110,10 +111,11 @@ def run_blocks(blocks, x, layer, xs=(), *, key: jax.Array | None, spec: ModelSpe
 
     def body(x, block, i, xs_i):
         k = None if key is None else jax.random.fold_in(key, i)
-        if not probed:
-            return layer(block, x, k, xs_i)
-        with probes.collecting() as c:
-            x, y = layer(block, x, k, xs_i)
+        with layers.in_block(i, spec.n_layers):
+            if not probed:
+                return layer(block, x, k, xs_i)
+            with probes.collecting() as c:
+                x, y = layer(block, x, k, xs_i)
         layer_hows, raw = c.raw()
         hows.update(layer_hows)  # static: the same names and rules for every layer
         return x, (y, raw)
@@ -124,7 +126,7 @@ def run_blocks(blocks, x, layer, xs=(), *, key: jax.Array | None, spec: ModelSpe
         out_axes=(nnx.Carry, 0),
         transform_metadata=_layers_metadata(spec),
     )
-    layer_ids = None if key is None else jnp.arange(spec.n_layers, dtype=jnp.int32)
+    layer_ids = jnp.arange(spec.n_layers, dtype=jnp.int32)  # each block's index: its key, its bf16_layers choice
     x, ys = scan(x, blocks, layer_ids, xs)
     if probed:
         ys, stacked = ys
