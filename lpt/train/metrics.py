@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,21 @@ SYNC_SECONDS = 60.0  # on object storage, :meth:`MetricsWriter.write` uploads th
 def device_peak_flops(device: jax.Device | None = None) -> float | None:
     """Peak bf16 FLOP/s of one device, or None if unknown (e.g. CPU): :func:`lpt.targets.peak_flops`."""
     return targets.peak_flops((device or jax.devices()[0]).device_kind)
+
+
+def _tensorboard_writer():
+    """tensorboardX's ``SummaryWriter``, imported without torch: ``tensorboardX.writer`` imports torch at module level
+    when it is installed (about 2 s of a process's start, for its tensor type alone), and lpt writes scalars and text
+    only. ``import torch`` fails while tensorboardX loads and works again afterwards."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # None in sys.modules: `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked and "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricsWriter:
@@ -57,7 +73,7 @@ class MetricsWriter:
         self._uploaded: dict[Path, int] = {}  # staged file -> its size when it was last uploaded
         self._synced = time.time()
         if enabled:
-            from tensorboardX import SummaryWriter
+            SummaryWriter = _tensorboard_writer()
 
             local = self.workdir
             if self.remote:
