@@ -34,6 +34,7 @@ LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
 BLOCK_KINDS = LAYER_KINDS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
 MATMULS = ("bf16", "fp8", "mxfp8", "nvfp4")
 LOW_PRECISION = MATMULS[1:]
+FP8_IMPLS = ("xla", "pallas", "mosaic_gpu")  # lpt.fp8.blockwise.IMPLS (lpt.fp8 is not imported here: it loads kernels)
 ATTENTION_IMPLS = ("xla", "pallas", "softmax")
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
@@ -187,6 +188,12 @@ class Numerics:
     matmul: Matmul = option(Matmul(), "per-layer matmuls")
     nvfp4_hadamard: bool = option(True, '"nvfp4" matmuls: random Hadamard transform of the dW GEMM\'s inputs')
     nvfp4_stochastic_grads: bool = option(True, '"nvfp4" matmuls: stochastic rounding of the output gradient')
+    fp8_impl: str = option(
+        "xla",
+        '"fp8" matmuls\' GEMMs: "xla" (any platform), "pallas" (Triton / Mosaic TPU kernel) or "mosaic_gpu" (Hopper '
+        "wgmma kernel, CUDA only; gradients in e4m3 as DeepSeek-V3's)",
+        FP8_IMPLS,
+    )
     bf16_layers: tuple[str, ...] = option(
         (), 'blocks whose "fp8"/"mxfp8"/"nvfp4" matmuls run as "bf16": indices, negative from the end ("-2,-1")'
     )
@@ -207,6 +214,12 @@ class Numerics:
 
     def pqt_for(self, layer_kind: str) -> str:
         return self.pqt.method if layer_kind in self.pqt.layers else "none"
+
+    def fp8_options(self) -> dict:
+        """``lpt.fp8.blockwise_dot``'s options for this recipe's "fp8" matmuls: the GEMM implementation and, for the
+        wgmma kernel (which cannot mix FP8 formats), e4m3 output gradients."""
+        grads = {"grad_dtype": jnp.float8_e4m3fn} if self.fp8_impl == "mosaic_gpu" else {}
+        return {"impl": self.fp8_impl, **grads}
 
     def bf16_blocks(self, n_layers: int) -> tuple[int, ...]:
         """The sorted block indices in ``[0, n_layers)`` of :attr:`bf16_layers` (negative ones counted from the end);

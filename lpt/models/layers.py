@@ -152,7 +152,8 @@ def matmul(
 
     "bf16": compute-dtype operands (bf16, or f32 when compute_dtype is float32), ``preferred_element_type=f32``.
     "fp8": :func:`lpt.fp8.blockwise_dot` (e4m3 operands with 1×128 / 128×128 scales, f32 promotion every 128 of K,
-    e5m2 output gradients); K and N must be multiples of 128.
+    e5m2 output gradients; the GEMMs and gradient format of ``prec.fp8_options()``); K and N must be multiples of
+    128.
     "mxfp8" / "nvfp4": :func:`lpt.fp8.block_scaled_dot` (forward and both backward GEMMs in the format, emulated);
     K and N must be multiples of 32 / 16. Their stochastic rounding and Hadamard signs use ``layer_key(key, path)``
     (:func:`lpt.pqt.layer_key`: the step key ``key`` with the layer ``path`` folded in; ``key=None`` in evaluation)
@@ -189,7 +190,8 @@ def _matmul(x, w, kind: str, out_dtype, *, name, w_axes, key, path, prec) -> jax
 
         # blockwise_dot returns x's dtype: hand it f32 (exact widening; it quantizes to e4m3 anyway) to get the
         # f32 accumulator back, then round once to out_dtype like the bf16 path.
-        y_f32 = blockwise_dot(x.astype(jnp.float32), w, w_axes=w_axes)  # compute -> f32 (exact)
+        options = {} if prec is None else prec.fp8_options()
+        y_f32 = blockwise_dot(x.astype(jnp.float32), w, w_axes=w_axes, **options)  # compute -> f32 (exact)
         if probes.active():  # diagnostics pass only (trace-time switch)
             probes.record_fp8(name, x, getattr(w, "w", w), y_f32)  # a GemmWeight's weight, or w
         return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
