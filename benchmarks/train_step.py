@@ -102,6 +102,7 @@ def main(argv):
     parser.add_argument("--steps", type=int, default=20)
     args, rest = parser.parse_known_args(argv)
     cfg, _ = config_lib.parse_args(["--config", args.config, "--workdir", "/unused", *rest])
+    cfg.data.worker_count = 0  # a few batches read up front: no grain worker processes to outlive the benchmark
     it = data_lib.make_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, process_index=0, process_count=1
     )
