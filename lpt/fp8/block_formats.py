@@ -33,6 +33,8 @@ never skip it; the scales are deterministic in both modes (MX: the floor rule; N
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,8 +47,12 @@ __all__ = [
     "MX_ELEM_DTYPES",
     "NVFP4_BLOCK",
     "ROUNDINGS",
+    "MxScales",
+    "NvScales",
+    "mx_block_exponents",
     "mx_dequantize",
     "mx_quantize",
+    "nvfp4_block_scales",
     "nvfp4_dequantize",
     "nvfp4_quantize",
 ]
@@ -218,6 +224,33 @@ def _cast_out(v_f32: jax.Array, dtype) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class MxScales(NamedTuple):
+    """The steps of MX's scale rule (module docstring) for one tensor, before the exponent is clamped to e8m0."""
+
+    x32: jax.Array  # x in f32, each tiled axis split into (blocks, block length)
+    inner: tuple[int, ...]  # the block-length axes of x32
+    block_amax: jax.Array  # f32 max |x| of each block (x32's shape with the inner axes 1; exact, subnormals kept)
+    block_nonfinite: jax.Array  # bool: the block holds inf or NaN
+    exponent: jax.Array  # int32 floor(log2 block_amax) - emax_elem, unclamped (-126 - emax_elem for 0 / subnormal)
+
+
+def mx_block_exponents(
+    x, elem_dtype, block_size: int = 32, axis: int = -1, *, block_shape: tuple[int, int] | None = None
+) -> MxScales:
+    """The block maxima and unclamped scale exponents :func:`mx_quantize` computes for ``x`` (same arguments)."""
+    elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
+    x = _check_float(x)
+    tiles = _tiles(x.shape, axis, block_size, block_shape)
+    grouped, inner = _grouped_shape(x.shape, tiles)
+    x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
+    amax_bits = _amax_bits(x32, inner)
+    nonfinite = amax_bits >= jnp.uint32(_F32_INF_BITS)
+    # floor(log2 amax) from the bits; exponent_of reports -126 for subnormal and zero amax, which the clamp maps to
+    # -127 exactly as the true floor(log2) would (emax_elem >= 2).
+    e = exponent_of(_from_bits(amax_bits)) - get_format(elem).emax
+    return MxScales(x32, inner, _from_bits(amax_bits), nonfinite, e)
+
+
 def mx_quantize(
     x,
     elem_dtype,
@@ -248,17 +281,10 @@ def mx_quantize(
     elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
     x = _check_float(x)
     _check_rounding(rounding, key)
-    tiles = _tiles(x.shape, axis, block_size, block_shape)
-    grouped, inner = _grouped_shape(x.shape, tiles)
+    mx = mx_block_exponents(x, elem, block_size, axis, block_shape=block_shape)
+    x32, inner, nonfinite = mx.x32, mx.inner, mx.block_nonfinite
     fmt = get_format(elem)
-
-    x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
-    amax_bits = _amax_bits(x32, inner)
-    nonfinite = amax_bits >= jnp.uint32(_F32_INF_BITS)
-    # floor(log2 amax) from the bits; exponent_of reports -126 for subnormal and zero amax, which the clamp maps to
-    # -127 exactly as the true floor(log2) would (emax_elem >= 2).
-    e = exponent_of(_from_bits(amax_bits)) - fmt.emax
-    e = jnp.clip(e, _E8M0_MIN_EXP, _E8M0_MAX_EXP)
+    e = jnp.clip(mx.exponent, _E8M0_MIN_EXP, _E8M0_MAX_EXP)
     e = jnp.where(nonfinite, 0, e)
 
     # x / 2^e on the bits: exact (subnormal inputs included); quotients below 2^-126 become ±0, which is what
@@ -323,6 +349,44 @@ def _nvfp4_tiles(shape, axis, block_shape):
     return _tiles(tuple(shape), axis, NVFP4_BLOCK, block_shape)
 
 
+class NvScales(NamedTuple):
+    """The f32 steps of NVFP4's scales (module docstring) for one tensor, before the block scales are rounded."""
+
+    x32: jax.Array  # x in f32, f32 subnormals as ±0, each tiled axis split into (blocks, block length)
+    inner: tuple[int, ...]  # the block-length axes of x32
+    tensor_scale: jax.Array  # f32 scalar 1 / S_enc (finite: S_enc is 1 for a zero or non-finite amax)
+    tensor_nonfinite: jax.Array  # bool scalar: the tensor holds inf or NaN
+    block_amax: jax.Array  # f32, x32's shape with the inner axes 1; 0 for a non-finite block
+    block_nonfinite: jax.Array  # bool, block_amax's shape
+    block_scale_f32: jax.Array  # f32 block_amax · (S_enc · 1/6): the block decode scale before rounding to e4m3
+
+
+def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> NvScales:
+    """The tensor scale and the unrounded block scales :func:`nvfp4_quantize` computes for ``x`` (same arguments)."""
+    x = _check_float(x)
+    tiles = _nvfp4_tiles(x.shape, axis, block_shape)
+    grouped, inner = _grouped_shape(x.shape, tiles)
+
+    x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
+    b = _bits(x32)
+    tiny = (b & jnp.uint32(_F32_INF_BITS)) == 0
+    x32 = jnp.where(tiny, _from_bits(b & jnp.uint32(_F32_SIGN)), x32)  # f32 subnormals -> ±0, as XLA's arithmetic
+
+    amax_bits = _amax_bits(x32, tuple(range(x32.ndim)))
+    t_nonfinite = jnp.squeeze(amax_bits >= jnp.uint32(_F32_INF_BITS))
+    amax = jnp.squeeze(_from_bits(amax_bits))
+    degenerate = (amax_bits == 0).squeeze() | t_nonfinite
+    s_enc = jnp.float32(_NVFP4_RANGE) / jnp.maximum(amax, jnp.float32(_NVFP4_AMAX_FLOOR))  # f32, <= 2^116
+    s_enc = jnp.where(degenerate, jnp.float32(1.0), s_enc)
+    s_dec = jnp.float32(1.0) / s_enc  # f32 tensor (decode) scale
+
+    block_bits = _amax_bits(x32, inner)
+    b_nonfinite = block_bits >= jnp.uint32(_F32_INF_BITS)
+    block_amax = jnp.where(b_nonfinite, jnp.float32(0.0), _from_bits(block_bits))
+    bs = block_amax * (s_enc * jnp.float32(_ONE_SIXTH_F32))  # f32 decode scale of the block (rounded to e4m3 next)
+    return NvScales(x32, inner, s_dec, t_nonfinite, block_amax, b_nonfinite, bs)
+
+
 def nvfp4_quantize(
     x,
     axis: int = -1,
@@ -349,27 +413,9 @@ def nvfp4_quantize(
     """
     x = _check_float(x)
     _check_rounding(rounding, key)
-    tiles = _nvfp4_tiles(x.shape, axis, block_shape)
-    grouped, inner = _grouped_shape(x.shape, tiles)
-
-    x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
-    b = _bits(x32)
-    tiny = (b & jnp.uint32(_F32_INF_BITS)) == 0
-    x32 = jnp.where(tiny, _from_bits(b & jnp.uint32(_F32_SIGN)), x32)  # f32 subnormals -> ±0, as XLA's arithmetic
-
-    amax_bits = _amax_bits(x32, tuple(range(x32.ndim)))
-    t_nonfinite = jnp.squeeze(amax_bits >= jnp.uint32(_F32_INF_BITS))
-    amax = jnp.squeeze(_from_bits(amax_bits))
-    degenerate = (amax_bits == 0).squeeze() | t_nonfinite
-    s_enc = jnp.float32(_NVFP4_RANGE) / jnp.maximum(amax, jnp.float32(_NVFP4_AMAX_FLOOR))  # f32, <= 2^116
-    s_enc = jnp.where(degenerate, jnp.float32(1.0), s_enc)
-    s_dec = jnp.float32(1.0) / s_enc  # f32 tensor (decode) scale
-
-    block_bits = _amax_bits(x32, inner)
-    b_nonfinite = block_bits >= jnp.uint32(_F32_INF_BITS)
-    block_amax = jnp.where(b_nonfinite, jnp.float32(0.0), _from_bits(block_bits))
-    bs = block_amax * (s_enc * jnp.float32(_ONE_SIXTH_F32))  # f32 decode scale of the block (rounded to e4m3 next)
-    bs = round_nearest(bs, jnp.float8_e4m3fn, saturate=True, out_dtype=jnp.float32)  # f32 -> e4m3 grid (RNE, sat.)
+    nv = nvfp4_block_scales(x, axis, block_shape=block_shape)
+    x32, inner, s_dec, b_nonfinite = nv.x32, nv.inner, nv.tensor_scale, nv.block_nonfinite
+    bs = round_nearest(nv.block_scale_f32, jnp.float8_e4m3fn, saturate=True, out_dtype=jnp.float32)  # f32 -> e4m3
     enc = jnp.minimum(jnp.float32(1.0) / (bs * s_dec), jnp.float32(_F32_MAX))  # f32 encode scale; bs = 0 -> f32 max
 
     codes = _round_codes(x32 * enc, jnp.float4_e2m1fn, rounding, key)  # f32 -> e2m1 grid (saturating at ±6)
@@ -377,7 +423,7 @@ def nvfp4_quantize(
     codes = codes.astype(jnp.float4_e2m1fn).reshape(x.shape)  # f32 (on e2m1's grid) -> e2m1: exact
     bs = jnp.where(b_nonfinite, jnp.float32(jnp.nan), bs)
     block_scales = jnp.squeeze(bs, inner).astype(jnp.float8_e4m3fn)  # f32 (on e4m3's grid, or NaN) -> e4m3: exact
-    tensor_scale = jnp.where(t_nonfinite, jnp.float32(jnp.nan), s_dec)
+    tensor_scale = jnp.where(nv.tensor_nonfinite, jnp.float32(jnp.nan), s_dec)
     return codes, block_scales, tensor_scale
 
 

@@ -26,6 +26,15 @@ What the layers record (names without the trainer's ``model/`` prefix):
   compute-dtype operands with f32 accumulation, i.e. what the "bf16" matmul computes).
   Saturation is not reported: with amax scaling the largest entry of every tile maps to ±448 exactly, so clipping
   cannot happen (only f32 round-off of ``amax / (amax / 448)``, which rounds back to 448).
+* every "mxfp8" or "nvfp4" matmul of layer kind ``<kind>`` (:func:`record_block_scaled`), its operands blocked as
+  ``lpt.fp8.block_scaled_dot``'s forward GEMM blocks them (:func:`lpt.fp8.block_diagnostics.gemm_block_health`),
+  with ``<recipe>`` the matmul's format: ``<recipe>/<kind>/x_scale_saturated_frac`` (blocks whose scale lies above
+  the scale format's largest: e8m0 for MXFP8, e4m3 after the f32 tensor scale for NVFP4; inf / NaN blocks
+  included), ``<recipe>/<kind>/x_scale_underflow_frac`` (non-zero blocks whose scale falls below the scale
+  format's smallest normal: clamped at 2^-127, or an e4m3 subnormal or zero), ``<recipe>/<kind>/x_clipped_frac``
+  (blocks whose maximum saturates at the element format's max: MXFP8's floor rule clips about one block in seven),
+  the same three for ``w``, each over all blocks of the kind; and ``fp8/<kind>/snr_db`` against the compute-dtype
+  GEMM as for "fp8".
 * every attention layer (:func:`record_attention`): ``attn/repeated_max_frac`` (mean over layers) and
   ``attn/repeated_max_frac_max`` (max over layers) of :func:`lpt.attention.repeated_max_fraction` — the fraction of
   causal query rows whose scaled logits hold ≥ 2 entries within 2⁻⁹ of the row max, where a bf16 ``exp(s − m)``
@@ -134,6 +143,21 @@ def record_fp8(name: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
     lo = jnp.min(jnp.where(amax_pos, sx, jnp.inf))
     hi = jnp.max(jnp.where(amax_pos, sx, 0.0))
     c.add(f"fp8/{name}/x_scale_range_log2", MAX, jnp.where(hi > 0, jnp.log2(hi / lo), 0.0))
+    y_ref = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    c.add(f"fp8/{name}/snr_db", DB, jnp.sum(y_ref * y_ref), jnp.sum(jnp.square(y_f32 - y_ref)))
+
+
+def record_block_scaled(name: str, recipe: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
+    """Record the statistics of one block-scaled GEMM ``y_f32 = block_scaled_dot(x, w, recipe)`` of layer kind
+    ``name``: the block-scale health of x and w as its forward GEMM blocks them, and the SNR against the
+    compute-dtype GEMM."""
+    from lpt.fp8.block_diagnostics import gemm_block_health  # in-function: as record_fp8
+
+    c = current()
+    for operand, h in zip(("x", "w"), gemm_block_health(x, w, recipe), strict=True):  # int32 counts of h.blocks
+        c.add(f"{recipe}/{name}/{operand}_scale_saturated_frac", RATIO, h.saturated, h.blocks)
+        c.add(f"{recipe}/{name}/{operand}_scale_underflow_frac", RATIO, h.underflow, h.blocks)
+        c.add(f"{recipe}/{name}/{operand}_clipped_frac", RATIO, h.clipped, h.blocks)
     y_ref = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
     c.add(f"fp8/{name}/snr_db", DB, jnp.sum(y_ref * y_ref), jnp.sum(jnp.square(y_f32 - y_ref)))
 
