@@ -23,6 +23,7 @@ SECTIONS = {
     "cost": "lpt.lab.cost",
     "finetune": "lpt.lab.finetune",
     "states": "lpt.lab.states",
+    "formats": "lpt.lab.formats",
 }
 RECIPE_SECTIONS = ("recipes", "cost")
 
