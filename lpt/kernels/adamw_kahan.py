@@ -7,8 +7,10 @@ well, so the two agree bit for bit (tested in interpret mode).
 
 :func:`adamw_kahan` makes one pass over ``(g, p, c, mv)`` -> ``(p', c', mv')`` with the outputs aliased to the
 inputs. Memory traffic: reads 2+2+2+4, writes 2+2+4 = 18 bytes/param (an f32-master AdamW moves 14 + 12 + a bf16
-compute copy = 28). Leaves are flattened and zero-padded to whole ``(rows, 128)`` blocks; the padding is sliced
-off. Stochastic moment rounding draws one ``hash_bits`` word per element from its global flat index (block base +
+compute copy = 28). With 16-bit moments a leaf whose last axis is several 128s and whose rows (the other axes)
+split into blocks of 16 is tiled in place, ``(rows, 128)`` tiles of its ``(m, n)`` view on a 2-D grid (on a TPU
+a reshape into ``(rows, 128)`` rows would be a relayout of every array); other leaves are flattened and zero-padded
+to whole ``(rows, 128)`` blocks, the padding sliced off. Stochastic moment rounding draws one ``hash_bits`` word per element from its global flat index (block base +
 in-block index, or a shard's global index map), so the kernel draws the same bits as the XLA path. The platform
 switch is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in :mod:`lpt.kernels.adamw_kahan_sharded`.
 
@@ -41,16 +43,38 @@ from lpt.kernels.adamw_kahan_math import LANES, check_leaf, leaf_math, leaf_math
 __all__ = ["TPU_BLOCK_ROWS", "TPU_BLOCK_ROWS_8BIT", "TRITON_BLOCK_ROWS", "adamw_kahan"]
 
 
-def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, *refs, block, hp, shapes, chunked):
+def _grid2d_index_map(m: int, n: int, outer):
+    """Flat index map of the 2-D grid over an ``(m, n)`` view: tile ``(i, j)``'s element ``(r, c)`` has the virtual
+    index ``v = j·m·128 + (i·br + r)·128 + c`` (column blocks one after another), whose row-major index in the view
+    is ``(v / 128 mod m)·n + (v / (m·128))·128 + v mod 128``; ``outer`` (a shard's map, or None) maps that on."""
+    rows_m, block_col = jnp.uint32(m), jnp.uint32(m * LANES)
+
+    def index_map(v):
+        f = ((v >> 7) % rows_m) * jnp.uint32(n) + (v // block_col) * jnp.uint32(LANES) + (v & jnp.uint32(LANES - 1))
+        return f if outer is None else outer(f)
+
+    return index_map
+
+
+def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, *refs, block, hp, shapes, chunked, grid2d=None):
     """One tile. 16-bit moments: ``refs`` = the outputs ``(p, c, mv)``; 8-bit: the scales ``(ms, vs)``, then the
     outputs ``(p, c, codes, ms, vs)``, the scales as ``(rows, 1)`` columns (Triton) or lane-dense ``(rows / 128,
-    128)`` rows (Mosaic and the interpreter: see :func:`_chunks8`)."""
+    128)`` rows (Mosaic and the interpreter: see :func:`_chunks8`). ``grid2d`` = ``(m, n)``: the tiles are ``(rows,
+    128)`` blocks of an ``(m, n)`` view on a 2-D grid (:func:`_grid2d_index_map`), else of the flattened leaf."""
     eight_bit = hp.get("moments8") is not None
     scalars = (sc_ref[0], sc_ref[1], sc_ref[2], sc_ref[3])
     nw = 4 if eight_bit else 2  # key words: m's and v's (8-bit) or one key for both moments
     words = tuple(w_ref[i] for i in range(nw))
-    base = (pl.program_id(0) * block).astype(jnp.uint32) if hp["stochastic"] else None  # int32 -> u32
     index_map = None if shapes is None else shard_index_map(*shapes, w_ref[nw])
+    if not hp["stochastic"]:
+        base = None
+    elif grid2d is None:
+        base = (pl.program_id(0) * block).astype(jnp.uint32)  # int32 -> u32
+    else:
+        m, n = grid2d
+        col = pl.program_id(1).astype(jnp.uint32) * jnp.uint32(m * LANES)  # int32 -> u32
+        base = col + pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)  # int32 -> u32
+        index_map = _grid2d_index_map(m, n, index_map)
     if chunked:
         ctx = dict(scalars=scalars, words=words, base=base, index_map=index_map, hp=hp)
         _chunks8(g_ref, p_ref, c_ref, mv_ref, *refs, **ctx)
@@ -87,7 +111,8 @@ def _chunks8(g_ref, p_ref, c_ref, mv_ref, ms_ref, vs_ref, *outs, scalars, words,
 
 def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
     rows, n = p2.shape[0], p2.size
-    tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
+    cols = p2.shape[1] // LANES  # > 1: an (m, n) view of the leaf on a 2-D grid (16-bit moments)
+    tile = pl.BlockSpec((block_rows, LANES), (lambda i: (i, 0)) if cols == 1 else (lambda i, j: (i, j)))
     columns = mode == "triton"  # 8-bit moments' scales: (rows, 1) columns on Triton, lane-dense rows elsewhere
     if scales and columns:
         scales = tuple(s.reshape(rows, 1) for s in scales)  # (rows / 128, 128) -> (rows, 1): row-major, a bitcast
@@ -97,9 +122,10 @@ def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
     if mode == "mosaic":
         scalar_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)] * 2
     else:
-        scalar_specs = [pl.BlockSpec((4,), lambda i: (0,)), pl.BlockSpec(w.shape, lambda i: (0,))]
+        scalar_specs = [pl.BlockSpec((4,), lambda *_: (0,)), pl.BlockSpec(w.shape, lambda *_: (0,))]
     chunked = bool(scales) and not columns
-    kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp, shapes=shapes, chunked=chunked)
+    grid2d = None if cols == 1 else p2.shape
+    kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp, shapes=shapes, chunked=chunked, grid2d=grid2d)
     leaf_out = [jax.ShapeDtypeStruct(p2.shape, jnp.bfloat16), jax.ShapeDtypeStruct(c2.shape, jnp.bfloat16)]
     leaf_out.append(jax.ShapeDtypeStruct(mv2.shape, mv2.dtype))
     scale_out = [jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in scales]
@@ -116,14 +142,14 @@ def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
     aliases = {3 + i: i for i in range(3 + len(scales))}  # p, c, mv (and the scales) updated in place
     outs = pl.pallas_call(
         kernel,
-        grid=(rows // block_rows,),
+        grid=(rows // block_rows,) if cols == 1 else (rows // block_rows, cols),
         in_specs=[*scalar_specs, tile, tile, tile, tile, *[scale_spec] * len(scales)],
         out_specs=[tile, tile, tile, *[scale_spec] * len(scales)],
         out_shape=[*leaf_out, *scale_out],
         input_output_aliases=aliases,
         name="lpt_adamw_kahan8" if scales else "lpt_adamw_kahan",
         cost_estimate=cost,
-        **dispatch.mode_kwargs(mode, grid_rank=1),
+        **dispatch.mode_kwargs(mode, grid_rank=1 if cols == 1 else 2),
     )(sc, w, g2, p2, c2, mv2, *scales)
     if scales and columns:
         outs = (*outs[:3], *(s.reshape(rows // LANES, LANES) for s in outs[3:]))  # (rows, 1) -> (rows / 128, 128)
@@ -199,8 +225,18 @@ def adamw_kahan(
         big = big if rows > big else max(LANES, fit)  # one block: its (rows / 128, 128) scales are the whole array
     small = min(TRITON_BLOCK_ROWS if block_rows is None else block_rows, fit)
     rows_pad = -(-rows // big) * big  # a multiple of both block sizes (powers of two, small <= big)
+    width = p.shape[-1] if p.ndim >= 2 else 0
+    view_rows = n // width if width else 0
+    tall = view_rows & -view_rows  # the largest power of two dividing the view's rows
+    # 16-bit moments and a last axis of several 128s: (rows, 128) tiles of the (m, n) view on a 2-D grid, so that no
+    # array is reshaped into (rows, 128) rows (on TPU a relayout of every input and output: 8 passes over the leaf)
+    grid2d = not eight_bit and width % LANES == 0 and width > LANES and tall >= 16
+    if grid2d:
+        big, small = min(big, tall), min(small, tall)
 
     def flat(x):
+        if grid2d:
+            return x.reshape(view_rows, width)  # merges leading dims only
         return jnp.pad(x.reshape(-1), (0, rows_pad * LANES - n)).reshape(rows_pad, LANES)
 
     def lane_dense(s):  # one f32 scale per row of 128 (the last axis is whole blocks), 128 rows' scales per row
@@ -215,6 +251,8 @@ def adamw_kahan(
     rows_of = lambda mode: small if mode == "triton" else big
     build = lambda mode: functools.partial(_pallas, block_rows=rows_of(mode), hp=hp, shapes=shapes, mode=mode)
     outs = dispatch.platform_call(build, *args, interpret=interpret)
+    if grid2d:
+        return tuple(x.reshape(p.shape) for x in outs)
     leaf = tuple(x.reshape(-1)[:n].reshape(p.shape) for x in outs[:3])
     if not eight_bit:
         return leaf

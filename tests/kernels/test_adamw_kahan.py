@@ -2,6 +2,7 @@
 steps (multi-block leaves, stochastic moment rounding), and lowering for cuda (Triton) and tpu (Mosaic)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +85,46 @@ def test_bad_input():
         adamw_kahan(g, p.astype(jnp.float16), c, mv, s, w, **HP, stochastic=False)
     with pytest.raises(ValueError, match="block_rows must be a power of two"):
         adamw_kahan(g, p, c, mv, s, w, **HP, stochastic=False, block_rows=24)
+
+
+@pytest.mark.parametrize("shape", [(48, 384), (2, 16, 256)], ids=["matrix", "stacked"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_wide_leaves_run_on_a_2d_grid_and_equal_the_twin(shape, stochastic):
+    """A leaf whose last axis is several 128s (and whose rows split into blocks of 16) is tiled in place: (rows, 128)
+    tiles of its (m, n) view on a 2-D grid, no (rows, 128) reshape. The stochastic rounding maps each tile element to
+    its row-major index, so the bits are the twin's: bit for bit, with blocks of 16 rows (several row blocks)."""
+    g, p, c, mv = _leaf(shape, seed=4)
+    scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
+    words = jnp.asarray([5, 6], jnp.uint32)
+    kernel = functools.partial(adamw_kahan, **HP, stochastic=stochastic, block_rows=16, interpret=True)
+    (eqn,) = [e for e in jax.make_jaxpr(kernel)(g, p, c, mv, scalars, words).eqns if e.primitive.name == "pallas_call"]
+    m = int(np.prod(shape[:-1]))
+    assert tuple(eqn.params["grid_mapping"].grid) == (m // 16, shape[-1] // 128)
+    ref = jax.jit(functools.partial(adamw_kahan_reference, **HP, stochastic=stochastic))
+    for out, expect in zip(jax.jit(kernel)(g, p, c, mv, scalars, words), ref(g, p, c, mv, scalars, words), strict=True):
+        assert out.shape == expect.shape == shape
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(expect))
+
+
+def test_wide_leaves_are_not_relaid_out_on_tpu():
+    """Compiled for a TPU v5e: a (4096, 2048) leaf reaches the kernel without a reshape of its arrays (a reshape into
+    (rows, 128) rows is a relayout there: one more pass over each of g, p, c, the moments and the outputs); the
+    control, 4100 rows (not a multiple of 16, the flattened path), has them: padded and reshaped copies in, slices
+    out."""
+    from lpt import targets
+
+    sharding = jax.sharding.SingleDeviceSharding(targets.devices("v5e:2x2")[0])
+
+    def reshapes(rows):
+        w = {"w": jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16, sharding=sharding)}
+        tx = O.kahan_adamw(1e-2, impl="pallas")
+        st = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), jax.eval_shape(tx.init, w)
+        )
+        text = jax.jit(tx.update).lower(w, st, w).compile().as_text()
+        entry = text[text.index("\nENTRY") :]
+        # the arrays that something other than the kernel makes in (rows, 128) rows: relayouts, pads and slices
+        return sum(bool(re.search(r"= \w+\[\d+,128\]", ln)) and "custom-call(" not in ln for ln in entry.splitlines())
+
+    assert reshapes(4096) == 0
+    assert reshapes(4100) >= 4
