@@ -10,9 +10,10 @@ inputs. Memory traffic: reads 2+2+2+4, writes 2+2+4 = 18 bytes/param (an f32-mas
 compute copy = 28). With 16-bit moments a leaf whose last axis is several 128s and whose rows (the other axes)
 split into blocks of 16 is tiled in place, ``(rows, 128)`` tiles of its ``(m, n)`` view on a 2-D grid (on a TPU
 a reshape into ``(rows, 128)`` rows would be a relayout of every array); other leaves are flattened and zero-padded
-to whole ``(rows, 128)`` blocks, the padding sliced off. Stochastic moment rounding draws one ``hash_bits`` word per element from its global flat index (block base +
-in-block index, or a shard's global index map), so the kernel draws the same bits as the XLA path. The platform
-switch is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in :mod:`lpt.kernels.adamw_kahan_sharded`.
+to whole ``(rows, 128)`` blocks, the padding sliced off. Stochastic moment rounding draws one ``hash_bits`` word
+per element from its global flat index (block base + in-block index, mapped back to the row-major position on the
+2-D grid, or a shard's global index map), so the kernel draws the same bits as the XLA path. The platform switch
+is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in :mod:`lpt.kernels.adamw_kahan_sharded`.
 
 8-bit moments (``moments8=(m_format, v_format, v_sqrt)``, :mod:`lpt.optim.moments8`): ``mv`` is the uint16 pair of
 FP8 codes per element and ``scales`` one complex64 per block of 128 along the last axis (m's scale real, v's
