@@ -161,7 +161,7 @@ def matmul(
     defaults).
 
     ``w_axes`` (the weight's logical axes) tells the FP8 kernels how to split ``w`` under a mesh.
-    ``name`` (the layer kind, e.g. "qkv") labels the FP8 statistics recorded in a diagnostics pass
+    ``name`` (the layer kind, e.g. "qkv") labels the FP8 and block-format statistics recorded in a diagnostics pass
     (:mod:`lpt.models.probes`); outside one nothing is recorded and no operation is added.
     """
     kw = dict(name=name, w_axes=w_axes, key=key, path=path, prec=prec)
@@ -202,6 +202,8 @@ def _matmul(x, w, kind: str, out_dtype, *, name, w_axes, key, path, prec) -> jax
         switches = dict(hadamard=prec.nvfp4_hadamard, stochastic_grads=prec.nvfp4_stochastic_grads) if nv else {}
         key = None if key is None else layer_key(key, path)
         y_f32 = block_scaled_dot(x.astype(jnp.float32), w, kind, key=key, **switches)  # compute -> f32 (exact)
+        if probes.active():  # diagnostics pass only (trace-time switch)
+            probes.record_block_scaled(name, kind, x, w, y_f32)
         return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
     raise ValueError(f"matmul kind {kind!r} is not supported; allowed: {list(MATMULS)}")
 

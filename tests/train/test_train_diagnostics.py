@@ -82,6 +82,7 @@ def test_train_step_jaxpr_has_no_probes(monkeypatch):
         raise AssertionError("a probe ran in the train step")
 
     monkeypatch.setattr(probes, "record_fp8", boom)
+    monkeypatch.setattr(probes, "record_block_scaled", boom)
     monkeypatch.setattr(probes, "record_attention", boom)
     assert str(step.trace(abstract, batch).jaxpr) == before
 
@@ -95,3 +96,20 @@ def test_diagnostics_every_has_a_default_and_is_validated():
     assert config_lib.apply_overrides(cfg, {"train.diagnostics_every": "5"}).train.diagnostics_every == 5
     with pytest.raises(ValueError, match="diagnostics_every=-1 must be >= 0"):
         _cfg(**{"train.diagnostics_every": "-1"})
+
+
+def test_block_scaled_layers_report_their_block_health():
+    """A recipe with NVFP4 up/gate projections: the diagnostics step's outputs hold the block-format statistics of
+    that layer kind (x and w: saturated, underflowed and clipped block shares) and its SNR, and nothing for the bf16
+    kinds."""
+    cfg = _cfg(**{"precision.matmul.up": "nvfp4", "precision.compute_dtype": "bfloat16"})
+    mesh = mesh_lib.make_mesh(cfg.train.mesh)
+    model_def = state_lib.make_model_def(cfg)
+    abstract = state_lib.abstract_state(cfg, optimizer.make_optimizer(cfg))
+    shardings = state_lib.state_shardings(abstract, model_def, mesh)
+    diag_step = step_lib.make_diagnostics_step(cfg, model_def, mesh, shardings)
+    batch = {k: jax.ShapeDtypeStruct((2, 8), np.int32) for k in ("inputs", "targets")}
+    out = set(diag_step.trace(abstract.params, abstract.rest, batch, abstract.step).out_info)
+    health = {f"model/nvfp4/up/{o}_{n}" for o in "xw" for n in ("scale_saturated_frac", "scale_underflow_frac")}
+    health |= {"model/nvfp4/up/x_clipped_frac", "model/nvfp4/up/w_clipped_frac", "model/fp8/up/snr_db"}
+    assert {k for k in out if not k.startswith("model/attn/")} == health
