@@ -40,6 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lpt.fp8.block_layout import (
+    ROUNDINGS,
+    block_tiles,
+    check_float,
+    check_rounding,
+    expand_scales,
+    grouped_shape,
+)
 from lpt.fp8.quantize import check_dtype_in
 from lpt.numerics import exponent_of, get_format, round_nearest, round_stochastic
 
@@ -58,7 +66,6 @@ __all__ = [
 ]
 
 MX_ELEM_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float4_e2m1fn))
-ROUNDINGS = ("nearest", "stochastic")
 NVFP4_BLOCK = 16
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 
@@ -80,86 +87,7 @@ _ONE_SIXTH_F32 = float(np.float32(1.0) / np.float32(_E2M1_MAX))  # TE's fp4_max_
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Checks and block layout
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _check_float(x, what: str = "x") -> jax.Array:
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{what} must be a floating-point array, got dtype {x.dtype}")
-    if x.ndim == 0:
-        raise ValueError(f"{what} must have at least one axis, got a scalar")
-    return x
-
-
-def _check_rounding(rounding: str, key) -> None:
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if rounding == "stochastic" and key is None:
-        raise ValueError("rounding='stochastic' needs a key (a JAX PRNG key), got key=None")
-
-
-def _positive_int(v, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v <= 0:
-        raise ValueError(f"{what} must be a positive int, got {v!r}")
-    return int(v)
-
-
-def _tiles(shape: tuple[int, ...], axis: int, block_size, block_shape) -> dict[int, int]:
-    """{axis: block length} of the blocks: 1 x block_size along ``axis``, or a 2-D ``block_shape`` tile on the last
-    two axes. Raises ValueError if a tiled axis is not a multiple of its block length."""
-    ndim = len(shape)
-    if block_shape is None:
-        if not isinstance(axis, int | np.integer) or not -ndim <= axis < ndim:
-            raise ValueError(f"axis={axis!r} is out of range for an array of shape {shape}")
-        tiles = {int(axis) % ndim: _positive_int(block_size, "block_size")}
-    else:
-        if not isinstance(block_shape, tuple | list) or len(block_shape) != 2:
-            raise ValueError(f"block_shape must be a pair (rows, cols) or None, got {block_shape!r}")
-        if ndim < 2:
-            raise ValueError(f"block_shape={tuple(block_shape)} tiles the last two axes; x has shape {shape}")
-        if axis not in (-1, ndim - 1):
-            raise ValueError(f"block_shape tiles the last two axes, so axis must be -1; got axis={axis!r}")
-        r, c = (_positive_int(b, "block_shape entries") for b in block_shape)
-        tiles = {ndim - 2: r, ndim - 1: c}
-    for ax, b in tiles.items():
-        if shape[ax] % b:
-            raise ValueError(
-                f"x.shape[{ax}]={shape[ax]} (shape {shape}) is not a multiple of the block length {b}; "
-                "pad the tensor or choose a block that divides it"
-            )
-    return tiles
-
-
-def _grouped_shape(shape: tuple[int, ...], tiles: dict[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape with every tiled axis split into (blocks, block length), and the positions of the block-length axes."""
-    grouped: list[int] = []
-    inner: list[int] = []
-    for ax, n in enumerate(shape):
-        if ax in tiles:
-            grouped += [n // tiles[ax], tiles[ax]]
-            inner.append(len(grouped) - 1)
-        else:
-            grouped.append(n)
-    return tuple(grouped), tuple(inner)
-
-
-def _scale_shape(shape: tuple[int, ...], tiles: dict[int, int]) -> tuple[int, ...]:
-    return tuple(n // tiles[ax] if ax in tiles else n for ax, n in enumerate(shape))
-
-
-def _expand_scales(s: jax.Array, shape, tiles, what: str) -> tuple[jax.Array, tuple[int, ...]]:
-    """Scales of shape ``_scale_shape`` -> broadcastable against the grouped codes; checks the shape."""
-    want = _scale_shape(tuple(shape), tiles)
-    if tuple(s.shape) != want:
-        raise ValueError(f"{what} has shape {tuple(s.shape)}; codes of shape {tuple(shape)} need {want}")
-    grouped, inner = _grouped_shape(tuple(shape), tiles)
-    return jnp.expand_dims(s, inner), grouped
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# f32 bit helpers (no float arithmetic, so nothing is flushed to zero)
+# f32 bit arithmetic (the block layout and the argument checks: lpt.fp8.block_layout)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -239,9 +167,9 @@ def mx_block_exponents(
 ) -> MxScales:
     """The block maxima and unclamped scale exponents :func:`mx_quantize` computes for ``x`` (same arguments)."""
     elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
-    x = _check_float(x)
-    tiles = _tiles(x.shape, axis, block_size, block_shape)
-    grouped, inner = _grouped_shape(x.shape, tiles)
+    x = check_float(x)
+    tiles = block_tiles(x.shape, axis, block_size, block_shape)
+    grouped, inner = grouped_shape(x.shape, tiles)
     x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
     amax_bits = _amax_bits(x32, inner)
     nonfinite = amax_bits >= jnp.uint32(_F32_INF_BITS)
@@ -279,8 +207,8 @@ def mx_quantize(
       scales: ``float8_e8m0fnu`` of x's shape with each blocked axis divided by its block length.
     """
     elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
-    x = _check_float(x)
-    _check_rounding(rounding, key)
+    x = check_float(x)
+    check_rounding(rounding, key)
     mx = mx_block_exponents(x, elem, block_size, axis, block_shape=block_shape)
     x32, inner, nonfinite = mx.x32, mx.inner, mx.block_nonfinite
     fmt = get_format(elem)
@@ -327,8 +255,8 @@ def mx_dequantize(
         raise ValueError(f"scales must be float8_e8m0fnu or uint8 (the e8m0 byte), got dtype {scales.dtype}")
     if codes.ndim == 0:
         raise ValueError("codes must have at least one axis, got a scalar")
-    tiles = _tiles(codes.shape, axis, block_size, block_shape)
-    sb, grouped = _expand_scales(sbytes, codes.shape, tiles, "scales")
+    tiles = block_tiles(codes.shape, axis, block_size, block_shape)
+    sb, grouped = expand_scales(sbytes, codes.shape, tiles, "scales")
 
     c32 = codes.astype(jnp.float32).reshape(grouped)  # elem -> f32 (exact)
     e = sb.astype(jnp.int32) - _E8M0_BIAS  # u8 -> i32 exponent
@@ -346,7 +274,7 @@ def mx_dequantize(
 def _nvfp4_tiles(shape, axis, block_shape):
     if block_shape is not None and tuple(block_shape) != (NVFP4_BLOCK, NVFP4_BLOCK):
         raise ValueError(f"NVFP4 block_shape must be None (1x16 blocks) or (16, 16), got {block_shape!r}")
-    return _tiles(tuple(shape), axis, NVFP4_BLOCK, block_shape)
+    return block_tiles(tuple(shape), axis, NVFP4_BLOCK, block_shape)
 
 
 class NvScales(NamedTuple):
@@ -363,9 +291,9 @@ class NvScales(NamedTuple):
 
 def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> NvScales:
     """The tensor scale and the unrounded block scales :func:`nvfp4_quantize` computes for ``x`` (same arguments)."""
-    x = _check_float(x)
+    x = check_float(x)
     tiles = _nvfp4_tiles(x.shape, axis, block_shape)
-    grouped, inner = _grouped_shape(x.shape, tiles)
+    grouped, inner = grouped_shape(x.shape, tiles)
 
     x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
     b = _bits(x32)
@@ -411,8 +339,8 @@ def nvfp4_quantize(
       block_scales: float8_e4m3fn, x's shape with each blocked axis divided by 16.
       tensor_scale: f32 scalar (the decode scale, about amax / 2688).
     """
-    x = _check_float(x)
-    _check_rounding(rounding, key)
+    x = check_float(x)
+    check_rounding(rounding, key)
     nv = nvfp4_block_scales(x, axis, block_shape=block_shape)
     x32, inner, s_dec, b_nonfinite = nv.x32, nv.inner, nv.tensor_scale, nv.block_nonfinite
     bs = round_nearest(nv.block_scale_f32, jnp.float8_e4m3fn, saturate=True, out_dtype=jnp.float32)  # f32 -> e4m3
@@ -455,7 +383,7 @@ def nvfp4_dequantize(
     if codes.ndim == 0:
         raise ValueError("codes must have at least one axis, got a scalar")
     tiles = _nvfp4_tiles(codes.shape, axis, block_shape)
-    bs, grouped = _expand_scales(block_scales, codes.shape, tiles, "block_scales")
+    bs, grouped = expand_scales(block_scales, codes.shape, tiles, "block_scales")
     c32 = codes.astype(jnp.float32).reshape(grouped)  # e2m1 -> f32 (exact)
     prod = c32 * bs.astype(jnp.float32)  # e4m3 -> f32 (exact); the product is exact
     v = prod * tensor_scale.reshape(()).astype(jnp.float32)  # f32: one rounding (RNE)
