@@ -310,18 +310,6 @@ def _profile_range(text: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def check_platform(cfg: ml_collections.ConfigDict, platform: str) -> None:
-    """Raise ValueError when the recipe needs another platform than the mesh's devices' (``"cpu"``, ``"gpu"``,
-    ``"tpu"``): ``precision.fp8_impl="mosaic_gpu"`` compiles for CUDA GPUs only."""
-    p = cfg.precision
-    fp8 = any(p.matmul[k] == "fp8" for k in LAYER_KINDS)
-    if fp8 and p.fp8_impl == "mosaic_gpu" and platform != "gpu":
-        raise ValueError(
-            f"config key precision.fp8_impl='mosaic_gpu' is the Hopper wgmma kernel and compiles for CUDA GPUs only; "
-            f"this mesh's devices are {platform}: use 'xla' or 'pallas'"
-        )
-
-
 def check_heads(cfg: ml_collections.ConfigDict, tensor: int) -> None:
     """Raise ValueError unless the query and key/value heads split evenly over a tensor axis of size ``tensor``."""
     for key in ("n_heads", "n_kv_heads"):

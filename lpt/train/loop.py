@@ -86,7 +86,7 @@ def make_mesh(cfg, devices=None) -> Mesh:
     mesh = mesh_lib.make_mesh(cfg.train.mesh, devices)
     mesh_lib.check_batch(cfg.train.global_batch, cfg.optim.microbatches, mesh)
     config_lib.check_heads(cfg, mesh.shape["tensor"])
-    config_lib.check_platform(cfg, mesh.devices.flat[0].platform)
+    mesh_lib.check_platform(cfg, mesh.devices.flat[0].platform)
     return mesh
 
 

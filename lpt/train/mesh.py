@@ -17,6 +17,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from lpt import sharding
+from lpt.models.config import LAYER_KINDS
 from lpt.sharding import logical_to_mesh
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -93,4 +94,16 @@ def check_batch(global_batch: int, microbatches: int, mesh: Mesh) -> None:
             f"train.global_batch={global_batch} (microbatch {micro} with optim.microbatches={microbatches}) is not "
             f"divisible by mesh data*fsdp = {mesh.shape['data']}*{mesh.shape['fsdp']} = {n}; "
             f"choose a batch that is a multiple of {n} or change train.mesh"
+        )
+
+
+def check_platform(cfg, platform: str) -> None:
+    """Raise ValueError when the recipe needs another platform than the mesh's devices' (``"cpu"``, ``"gpu"``,
+    ``"tpu"``): ``precision.fp8_impl="mosaic_gpu"`` compiles for CUDA GPUs only."""
+    p = cfg.precision
+    fp8 = any(p.matmul[k] == "fp8" for k in LAYER_KINDS)
+    if fp8 and p.fp8_impl == "mosaic_gpu" and platform != "gpu":
+        raise ValueError(
+            f"config key precision.fp8_impl='mosaic_gpu' is the Hopper wgmma kernel and compiles for CUDA GPUs only; "
+            f"this mesh's devices are {platform}: use 'xla' or 'pallas'"
         )

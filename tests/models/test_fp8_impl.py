@@ -11,7 +11,7 @@ from flax import nnx
 from tiny_run import tiny_config
 
 import lpt.models as M
-from lpt.train import config as config_lib
+from lpt.train import mesh as mesh_lib
 
 CFG = dict(kind="llama", vocab_size=256, d_model=128, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=256, max_seq_len=16)
 FP8 = {k: "fp8" for k in ("qkv", "out", "up", "down")}
@@ -37,7 +37,7 @@ def test_the_chosen_kernel_runs_every_fp8_gemm():
 
 def test_mosaic_gpu_needs_a_gpu_mesh():
     cfg = tiny_config({"precision.matmul.up": "fp8", "precision.fp8_impl": "mosaic_gpu", "model.d_ff": "128"})
-    config_lib.check_platform(cfg, "gpu")
+    mesh_lib.check_platform(cfg, "gpu")
     with pytest.raises(ValueError, match=r"fp8_impl='mosaic_gpu' is the Hopper wgmma kernel.*devices are cpu"):
-        config_lib.check_platform(cfg, "cpu")
-    config_lib.check_platform(tiny_config({"precision.fp8_impl": "mosaic_gpu"}), "cpu")  # no fp8 matmul: no kernel
+        mesh_lib.check_platform(cfg, "cpu")
+    mesh_lib.check_platform(tiny_config({"precision.fp8_impl": "mosaic_gpu"}), "cpu")  # no fp8 matmul: no kernel
