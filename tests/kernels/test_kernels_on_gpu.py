@@ -218,15 +218,17 @@ def _bits_equal(a, b, what):
     assert bad == 0, what
 
 
+@pytest.mark.parametrize("shape", [(1000, 4099), (1024, 4096)], ids=["flattened", "grid2d"])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_adamw_kahan_triton_equals_twin(stochastic):
-    g, p, c, mv = _leaf((1000, 4099), seed=0)  # 4.1M elements, the last block padded
+def test_adamw_kahan_triton_equals_twin(stochastic, shape):
+    """(1000, 4099): flattened into rows of 128, the last block padded; (1024, 4096): tiled in place on a 2-D grid."""
+    g, p, c, mv = _leaf(shape, seed=0)
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([1, 2], jnp.uint32)
     kernel = jax.jit(functools.partial(adamw_kahan, **HP, stochastic=stochastic))(g, p, c, mv, scalars, words)
     twin = jax.jit(functools.partial(K.adamw_kahan_reference, **HP, stochastic=stochastic))(g, p, c, mv, scalars, words)
     for what, a, b in zip(("p", "c", "mv"), kernel, twin, strict=True):
-        _bits_equal(a, b, f"adamw_kahan stochastic={stochastic} {what}")
+        _bits_equal(a, b, f"adamw_kahan {shape} stochastic={stochastic} {what}")
     assert np.mean(np.asarray(kernel[0]) != np.asarray(p)) > 0.5
 
 
