@@ -7,13 +7,14 @@ well, so the two agree bit for bit (tested in interpret mode).
 
 :func:`adamw_kahan` makes one pass over ``(g, p, c, mv)`` -> ``(p', c', mv')`` with the outputs aliased to the
 inputs. Memory traffic: reads 2+2+2+4, writes 2+2+4 = 18 bytes/param (an f32-master AdamW moves 14 + 12 + a bf16
-compute copy = 28). With 16-bit moments a leaf whose last axis is several 128s and whose rows (the other axes)
-split into blocks of 16 is tiled in place, ``(rows, 128)`` tiles of its ``(m, n)`` view on a 2-D grid (on a TPU
-a reshape into ``(rows, 128)`` rows would be a relayout of every array); other leaves are flattened and zero-padded
-to whole ``(rows, 128)`` blocks, the padding sliced off. Stochastic moment rounding draws one ``hash_bits`` word
-per element from its global flat index (block base + in-block index, mapped back to the row-major position on the
-2-D grid, or a shard's global index map), so the kernel draws the same bits as the XLA path. The platform switch
-is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in :mod:`lpt.kernels.adamw_kahan_sharded`.
+compute copy = 28). A leaf whose last axis is several 128s and whose rows (the other axes) split into blocks of
+16 (8-bit moments: of 1024, or one block of a power of two >= 128) is tiled in place, ``(rows, 128)`` tiles of its
+``(m, n)`` view on a 2-D grid (on a TPU a reshape into ``(rows, 128)`` rows would be a relayout of every array);
+other leaves are flattened and zero-padded to whole ``(rows, 128)`` blocks, the padding sliced off. Stochastic
+moment rounding draws one ``hash_bits`` word per element from its global flat index (block base + in-block
+index, mapped back to the row-major position on the 2-D grid, or a shard's global index map), so the kernel draws
+the same bits as the XLA path. The platform switch is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in
+:mod:`lpt.kernels.adamw_kahan_sharded`.
 
 8-bit moments (``moments8=(m_format, v_format, v_sqrt)``, :mod:`lpt.optim.moments8`): ``mv`` is the uint16 pair of
 FP8 codes per element and ``scales`` one complex64 per block of 128 along the last axis (m's scale real, v's
@@ -115,11 +116,18 @@ def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
     cols = p2.shape[1] // LANES  # > 1: an (m, n) view of the leaf on a 2-D grid (16-bit moments)
     tile = pl.BlockSpec((block_rows, LANES), (lambda i: (i, 0)) if cols == 1 else (lambda i, j: (i, j)))
     columns = mode == "triton"  # 8-bit moments' scales: (rows, 1) columns on Triton, lane-dense rows elsewhere
+    # the scales of the 2-D grid come column block by column block: (cols, rows / 128, 128), one per tile column
+    dense_shape = scales[0].shape if scales else None
     if scales and columns:
-        scales = tuple(s.reshape(rows, 1) for s in scales)  # (rows / 128, 128) -> (rows, 1): row-major, a bitcast
-        scale_spec = pl.BlockSpec((block_rows, 1), lambda i: (i, 0))
-    else:
+        scales = tuple(s.reshape(-1, 1) for s in scales)  # lane-dense -> one (rows·cols, 1) column: a bitcast
+        per_col = rows // block_rows  # row blocks of one column block
+        scale_spec = pl.BlockSpec(
+            (block_rows, 1), (lambda i: (i, 0)) if cols == 1 else (lambda i, j: (j * per_col + i, 0))
+        )
+    elif cols == 1:
         scale_spec = pl.BlockSpec((block_rows // LANES, LANES), lambda i: (i, 0))
+    else:
+        scale_spec = pl.BlockSpec((None, block_rows // LANES, LANES), lambda i, j: (j, i, 0))
     if mode == "mosaic":
         scalar_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)] * 2
     else:
@@ -135,7 +143,7 @@ def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
         # per element: ~130 elementwise flops (two hashes, two requantizations), two sqrt and three divisions;
         # reads g, p, c, the codes (2 bytes) and 2 f32 scales per 128; writes p, c, the codes and the scales
         cost = pl.CostEstimate(
-            flops=130 * n, transcendentals=5 * n, bytes_accessed=n * (g_bytes + 2 + 2 + 2 + 2 + 2 + 2) + rows * 16
+            flops=130 * n, transcendentals=5 * n, bytes_accessed=n * (g_bytes + 2 + 2 + 2 + 2 + 2 + 2) + n // LANES * 16
         )
     else:
         # per element: ~40 elementwise flops, one sqrt; reads g, p, c, mv and writes p, c, mv
@@ -153,7 +161,7 @@ def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
         **dispatch.mode_kwargs(mode, grid_rank=1 if cols == 1 else 2),
     )(sc, w, g2, p2, c2, mv2, *scales)
     if scales and columns:
-        outs = (*outs[:3], *(s.reshape(rows // LANES, LANES) for s in outs[3:]))  # (rows, 1) -> (rows / 128, 128)
+        outs = (*outs[:3], *(s.reshape(dense_shape) for s in outs[3:]))  # the column -> lane-dense, a bitcast
     return outs
 
 
@@ -231,9 +239,12 @@ def adamw_kahan(
     tall = view_rows & -view_rows  # the largest power of two dividing the view's rows
     # 16-bit moments and a last axis of several 128s: (rows, 128) tiles of the (m, n) view on a 2-D grid, so that no
     # array is reshaped into (rows, 128) rows (on TPU a relayout of every input and output: 8 passes over the leaf)
-    grid2d = not eight_bit and width % LANES == 0 and width > LANES and tall >= 16
+    grid2d = width % LANES == 0 and width > LANES and tall >= 16
+    tile_rows = min(max(TPU_BLOCK_ROWS_8BIT, block_rows or 0) if eight_bit else big, tall)
+    if grid2d and eight_bit:  # lane-dense scale blocks: (8, 128) tiles of them, or the view's whole rows
+        grid2d = tile_rows >= TPU_BLOCK_ROWS_8BIT or (tile_rows == view_rows and tile_rows >= LANES)
     if grid2d:
-        big, small = min(big, tall), min(small, tall)
+        big, small = tile_rows, min(small, tall)
 
     def flat(x):
         if grid2d:
@@ -241,6 +252,8 @@ def adamw_kahan(
         return jnp.pad(x.reshape(-1), (0, rows_pad * LANES - n)).reshape(rows_pad, LANES)
 
     def lane_dense(s):  # one f32 scale per row of 128 (the last axis is whole blocks), 128 rows' scales per row
+        if grid2d:  # (m, n / 128) -> per column block, its m scales in rows of 128
+            return jnp.transpose(s.reshape(view_rows, width // LANES)).reshape(width // LANES, -1, LANES)
         return jnp.pad(s.reshape(-1), (0, rows_pad - rows)).reshape(rows_pad // LANES, LANES)
 
     args = (scalars, words, flat(g), flat(p), flat(c), flat(mv))
@@ -253,7 +266,11 @@ def adamw_kahan(
     build = lambda mode: functools.partial(_pallas, block_rows=rows_of(mode), hp=hp, shapes=shapes, mode=mode)
     outs = dispatch.platform_call(build, *args, interpret=interpret)
     if grid2d:
-        return tuple(x.reshape(p.shape) for x in outs)
+        leaf = tuple(x.reshape(p.shape) for x in outs[:3])
+        if not eight_bit:
+            return leaf
+        ms, vs = (jnp.transpose(x.reshape(width // LANES, view_rows)) for x in outs[3:])  # -> (m, n / 128)
+        return (*leaf, lax.complex(ms, vs).reshape(scales.shape))  # f32 -> complex64 (m + i·v)
     leaf = tuple(x.reshape(-1)[:n].reshape(p.shape) for x in outs[:3])
     if not eight_bit:
         return leaf

@@ -106,9 +106,11 @@ def test_wide_leaves_run_on_a_2d_grid_and_equal_the_twin(shape, stochastic):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(expect))
 
 
-def test_wide_leaves_are_not_relaid_out_on_tpu():
+@pytest.mark.parametrize("moment_dtype", [None, "float8_e4m3fn"], ids=["bf16_moments", "8bit_moments"])
+def test_wide_leaves_are_not_relaid_out_on_tpu(moment_dtype):
     """Compiled for a TPU v5e: a (4096, 2048) leaf reaches the kernel without a reshape of its arrays (a reshape into
-    (rows, 128) rows is a relayout there: one more pass over each of g, p, c, the moments and the outputs); the
+    (rows, 128) rows is a relayout there: one more pass over each of g, p, c, the moments and the outputs), with
+    16-bit or 8-bit moments; the
     control, 4100 rows (not a multiple of 16, the flattened path), has them: padded and reshaped copies in, slices
     out."""
     from lpt import targets
@@ -117,7 +119,7 @@ def test_wide_leaves_are_not_relaid_out_on_tpu():
 
     def reshapes(rows):
         w = {"w": jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16, sharding=sharding)}
-        tx = O.kahan_adamw(1e-2, impl="pallas")
+        tx = O.kahan_adamw(1e-2, impl="pallas", **({} if moment_dtype is None else {"moment_dtype": moment_dtype}))
         st = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), jax.eval_shape(tx.init, w)
         )

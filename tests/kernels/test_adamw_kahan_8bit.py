@@ -322,3 +322,35 @@ def test_compiles_for_h100_sharded_without_gathers():
     shapes = [((256, 512), jnp.bfloat16)] * 3 + [((256, 512), jnp.uint16), ((256, 4), jnp.complex64)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=leaf) for s, d in shapes]
     assert _all_gathers(jax.jit(direct).lower(*args).compile().as_text()) > 0  # control: XLA gathers the leaf
+
+
+@pytest.mark.parametrize("shape", [(1024, 384), (128, 256)], ids=["row_blocks", "whole_rows"])
+@pytest.mark.parametrize("spec", ["float8_e4m3fn", "e4m3_v_direct"])
+def test_wide_leaves_run_on_a_2d_grid(shape, spec):
+    """8-bit moments on a leaf whose last axis is several 128s and whose rows split into blocks of 1024 (or are one
+    block of a power of two >= 128): (rows, 128) tiles of the (m, n) view on a 2-D grid, the scales handed over
+    column block by column block, lane-dense; bit for bit the twin."""
+    m8 = M8.MOMENT8[spec]
+    moments8 = (m8.m_format, m8.v_format, m8.v_sqrt)
+    rng = np.random.default_rng(5)
+    g = jnp.asarray(rng.standard_normal(shape) * 10.0 ** rng.uniform(-5, 0, shape), jnp.bfloat16)
+    p = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal(shape) * 1e-3, jnp.bfloat16)
+    codes = M8.pack_codes(
+        jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8) & 0xF7),
+        jnp.asarray(rng.integers(0, 0x7F, shape, dtype=np.uint8) & 0x77),
+    )
+    mag = lambda: 10.0 ** rng.uniform(-8, 0, (shape[0], shape[1] // 128))
+    scales = jax.lax.complex(jnp.asarray(mag(), jnp.float32), jnp.asarray(mag(), jnp.float32))  # f32 -> complex64
+    scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
+    words = jnp.asarray([1, 2, 3, 4], jnp.uint32)
+    kw = dict(HP, stochastic=True, scales=scales, moments8=moments8)
+    kernel = lambda *a: adamw_kahan(*a, interpret=True, **kw)
+    (eqn,) = [
+        e for e in jax.make_jaxpr(kernel)(g, p, c, codes, scalars, words).eqns if e.primitive.name == "pallas_call"
+    ]
+    assert tuple(eqn.params["grid_mapping"].grid) == (shape[0] // min(shape[0], 1024), shape[1] // 128)
+    out = jax.jit(kernel)(g, p, c, codes, scalars, words)
+    twin = jax.jit(lambda *a: K.adamw_kahan_reference(*a, **kw))(g, p, c, codes, scalars, words)
+    for name, a, b in zip(("p", "c", "codes", "scales"), out, twin, strict=True):
+        _bits_equal(a, b, name)
