@@ -237,7 +237,7 @@ def adamw_kahan(
     width = p.shape[-1] if p.ndim >= 2 else 0
     view_rows = n // width if width else 0
     tall = view_rows & -view_rows  # the largest power of two dividing the view's rows
-    # 16-bit moments and a last axis of several 128s: (rows, 128) tiles of the (m, n) view on a 2-D grid, so that no
+    # a last axis of several 128s and rows in whole blocks: (rows, 128) tiles of the (m, n) view on a 2-D grid, so no
     # array is reshaped into (rows, 128) rows (on TPU a relayout: one more pass over each input and output)
     grid2d = width % LANES == 0 and width > LANES and tall >= 16
     tile_rows = min(max(TPU_BLOCK_ROWS_8BIT, block_rows or 0) if eight_bit else big, tall)
