@@ -41,26 +41,27 @@ def test_interpret_matches_xla_twin(stochastic):
     assert moved > 0.5, moved
 
 
+def kahan_adamw_steps(impl: str, params, steps: int, **kw):
+    """(params, state) after ``steps`` jitted steps of ``kahan_adamw(impl=...)`` (weight decay 0.1, stochastic moments
+    seeded 3, a decaying lr) on sin gradients that change every step."""
+    tx = O.kahan_adamw(optax.linear_schedule(1e-2, 1e-3, 4), impl=impl, weight_decay=0.1, seed=3, **kw)
+
+    @jax.jit
+    def step(g, st, q):
+        d, st = tx.update(g, st, q)
+        return optax.apply_updates(q, d), st
+
+    q, st = params, tx.init(params)
+    for i in range(steps):
+        g = jax.tree.map(lambda x, i=i: jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * (i + 1)).reshape(x.shape), q)
+        q, st = step(jax.tree.map(lambda x, y: x.astype(y.dtype), g, params), st, q)
+    return q, st
+
+
 def test_kahan_adamw_pallas_interpreted_equals_xla_over_steps():
     rng = np.random.default_rng(1)
     p = {"w": jnp.asarray(rng.standard_normal((40, 130)), jnp.bfloat16), "b": jnp.zeros(5, jnp.float32)}
-    kw = dict(weight_decay=0.1, seed=3)  # stochastic moments (the default)
-    out = {}
-    for impl in ("xla", "pallas"):
-        tx = O.kahan_adamw(optax.linear_schedule(1e-2, 1e-3, 4), impl=impl, interpret=True, **kw)
-
-        @jax.jit
-        def step(g, st, q, tx=tx):
-            d, st = tx.update(g, st, q)
-            return optax.apply_updates(q, d), st
-
-        q, st = p, tx.init(p)
-        for i in range(3):
-            g = jax.tree.map(
-                lambda x, i=i: jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * (i + 1)).reshape(x.shape), p
-            )
-            q, st = step(jax.tree.map(lambda x, y: x.astype(y.dtype), g, p), st, q)
-        out[impl] = (q, st)
+    out = {impl: kahan_adamw_steps(impl, p, 3, interpret=True) for impl in ("xla", "pallas")}
     (qx, sx), (qp, sp) = out["xla"], out["pallas"]
     for a, b in zip(jax.tree.leaves((qx, sx)), jax.tree.leaves((qp, sp)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -128,25 +128,31 @@ def test_kernel_equals_the_xla_path_over_steps(rounding):
     assert np.all(np.asarray(jnp.real(sx.scales["big"])) > 0)
 
 
-@pytest.mark.parametrize("spec", sorted(M8.MOMENT8))
-@pytest.mark.parametrize("stochastic", [False, True])
-def test_kernel_equals_its_xla_twin_for_every_format(spec, stochastic):
-    """One step from a random 8-bit state (codes of every magnitude, scales over 8 decades) for each Moment8:
-    adamw_kahan(interpret=True) equals adamw_kahan_reference on the whole leaf."""
+def random_state8(shape, spec: str, seed: int):
+    """One step's inputs from a random 8-bit state of ``spec``'s Moment8: gradients over five decades, bf16 params
+    and compensation, codes of every magnitude (finite in both FP8 formats; v >= 0), scales over 8 decades, and the
+    scalars and key words. Returns ``(g, p, c, codes, scales, scalars, words, moments8)``."""
     m8 = M8.MOMENT8[spec]
-    moments8 = (m8.m_format, m8.v_format, m8.v_sqrt)
-    rng = np.random.default_rng(2)
-    shape = (40, 256)
+    rng = np.random.default_rng(seed)
     g = jnp.asarray(rng.standard_normal(shape) * 10.0 ** rng.uniform(-5, 0, shape), jnp.bfloat16)
     p = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     c = jnp.asarray(rng.standard_normal(shape) * 1e-3, jnp.bfloat16)
     m_codes = rng.integers(0, 256, shape, dtype=np.uint8)
     v_codes = rng.integers(0, 0x7F, shape, dtype=np.uint8)  # v (or sqrt(v)) >= 0, no NaN code
     codes = M8.pack_codes(jnp.asarray(m_codes & 0xF7), jnp.asarray(v_codes & 0x77))  # finite in both formats
-    mag = lambda: 10.0 ** rng.uniform(-8, 0, (40, 2))
+    mag = lambda: 10.0 ** rng.uniform(-8, 0, (*shape[:-1], shape[-1] // 128))
     scales = jax.lax.complex(jnp.asarray(mag(), jnp.float32), jnp.asarray(mag(), jnp.float32))  # f32 -> complex64
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([1, 2, 3, 4], jnp.uint32)
+    return g, p, c, codes, scales, scalars, words, (m8.m_format, m8.v_format, m8.v_sqrt)
+
+
+@pytest.mark.parametrize("spec", sorted(M8.MOMENT8))
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_kernel_equals_its_xla_twin_for_every_format(spec, stochastic):
+    """One step from a random 8-bit state (codes of every magnitude, scales over 8 decades) for each Moment8:
+    adamw_kahan(interpret=True) equals adamw_kahan_reference on the whole leaf."""
+    g, p, c, codes, scales, scalars, words, moments8 = random_state8((40, 256), spec, seed=2)
     kw = dict(HP, stochastic=stochastic, scales=scales, moments8=moments8)
     kernel = jax.jit(lambda *a: adamw_kahan(*a, interpret=True, **kw))(g, p, c, codes, scalars, words)
     twin = jax.jit(lambda *a: K.adamw_kahan_reference(*a, **kw))(g, p, c, codes, scalars, words)
@@ -330,20 +336,7 @@ def test_wide_leaves_run_on_a_2d_grid(shape, spec):
     """8-bit moments on a leaf whose last axis is several 128s and whose rows split into blocks of 1024 (or are one
     block of a power of two >= 128): (rows, 128) tiles of the (m, n) view on a 2-D grid, the scales handed over
     column block by column block, lane-dense; bit for bit the twin."""
-    m8 = M8.MOMENT8[spec]
-    moments8 = (m8.m_format, m8.v_format, m8.v_sqrt)
-    rng = np.random.default_rng(5)
-    g = jnp.asarray(rng.standard_normal(shape) * 10.0 ** rng.uniform(-5, 0, shape), jnp.bfloat16)
-    p = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    c = jnp.asarray(rng.standard_normal(shape) * 1e-3, jnp.bfloat16)
-    codes = M8.pack_codes(
-        jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8) & 0xF7),
-        jnp.asarray(rng.integers(0, 0x7F, shape, dtype=np.uint8) & 0x77),
-    )
-    mag = lambda: 10.0 ** rng.uniform(-8, 0, (shape[0], shape[1] // 128))
-    scales = jax.lax.complex(jnp.asarray(mag(), jnp.float32), jnp.asarray(mag(), jnp.float32))  # f32 -> complex64
-    scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
-    words = jnp.asarray([1, 2, 3, 4], jnp.uint32)
+    g, p, c, codes, scales, scalars, words, moments8 = random_state8(shape, spec, seed=5)
     kw = dict(HP, stochastic=True, scales=scales, moments8=moments8)
     kernel = lambda *a: adamw_kahan(*a, interpret=True, **kw)
     (eqn,) = [

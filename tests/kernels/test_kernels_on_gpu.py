@@ -25,11 +25,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from float_bounds import assert_within, gamma
+from test_adamw_kahan import HP, _leaf, kahan_adamw_steps
+from test_adamw_kahan_8bit import random_state8
+from test_fp8_blockwise_matmul import _operands
 
-import lpt.optim as O
 from lpt.attention import dot_product_attention
 from lpt.fp8 import blockwise_dot
 from lpt.kernels import adamw_kahan_math as K
@@ -43,8 +44,6 @@ from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
 from lpt.optim import moments8 as M8
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (compiled kernels)")
-
-HP = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 def _hopper() -> bool:
@@ -127,15 +126,6 @@ def test_attention_api_pallas_equals_xla_with_grads():
         assert np.linalg.norm(x - r) / np.linalg.norm(r) < 4e-3, what
 
 
-def _fp8_operands(m, k, n, da, db, seed=0):
-    rng = np.random.default_rng(seed)
-    a = jnp.asarray((rng.standard_normal((m, k)) * 8).astype(np.float32)).astype(da)  # f32 -> fp8
-    b = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)).astype(db)  # f32 -> fp8
-    sa = jnp.asarray(rng.uniform(0.5, 2.0, (m, k // 128)).astype(np.float32))
-    sb = jnp.asarray(rng.uniform(0.5, 2.0, (k // 128, n)).astype(np.float32))
-    return a, sa, b, sb
-
-
 def _fp8_magnitude(args):
     a, sa, b, sb = (np.asarray(x, np.float64) for x in args)  # fp8 / f32 -> f64, exact
     k = a.shape[1]
@@ -162,13 +152,13 @@ def _fp8_check(out, args, what):
     ],
 )
 def test_fp8_blockwise_triton_equals_twin(m, k, n, da, db):
-    args = _fp8_operands(m, k, n, da, db)
+    args = _operands(m, k, n, da, db)
     _fp8_check(jax.jit(fp8_blockwise_matmul)(*args), args, f"triton {m}x{k}x{n} {jnp.dtype(da).name}")
 
 
 @pytest.mark.skipif(not _hopper(), reason="wgmma needs compute capability 9.0")
 def test_fp8_blockwise_mosaic_gpu_equals_twin():
-    args = _fp8_operands(1000, 2048, 1024, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+    args = _operands(1000, 2048, 1024, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
     _fp8_check(jax.jit(fp8_blockwise_matmul_mgpu)(*args), args, "mosaic_gpu 1000x2048x1024")
 
 
@@ -195,15 +185,6 @@ def test_blockwise_dot_kernels_equal_xla_with_grads(impl):
         print(f"blockwise_dot {impl} {what}: relative Frobenius vs xla {rel:.2e}")
         # about 14 accumulation bits inside each 128-term chunk: a few 2^-14 relative, far from a wrong block (~1)
         assert rel < 2.0**-10, what
-
-
-def _leaf(shape, seed):
-    rng = np.random.default_rng(seed)
-    g = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    p = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    c = jnp.asarray(rng.standard_normal(shape) * 1e-3, jnp.bfloat16)
-    mv = jnp.asarray(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32) & 0x3FFF3FFF)  # moments >= 0
-    return g, p, c, mv
 
 
 def _bits_equal(a, b, what):
@@ -234,20 +215,7 @@ def test_adamw_kahan_triton_equals_twin(stochastic, shape):
 
 @pytest.mark.parametrize("spec", sorted(M8.MOMENT8))
 def test_adamw_kahan_8bit_triton_equals_twin(spec):
-    m8 = M8.MOMENT8[spec]
-    moments8 = (m8.m_format, m8.v_format, m8.v_sqrt)
-    rng = np.random.default_rng(2)
-    shape = (512, 2048)
-    g = jnp.asarray(rng.standard_normal(shape) * 10.0 ** rng.uniform(-5, 0, shape), jnp.bfloat16)
-    p = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    c = jnp.asarray(rng.standard_normal(shape) * 1e-3, jnp.bfloat16)
-    m_codes = rng.integers(0, 256, shape, dtype=np.uint8)
-    v_codes = rng.integers(0, 0x7F, shape, dtype=np.uint8)
-    codes = M8.pack_codes(jnp.asarray(m_codes & 0xF7), jnp.asarray(v_codes & 0x77))  # finite in both formats
-    mag = lambda: 10.0 ** rng.uniform(-8, 0, (512, 16))
-    scales = jax.lax.complex(jnp.asarray(mag(), jnp.float32), jnp.asarray(mag(), jnp.float32))  # f32 -> complex64
-    scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
-    words = jnp.asarray([1, 2, 3, 4], jnp.uint32)
+    g, p, c, codes, scales, scalars, words, moments8 = random_state8((512, 2048), spec, seed=2)
     kw = dict(HP, stochastic=True, scales=scales, moments8=moments8)
     kernel = jax.jit(lambda *a: adamw_kahan(*a, **kw))(g, p, c, codes, scalars, words)
     twin = jax.jit(lambda *a: K.adamw_kahan_reference(*a, **kw))(g, p, c, codes, scalars, words)
@@ -259,22 +227,7 @@ def test_kahan_adamw_pallas_equals_xla_over_steps():
     """Five steps of ``kahan_adamw(impl="pallas")`` and ``impl="xla"`` on one GPU: the same params and state."""
     rng = np.random.default_rng(1)
     p = {"w": jnp.asarray(rng.standard_normal((1024, 1536)), jnp.bfloat16), "b": jnp.zeros(1536, jnp.float32)}
-    out = {}
-    for impl in ("xla", "pallas"):
-        tx = O.kahan_adamw(optax.linear_schedule(1e-2, 1e-3, 4), impl=impl, weight_decay=0.1, seed=3)
-
-        @jax.jit
-        def step(g, st, q, tx=tx):
-            d, st = tx.update(g, st, q)
-            return optax.apply_updates(q, d), st
-
-        q, st = p, tx.init(p)
-        for i in range(5):
-            g = jax.tree.map(
-                lambda x, i=i: jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * (i + 1)).reshape(x.shape), p
-            )
-            q, st = step(jax.tree.map(lambda x, y: x.astype(y.dtype), g, p), st, q)
-        out[impl] = (q, st)
+    out = {impl: kahan_adamw_steps(impl, p, 5) for impl in ("xla", "pallas")}
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(out["xla"]), jax.tree.leaves(out["pallas"]), strict=True
     ):
