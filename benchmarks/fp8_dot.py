@@ -20,7 +20,7 @@ from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul_reference
 from lpt.train.machine import describe
 
 
-def _median_time(f, *args, reps: int) -> float:
+def median_time(f, *args, reps: int) -> float:
     jax.block_until_ready(f(*args))  # compile + warm up
     times = []
     for _ in range(reps):
@@ -66,16 +66,16 @@ def main() -> None:
     fwd_bwd = fwd_bwd_of(blockwise_dot)
     bf16_fwd_bwd = fwd_bwd_of(jnp.dot)
 
-    t_bf16 = _median_time(bf16_dot, x_bf, w_bf, reps=a.reps)
+    t_bf16 = median_time(bf16_dot, x_bf, w_bf, reps=a.reps)
     rows = [
         ("bf16 jnp.dot (baseline)", t_bf16),
-        ("f32 jnp.dot", _median_time(f32_dot, x, w, reps=a.reps)),
-        ("quantize x (1x128) + w (128x128)", _median_time(quantize, x, w, reps=a.reps)),
-        ("FP8 GEMM only (scan over K/128 chunks)", _median_time(gemm, qx, sx, qw, sw_cols, reps=a.reps)),
-        ("blockwise_dot forward (quantize + GEMM)", _median_time(fwd, x, w, reps=a.reps)),
+        ("f32 jnp.dot", median_time(f32_dot, x, w, reps=a.reps)),
+        ("quantize x (1x128) + w (128x128)", median_time(quantize, x, w, reps=a.reps)),
+        ("FP8 GEMM only (scan over K/128 chunks)", median_time(gemm, qx, sx, qw, sw_cols, reps=a.reps)),
+        ("blockwise_dot forward (quantize + GEMM)", median_time(fwd, x, w, reps=a.reps)),
     ]
-    t_bf16_fb = _median_time(bf16_fwd_bwd, x_bf, w_bf, g_bf, reps=a.reps)
-    t_fb = _median_time(fwd_bwd, x, w, g, reps=a.reps)
+    t_bf16_fb = median_time(bf16_fwd_bwd, x_bf, w_bf, g_bf, reps=a.reps)
+    t_fb = median_time(fwd_bwd, x, w, g, reps=a.reps)
     print(f"shape x[{a.m}, {a.k}] @ w[{a.k}, {a.n}], backend {jax.default_backend()}, median of {a.reps}")
     print(f"machine: {describe()}")
     print(f"{'what':44s} {'ms':>9s} {'x bf16 dot':>11s}")

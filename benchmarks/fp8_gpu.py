@@ -21,25 +21,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from fp8_dot import median_time  # benchmarks/ is the script's directory, first on sys.path
 
 from lpt.fp8 import blockwise_dot, quantize_blocks, quantize_tiles
 from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
-
-
-def _median(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _row(name, seconds, flops, base):
@@ -70,16 +59,16 @@ def main() -> int:
         flops = 2.0 * s**3
         print(f"M = K = N = {s}: one GEMM")
         bf16 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
-        base = _median(bf16, xb, wb, iters=args.iters)
+        base = median_time(bf16, xb, wb, reps=args.iters)
         _row("bf16 jnp.dot", base, flops, None)
         fp8 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-        _row("fp8 per-tensor jnp.dot", _median(fp8, a, b.astype(jnp.float8_e4m3fn), iters=args.iters), flops, base)
+        _row("fp8 per-tensor jnp.dot", median_time(fp8, a, b.astype(jnp.float8_e4m3fn), reps=args.iters), flops, base)
         kernels = {"twin (XLA)": fp8_blockwise_matmul_reference, "triton": fp8_blockwise_matmul}
         if hopper:
             kernels["mosaic_gpu"] = fp8_blockwise_matmul_mgpu
         for name, kernel in kernels.items():
             try:
-                _row(name, _median(jax.jit(kernel), a, sa, b, sb_cols, iters=args.iters), flops, base)
+                _row(name, median_time(jax.jit(kernel), a, sa, b, sb_cols, reps=args.iters), flops, base)
             except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others' numbers
                 print(f"  {name:28s} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         print(f"M = K = N = {s}: forward + dX + dW (3 GEMMs)")
@@ -89,7 +78,7 @@ def main() -> int:
             return y, vjp(g.astype(y.dtype))
 
         plain = jax.jit(functools.partial(layer, lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)))
-        base3 = _median(plain, xb, wb, g, iters=args.iters)
+        base3 = median_time(plain, xb, wb, g, reps=args.iters)
         _row("bf16 jnp.dot", base3, 3 * flops, None)
         impls = ["xla", "pallas"] + (["mosaic_gpu"] if hopper else [])
         for impl in impls:
@@ -98,7 +87,7 @@ def main() -> int:
             try:
                 _row(
                     f"blockwise_dot {impl}",
-                    _median(jax.jit(functools.partial(layer, dot)), x, w, g, iters=args.iters),
+                    median_time(jax.jit(functools.partial(layer, dot)), x, w, g, reps=args.iters),
                     3 * flops,
                     base3,
                 )
