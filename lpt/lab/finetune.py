@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lpt import data as data_lib
+from lpt.lab import runs
 from lpt.train import config as config_lib
 from lpt.train import init_from, loop
 from lpt.train import mesh as mesh_lib
@@ -71,17 +72,6 @@ QUICK = {
 }
 
 
-def read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(train series, eval series) of a run's metrics.jsonl, each ``{key: values}`` with a ``step`` array."""
-    train, evals = [], []
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        (evals if "eval_loss" in rec else train).append(rec)
-    keys = lambda recs: sorted({k for r in recs for k in r})
-    to_arrays = lambda recs: {k: np.array([r.get(k, np.nan) for r in recs], float) for k in keys(recs)}
-    return to_arrays(train), to_arrays(evals)
-
-
 def recipe_config(name: str, overrides: dict[str, str], start: Path):
     """configs/finetune_cpu.py with recipe ``name``'s overrides, ``overrides`` and ``init_from.workdir=start``."""
     cfg = config_lib.load_config_file("finetune_cpu")
@@ -121,11 +111,10 @@ def run(report, quick: bool) -> dict:
         key = (cfg.precision.param_dtype, cfg.precision.compute_dtype)
         if key not in starts:
             starts[key] = start_loss(cfg)
-        summary = loop.train(cfg, root / n)
-        tr, ev = read_metrics(root / n / "metrics.jsonl")
-        results[n] = {"start": starts[key], "final": summary["eval_loss"], "unigram": summary["unigram_loss"]}
-        results[n]["train"], results[n]["eval"] = tr, ev
-        cancelled = tr.get("update/cancelled_fraction")
+        run = runs.trained(cfg, root / n)
+        results[n] = {"start": starts[key], "final": run["eval_loss"], "unigram": run["unigram"]}
+        results[n]["train"], results[n]["eval"] = run["train"], run["eval"]
+        cancelled = run["train"].get("update/cancelled_fraction")
         results[n]["cancelled"] = float(np.nanmean(cancelled)) if cancelled is not None else float("nan")
     base = results[BASELINE]
     base_gain = base["start"] - base["final"]

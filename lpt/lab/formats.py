@@ -39,10 +39,9 @@ from lpt.fp8.block_diagnostics import block_scale_health, gemm_block_health, ope
 from lpt.fp8.block_scaled import block_scaled_dot
 from lpt.inference import load_model
 from lpt.lab import runs
-from lpt.lab.recipes import QUICK, read_metrics
+from lpt.lab.recipes import QUICK
 from lpt.models import layers
 from lpt.train import config as config_lib
-from lpt.train import loop
 from lpt.train.machine import describe
 from lpt.train.step import cross_entropy
 
@@ -96,9 +95,7 @@ def lm_runs(names, seeds, workdir: Path, quick: bool) -> dict:
     out = {}
     for n, s in tqdm([(n, s) for n in names for s in seeds], desc="formats: LM runs", leave=False):
         run_dir = workdir / f"{n}_s{s}"
-        summary = loop.train(run_config(n, s, quick), run_dir)
-        tr, ev = read_metrics(run_dir / "metrics.jsonl")
-        out[(n, s)] = {"eval_loss": summary["eval_loss"], "train": tr, "eval": ev, "dir": run_dir}
+        out[(n, s)] = runs.trained(run_config(n, s, quick), run_dir)
     return out
 
 

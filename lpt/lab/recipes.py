@@ -15,7 +15,6 @@ same ``--out`` only re-evaluates finished runs.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lpt.lab import cost, runs
-from lpt.train import loop
 from lpt.train.machine import describe
 
 LR = "1e-3"
@@ -44,25 +42,12 @@ QUICK = {  # ~15 s per recipe on 2 quiet cores (mostly compiling): a one-layer m
 QUICK_RECIPES = ("fp32", "bf16_nearest", "bf16_kahan", "bf16_sr")
 
 
-def read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(train series, eval series) of a run's metrics.jsonl, each ``{key: values}`` with a ``step`` array."""
-    train, evals = [], []
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        (evals if "eval_loss" in rec else train).append(rec)
-    to_arrays = lambda recs: {k: np.array([r.get(k, np.nan) for r in recs], float) for k in (recs[0] if recs else {})}
-    return to_arrays(train), to_arrays(evals)
-
-
 def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, dict]:
-    """Train each recipe in ``workdir/<name>``; return ``{name: {"eval_loss", "unigram", "train", "eval"}}``."""
+    """Train each recipe in ``workdir/<name>``; return ``{name: runs.trained(...)}``."""
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     out = {}
     for name in names:
-        cfg = runs.recipe_config(name, overrides)
-        summary = loop.train(cfg, workdir / name)
-        tr, ev = read_metrics(workdir / name / "metrics.jsonl")
-        out[name] = {"eval_loss": summary["eval_loss"], "unigram": summary["unigram_loss"], "train": tr, "eval": ev}
+        out[name] = runs.trained(runs.recipe_config(name, overrides), workdir / name)
     return out
 
 

@@ -14,6 +14,7 @@ product, not a re-implementation of it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,8 @@ import numpy as np
 
 from lpt import data as data_lib
 from lpt.train import config as config_lib
+from lpt.train import loop, optimizer
 from lpt.train import mesh as mesh_lib
-from lpt.train import optimizer
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
 
@@ -47,6 +48,31 @@ RECIPES: dict[str, tuple[str, dict[str, str], str]] = {
     "gaussws": ("tiny_cpu_gaussws.py", {}, "GaussWS pseudo-quantization training"),
 }
 BASELINE = "fp32"
+
+
+def read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(train series, eval series) of a run's metrics.jsonl, each ``{key: values}`` with a ``step`` array."""
+    train, evals = [], []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        (evals if "eval_loss" in rec else train).append(rec)
+    keys = lambda recs: sorted({k for r in recs for k in r})  # a key logged on some steps only (diagnostics) too
+    to_arrays = lambda recs: {k: np.array([r.get(k, np.nan) for r in recs], float) for k in keys(recs)}
+    return to_arrays(train), to_arrays(evals)
+
+
+def trained(cfg, run_dir: Path) -> dict:
+    """Train ``cfg`` into ``run_dir`` (a finished run is only re-read, an interrupted one resumes); returns
+    ``{"eval_loss", "unigram", "train", "eval", "dir"}`` with the series of :func:`read_metrics`."""
+    summary = loop.train(cfg, run_dir)
+    tr, ev = read_metrics(run_dir / "metrics.jsonl")
+    return {
+        "eval_loss": summary["eval_loss"],
+        "unigram": summary["unigram_loss"],
+        "train": tr,
+        "eval": ev,
+        "dir": run_dir,
+    }
 
 
 def recipe_config(name: str, overrides: dict[str, str] | None = None):

@@ -26,10 +26,9 @@ from tqdm import tqdm
 
 import lpt.optim as O
 from lpt.lab import runs
-from lpt.lab.recipes import QUICK, read_metrics
+from lpt.lab.recipes import QUICK
 from lpt.optim import moments8 as M8
 from lpt.train import config as config_lib
-from lpt.train import loop
 from lpt.train.machine import describe
 
 MOMENTS = ("float32", "bfloat16", *M8.MOMENT8)
@@ -120,9 +119,7 @@ def lm_runs(names, lrs, seeds, workdir: Path, quick: bool) -> dict:
     for name in tqdm([(n, lr, s) for n in names for lr in lrs for s in seeds], desc="states: LM runs", leave=False):
         n, lr, s = name
         run_dir = workdir / f"{n}_lr{lr}_s{s}"
-        summary = loop.train(_lm_config(n, lr, s, quick), run_dir)
-        tr, ev = read_metrics(run_dir / "metrics.jsonl")
-        out[name] = {"eval_loss": summary["eval_loss"], "train": tr, "eval": ev}
+        out[name] = runs.trained(_lm_config(n, lr, s, quick), run_dir)
     return out
 
 
