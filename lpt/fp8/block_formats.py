@@ -286,7 +286,7 @@ class NvScales(NamedTuple):
     tensor_nonfinite: jax.Array  # bool scalar: the tensor holds inf or NaN
     block_amax: jax.Array  # f32, x32's shape with the inner axes 1; 0 for a non-finite block
     block_nonfinite: jax.Array  # bool, block_amax's shape
-    block_scale_f32: jax.Array  # f32 block_amax · (S_enc · 1/6): the block decode scale before rounding to e4m3
+    block_scale_f32: jax.Array  # f32 block_amax · (S_enc · 1/6): the block decode scale, unrounded (e4m3 rounds it)
 
 
 def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> NvScales:

@@ -36,7 +36,7 @@ def test_mxfp8_planted_blocks():
     assert _counts(block_scale_health(x, "mxfp8")) == (2, 1, 2, 8)
     shares = block_scale_health(x, "mxfp8").shares()
     assert {k: float(v) for k, v in shares.items()} == {"saturated": 0.25, "underflow": 0.125, "clipped": 0.25}
-    # the quantizer agrees: the clipped blocks' maxima come back as 448 · 2^e
+    # the quantizer agrees: the clipped blocks' maxima come back as 448 · 2^e (a power-of-two scale: exact)
     codes, scales = mx_quantize(x, jnp.float8_e4m3fn)
     back = np.asarray(mx_dequantize(codes, scales)).reshape(8, 32)
     assert np.max(np.abs(back[1])) == np.max(np.abs(back[7])) == 448 / 256
@@ -53,7 +53,8 @@ def test_nvfp4_planted_blocks():
     assert _counts(block_scale_health(x, "nvfp4")) == (0, 3, 1, 6)
     codes, bs, ts = nvfp4_quantize(x)
     back = np.asarray(nvfp4_dequantize(codes, bs, ts)).reshape(6, 16)
-    assert np.max(np.abs(back[4])) == 6 * 2.0**-9 < 0.01640625  # the clipped block's maximum
+    # the clipped block's maximum; exact: code · block scale · tensor scale are products only, IEEE on any CPU
+    assert np.max(np.abs(back[4])) == 6 * 2.0**-9 < 0.01640625
     assert np.all(back[3] == 0)  # the flushed block
     # an inf in the tensor sets S_enc = 1 (TransformerEngine's rule): a block of amax 3000 needs 500 > 448
     x2 = _blocks([*finite, 3000.0, np.inf], 16, np.random.default_rng(1))
@@ -125,7 +126,8 @@ def test_probe_pools_block_health_and_snr():
 
     stats, y = run(x, w)
     s = {k: float(v) for k, v in stats.items()}
-    assert s["mxfp8/up/x_clipped_frac"] == 1 / 8 and s["mxfp8/up/x_scale_underflow_frac"] == 1 / 8  # pooled: 2/16
+    # pooled: 2/16 (ratios of integer block counts: exact)
+    assert s["mxfp8/up/x_clipped_frac"] == 1 / 8 and s["mxfp8/up/x_scale_underflow_frac"] == 1 / 8
     assert s["mxfp8/up/x_scale_saturated_frac"] == 0.0
     assert s["mxfp8/up/w_scale_underflow_frac"] == 0.0 and 0 <= s["mxfp8/up/w_clipped_frac"] <= 1
     assert set(s) >= {"nvfp4/down/x_scale_underflow_frac", "nvfp4/down/w_clipped_frac", "fp8/down/snr_db"}
