@@ -11,7 +11,8 @@ tokenizer.json file it is copied to ``DIR/tokenizer.json``.
 packed between documents, or the ids of the ``init_from.hf`` directory the run started from.
 
 ``DIR`` may be missing or an empty directory. A non-empty directory is refused (exit 2, nothing touched) unless
-``--overwrite`` is given; a file is always refused. The export is written to a new sibling directory
+``--overwrite`` is given; a file is always refused, and so is the run's own directory, one inside it or one holding
+it (symlinks followed), with or without ``--overwrite``. The export is written to a new sibling directory
 (``.DIR.new-*``) and then put in place as a unit: an existing ``DIR`` is renamed aside (``.DIR.old-*``), the new
 one renamed to ``DIR`` and the old one deleted, so no file of an older export (a stale tokenizer.json, say)
 survives beside new weights, and an export that fails halfway leaves ``DIR`` as it was.
@@ -37,7 +38,7 @@ import numpy as np
 
 from lpt.data import load_tokenizer
 from lpt.models import hf
-from lpt.train import console, load_params
+from lpt.train import console, load_params, paths
 
 
 def token_ids(cfg) -> dict:
@@ -69,10 +70,17 @@ def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict
     return params, cfg.model.to_dict(), tokenizer_file, token_ids(cfg)
 
 
-def check_out(out: str | Path, overwrite: bool = False) -> Path:
+def check_out(out: str | Path, overwrite: bool = False, workdir: str | Path | None = None) -> Path:
     """``out`` (symlinks resolved) if an export may be written there: missing, an empty directory, or with
-    ``overwrite`` a non-empty one; else a ValueError naming it."""
+    ``overwrite`` a non-empty one, and neither the run ``workdir`` nor inside it nor holding it (replacing ``out``
+    would delete the run); else a ValueError naming it."""
     path = Path(out).expanduser().resolve()
+    relation = paths.overlap(path, workdir) if workdir is not None and str(workdir).strip() else None
+    if relation is not None:
+        raise ValueError(
+            f"--out {str(out)!r} {relation} the run's --workdir {str(workdir)!r}; an export replaces --out as a "
+            f"whole, so it must lie outside the run: give another directory"
+        )
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; give a directory (created if missing)")
     if not overwrite and path.is_dir() and any(path.iterdir()):
@@ -88,11 +96,12 @@ def write(
     token_ids: dict | None = None,
     *,
     overwrite: bool = False,
+    workdir: str | Path | None = None,
 ) -> Path:
     """Write ``params`` as a Hugging Face directory (:func:`lpt.models.hf.save_params` with ``tokenizer_file`` and
     ``token_ids``) to a new sibling of ``out``, then swap it in for ``out`` (see the module docstring); ``out`` as
-    :func:`check_out` allows it."""
-    out = check_out(out, overwrite)
+    :func:`check_out` allows it (outside the run ``workdir``, when given)."""
+    out = check_out(out, overwrite, workdir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     new, old = out.with_name(f".{out.name}.new-{tag}"), out.with_name(f".{out.name}.old-{tag}")
@@ -113,8 +122,8 @@ def write(
 def export(workdir: str | Path, out: str | Path, step: int | None = None, *, overwrite: bool = False) -> Path:
     """Write the run ``workdir``'s checkpoint ``step`` (None: the newest) to ``out`` as a Hugging Face directory
     (:func:`write`)."""
-    check_out(out, overwrite)  # before reading the checkpoint
-    return write(out, *run_params(workdir, step), overwrite=overwrite)
+    check_out(out, overwrite, workdir)  # before reading the checkpoint
+    return write(out, *run_params(workdir, step), overwrite=overwrite, workdir=workdir)
 
 
 def check(out: str | Path, params: dict, model_cfg, *, rows: int = 2, max_len: int = 64) -> tuple[float, float]:
@@ -157,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare logits with transformers' (needs transformers)")
     args = parser.parse_args(argv)
     try:
-        check_out(args.out, args.overwrite)  # before reading the checkpoint
+        check_out(args.out, args.overwrite, args.workdir)  # before reading the checkpoint
         params, model_cfg, tokenizer_file, ids = run_params(args.workdir, args.step)  # read once, for both
-        write(args.out, params, model_cfg, tokenizer_file, ids, overwrite=args.overwrite)
+        write(args.out, params, model_cfg, tokenizer_file, ids, overwrite=args.overwrite, workdir=args.workdir)
         print(f"wrote {args.out} (eos_token_id {ids['eos_token_id']})", flush=True)
         if not args.check:
             return 0

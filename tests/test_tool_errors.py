@@ -106,6 +106,20 @@ def test_export_overwrite_replaces_the_directory_as_a_unit(run, hf_dir, tmp_path
     assert "error" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["workdir", "inside", "parent", "symlink"])
+def test_export_never_writes_over_the_run_it_exports(run, tmp_path, capsys, where):
+    """``--out`` that is the run's workdir, lies inside it, holds it, or is a symlink to it: refused with
+    ``--overwrite`` too (the swap would delete the run), every file of the run byte-identical."""
+    out = {"workdir": run, "inside": run / "checkpoints", "parent": run.parent, "symlink": tmp_path / "link"}[where]
+    if where == "symlink":
+        out.symlink_to(run)
+    before = tree(run.parent)
+    capsys.readouterr()
+    assert export.main(["--workdir", str(run), "--out", str(out), "--overwrite"]) == 2
+    one_error(capsys.readouterr().err, str(out), "the run's --workdir")
+    assert tree(run.parent) == before
+
+
 def test_export_overwrite_that_fails_keeps_the_old_export(run, tmp_path, monkeypatch):
     """A disk that fills up while the new export is written (an I/O failure, not bad input: it propagates) leaves
     the old directory as it was and no temporary sibling."""

@@ -96,3 +96,17 @@ def resolve(workdir, *, what: str = "--workdir") -> Any:
     """:func:`run_path`, made absolute with its symlinks resolved when it is local (a URL is absolute already)."""
     path = run_path(workdir, what=what)
     return path if is_remote(path) else path.resolve()
+
+
+def overlap(path, other) -> str | None:
+    """How the directory ``path`` overlaps ``other`` once both are resolved (symlinks followed; URLs compared by
+    their text): ``"is"``, ``"is inside"`` or ``"contains"``; None when neither holds the other. A tool that writes
+    ``path`` and reads ``other`` refuses any overlap: replacing ``path`` would delete what it reads."""
+    a, b = (str(resolve(p)).rstrip("/") for p in (path, other))
+    if a == b:
+        return "is"
+    if a.startswith(b + "/"):
+        return "is inside"
+    if b.startswith(a + "/"):
+        return "contains"
+    return None
