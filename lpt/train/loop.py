@@ -98,18 +98,13 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
     (:mod:`lpt.train.paths`)."""
     cfg = config_lib.resolve(cfg)  # model.vocab_size 0 -> the tokenizer's, so config.json records the size
     is_main = jax.process_index() == 0
-    created = workdir_lib.first_missing(workdir)  # the directory this run creates, if any
-    try:
-        with workdir_lib.WorkdirLock(workdir, enabled=is_main) as lock:
-            preempt = distributed.PreemptionFlag()  # from the start: a SIGTERM or Ctrl-C during start-up exits cleanly
-            try:
-                return _train(cfg, paths.run_path(workdir), hooks, preempt, lock)
-            finally:
-                preempt.restore()
-    except BaseException:
-        if is_main and created is not None:
-            workdir_lib.remove_if_unused(created)  # a run that failed before writing anything leaves no workdir
-        raise
+    # cleanup: a run that fails before writing anything leaves no new directory (removed while the lock is held)
+    with workdir_lib.WorkdirLock(workdir, enabled=is_main, cleanup=True) as lock:
+        preempt = distributed.PreemptionFlag()  # from the start: a SIGTERM or Ctrl-C during start-up exits cleanly
+        try:
+            return _train(cfg, paths.run_path(workdir), hooks, preempt, lock)
+        finally:
+            preempt.restore()
 
 
 def _train(

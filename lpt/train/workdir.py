@@ -18,7 +18,10 @@ the same workdir fails at once with a ``ValueError`` naming the holder. On a mul
   ValueError (it writes no checkpoint over the new holder's).
 
 A run that fails before it writes anything (a config that does not compile, bad data) removes the directories it
-created (:func:`first_missing`, :func:`remove_if_unused`), so a typo leaves no new workdir behind.
+created (:func:`first_missing`, :func:`remove_if_unused`), so a typo leaves no new workdir behind. It removes them
+while it still holds the lock, and never a directory that holds any file but its own lock: a trainer that lost the
+race for a new workdir (another one created it first, or in the same instant) removes nothing, and neither does a
+failed run whose new parent directory meanwhile holds another trainer's workdir.
 """
 
 from __future__ import annotations
@@ -84,14 +87,17 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def remove_if_unused(directory: Path) -> None:
-    """Remove ``directory`` (one a failed run created) if it holds no file but the lock: nothing a user could
-    want."""
+def remove_if_unused(directory: Path, own_lock: Path | None = None) -> None:
+    """Remove ``directory`` (one a failed run created) if the only file under it is ``own_lock``, the lock of the
+    trainer that calls this (and still holds it): nothing a user could want. Any other file, another trainer's lock
+    included (held now, or left by a run that held it), keeps the directory."""
     if not _exists(directory) or not directory.is_dir():
         return
     remote = paths.is_remote(directory)
-    for _, _, files in directory.walk() if remote else os.walk(directory):
-        if any(f != LOCK_NAME for f in files):
+    own = None if own_lock is None else str(own_lock if remote else Path(own_lock).absolute())
+    for root, _, files in directory.walk() if remote else os.walk(directory):
+        base = root if remote else Path(root).absolute()
+        if any(str(base / f) != own for f in files):
             return
     if remote:
         try:
@@ -110,11 +116,17 @@ def _nonempty(workdir: str | Path) -> Path:
 
 class WorkdirLock:
     """Exclusive lock on ``<workdir>/lpt.lock`` (``flock``, or a :class:`Lease` on object storage); use as a context
-    manager (``enabled=False``: a no-op)."""
+    manager (``enabled=False``: a no-op).
 
-    def __init__(self, workdir: str | Path, *, enabled: bool = True):
+    With ``cleanup=True``, the directories that taking the lock created (:func:`first_missing`) are removed again
+    when the ``with`` block raises, before the lock is released, if they hold nothing but this lock
+    (:func:`remove_if_unused`); a lock that could not be taken because another trainer holds it removes nothing."""
+
+    def __init__(self, workdir: str | Path, *, enabled: bool = True, cleanup: bool = False):
         self.path = _nonempty(workdir) / LOCK_NAME
         self.enabled = enabled
+        self.cleanup = cleanup
+        self._created: Path | None = None
         self._fd: int | None = None
         self._lease: Lease | None = None
 
@@ -127,10 +139,23 @@ class WorkdirLock:
     def __enter__(self) -> WorkdirLock:
         if not self.enabled:
             return self
+        created = first_missing(self.path.parent) if self.cleanup else None
+        try:
+            self._acquire()
+        except InUseError:
+            raise  # the directory is the holder's, whoever created it
+        except BaseException:
+            if created is not None:
+                remove_if_unused(created)
+            raise
+        self._created = created
+        return self
+
+    def _acquire(self) -> None:
         prepare(self.path.parent)
         if paths.is_remote(self.path):
             self._lease = Lease(self.path.parent).acquire()
-            return self
+            return
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -140,16 +165,23 @@ class WorkdirLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise ValueError(
+            raise InUseError(
                 f"--workdir {str(self.path.parent)!r} is in use by another trainer ({holder}); wait for it to finish "
                 f"or choose another --workdir"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_holder()).encode(), 0)
         self._fd = fd
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if exc_type is not None and self._created is not None:
+                remove_if_unused(self._created, own_lock=self.path)  # still held: no other trainer is in it
+        finally:
+            self._created = None
+            self._release()
+
+    def _release(self) -> None:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
@@ -157,6 +189,10 @@ class WorkdirLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+class InUseError(ValueError):
+    """The workdir is held by another trainer (its lock or a fresh lease)."""
 
 
 def _read_holder(fd: int) -> str:
@@ -244,7 +280,7 @@ class Lease:
                 holder = _parse(found.value)
                 age = time.time() - holder.get("heartbeat", 0.0) if holder else float("inf")
                 if holder and age < LEASE_SECONDS and not _pid_gone(holder):
-                    raise ValueError(
+                    raise InUseError(
                         f"--workdir {str(self.workdir)!r} is in use by another trainer ({_describe(holder)}, last "
                         f"heartbeat {age:.0f} s ago); wait for it to finish or choose another --workdir (a lease "
                         f"not renewed for {LEASE_SECONDS:.0f} s is taken over)"
@@ -265,7 +301,7 @@ class Lease:
                 self._thread = threading.Thread(target=self._beat, name="lpt-lease", daemon=True)
                 self._thread.start()
                 return self
-        raise ValueError(f"--workdir {str(self.workdir)!r} is being taken by another trainer; choose another --workdir")
+        raise InUseError(f"--workdir {str(self.workdir)!r} is being taken by another trainer; choose another --workdir")
 
     def refresh(self) -> None:
         """Renew the heartbeat now; ValueError if the lease was taken over or deleted (this trainer must stop). A

@@ -123,6 +123,47 @@ def test_a_second_trainer_on_the_workdir_fails_at_once(tmp_path, capsys):
     assert run(tmp_path, crash_after=1) == -1  # the lock was released with its holder: this run starts
 
 
+def test_the_trainer_that_loses_the_race_for_a_new_workdir_removes_nothing(tmp_path, monkeypatch, capsys):
+    """Two trainers start on a workdir that does not exist yet: the winner creates it and takes the lock while the
+    loser is between finding it missing and locking it. The loser exits 2 naming the holder and leaves the winner's
+    directory and lock in place, so a third trainer is refused too."""
+    new = tmp_path / "runs" / "new"
+    real, winner = workdir_lib.first_missing, []
+
+    def late(workdir):
+        found = real(workdir)  # the loser finds the directory missing...
+        if not winner:
+            winner.append(workdir_lib.WorkdirLock(new).__enter__())  # ...and the winner creates and locks it
+        return found
+
+    monkeypatch.setattr(workdir_lib, "first_missing", late)
+    try:
+        assert run(new) == 2
+        assert "is in use by another trainer" in capsys.readouterr().err.strip().splitlines()[-1]
+        assert (new / "lpt.lock").is_file()  # the winner's directory and lock are still there
+        assert run(new) == 2  # a third trainer is refused
+        assert "is in use by another trainer" in capsys.readouterr().err.strip().splitlines()[-1]
+    finally:
+        winner[0].__exit__(None, None, None)
+
+
+def test_a_failed_run_keeps_a_new_parent_that_another_trainer_uses(tmp_path):
+    """A run that failed before writing anything removes the directories it created, unless another trainer's
+    workdir (here only its lock, held or left) appeared in them meanwhile."""
+    parent = tmp_path / "runs"
+    mine = parent / "a"
+    created = workdir_lib.first_missing(mine)
+    assert created == parent
+    with workdir_lib.WorkdirLock(mine) as lock, workdir_lib.WorkdirLock(parent / "b"):
+        workdir_lib.remove_if_unused(created, own_lock=lock.path)
+        assert (parent / "b" / "lpt.lock").is_file() and (mine / "lpt.lock").is_file()
+    workdir_lib.remove_if_unused(created, own_lock=mine / "lpt.lock")  # b's lock file is still there
+    assert (parent / "b" / "lpt.lock").is_file()
+    (parent / "b" / "lpt.lock").unlink()
+    workdir_lib.remove_if_unused(created, own_lock=mine / "lpt.lock")
+    assert not parent.exists()
+
+
 def test_workdir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
     f = tmp_path / "not_a_dir"
     f.write_text("keep me")
