@@ -108,6 +108,10 @@ def verify(state, metadata: dict) -> bool:
     return True
 
 
+class AllDamagedError(ValueError):
+    """Every checkpoint step of a workdir was unreadable; all were moved aside."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, a lost mount): an I/O failure, not bad input."""
 
@@ -174,7 +178,8 @@ class Checkpointer:
         A step whose files cannot be read, or whose arrays fail their checksums, is moved aside (:meth:`move_aside`)
         and the previous step is tried. A step whose stored arrays do not have the current config's shapes and
         dtypes raises ValueError (a changed model, precision or optimizer: use a new workdir); nothing is moved then.
-        If every step was damaged (all moved aside), ValueError says so: the next run starts from step 0.
+        If every step was damaged (all moved aside), AllDamagedError (a ValueError) says so: the next run starts from
+        step 0.
         """
         moved = []
         for step in reversed(self.steps()):
@@ -213,7 +218,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 -- the layout matches, so a read failure is damage
                 moved.append(self.move_aside(step, e))
         if moved:
-            raise ValueError(
+            raise AllDamagedError(
                 f"none of the checkpoints in {self.directory} could be read; they were moved to "
                 f"{moved[0].parent} (kept). Run again to start from step 0, or move one back by hand"
             )

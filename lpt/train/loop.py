@@ -31,7 +31,7 @@ from lpt import data as data_lib
 from lpt import models
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import config as config_lib
-from lpt.train import distributed, init_from, machine, metrics, optimizer, paths, resume
+from lpt.train import distributed, history, init_from, machine, metrics, optimizer, paths, resume
 from lpt.train import mesh as mesh_lib
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
@@ -113,6 +113,7 @@ def _train(
     t_start = time.time()
     is_main = jax.process_index() == 0
     steps, seq_len, global_batch = cfg.train.steps, cfg.data.seq_len, cfg.train.global_batch
+    history.check(workdir, ckpt_lib.steps(workdir))  # the run's files of the right kind, its history not orphaned
 
     # 1. Mesh over all devices of all processes; the batch must split over data*fsdp.
     mesh = make_mesh(cfg)
@@ -132,7 +133,11 @@ def _train(
     #    A checkpoint whose Adam moments are stored otherwise (precision.moment_dtype) is read in its own layout and
     #    its moments re-stored into this run's (lpt.train.resume).
     layout = state_lib.with_shardings(prog.abstract, prog.shardings)
-    restored = ckpt.restore_latest(layout, cfg, resume.layout_of(cfg, mesh, layout, prog.model_def))
+    try:
+        restored = ckpt.restore_latest(layout, cfg, resume.layout_of(cfg, mesh, layout, prog.model_def))
+    except ckpt_lib.AllDamagedError as e:  # the history of the lost steps goes aside with them
+        moved = history.move_aside(workdir) if is_main else None
+        raise ValueError(f"{e}{f'; the run history that went with them is in {moved}' if moved else ''}") from None
     if restored is None:  # a fresh init, or config.init_from's params (a fine-tune) with a fresh optimizer
         state, origin = init_from.initial_state(cfg, prog)
     else:
@@ -142,9 +147,6 @@ def _train(
         log.info("resumed from step %d (saved on mesh %s, now %s)", int(state.step), meta.get("mesh"), dict(mesh.shape))
     start = int(state.step)
     summary_path = workdir / "summary.json"
-    if summary_path.exists() and not summary_path.is_file():
-        ckpt.close()
-        raise ValueError(f"{summary_path} is not a file; the run writes its summary there: move it away")
     if start >= steps and summary_path.exists():  # finished (a smaller train.steps does not rewrite its results)
         ckpt.close()
         log.info("the run already finished at step %d (%s); nothing to do", start, summary_path)

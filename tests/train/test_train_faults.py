@@ -316,8 +316,9 @@ def _files(workdir) -> dict:
         ),
         (["--config.precision.param_dtype=bfloat16"], ["precision.param_dtype='float32' -> 'bfloat16'"]),
         (["--config.train.global_batch=16"], ["train.global_batch=8 -> 16"]),
+        (["--config.train.seed=1"], ["train.seed=0 -> 1"]),  # every step's randomness (stochastic rounding, PQT)
     ],
-    ids=["heads", "param_dtype", "global_batch"],
+    ids=["heads", "param_dtype", "global_batch", "seed"],
 )
 def test_a_checkpoint_of_another_model_or_recipe_never_resumes(reference, tmp_path, capsys, change, keys):
     """The same array shapes (n_heads 4 -> 8 with n_kv_heads 2 -> 4 at the same width; f32 master weights viewed in
@@ -490,3 +491,79 @@ def test_checkpoint_metadata_without_lpts_keys_is_one_error_line(reference, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: checkpoint step 6 in ") and "metadata without lpt's keys" in err[-1]
     assert _files(work) == before and not (work / "checkpoints_damaged").exists()
+
+
+@pytest.mark.parametrize(
+    "lost, change",
+    [("directory", []), ("directory", ["--config.model.d_model=48"]), ("steps", [])],
+    ids=["rm_checkpoints", "rm_checkpoints_other_model", "rm_every_step"],
+)
+def test_a_finished_run_whose_checkpoints_are_gone_is_never_trained_over(reference, tmp_path, capsys, lost, change):
+    """``rm -r checkpoints`` (or every step in it) after a finished run: the same command, or one for another model,
+    is one error line and leaves metrics.jsonl, summary.json and config.json byte-identical."""
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    if lost == "directory":
+        shutil.rmtree(work / "checkpoints")
+    else:
+        for step in (work / "checkpoints").iterdir():
+            shutil.rmtree(step)
+    before = _files(work)
+    rc = main([*ARGS, "--workdir", str(work), "--config.train.steps=6", *change])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "holds a run's history (config.json, metrics.jsonl, summary.json" in err[-1], err[-3:]
+    assert _files(work) == before and (work / "checkpoints").exists() == (lost == "steps")
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again(reference, tmp_path):
+    assert run(tmp_path, crash_after=1) == -1  # config.json and step 1's record written, no checkpoint yet
+    assert (tmp_path / "config.json").is_file() and not any((tmp_path / "checkpoints").iterdir())
+    assert run(tmp_path) == 0
+    assert losses(tmp_path) == losses(reference)
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("checkpoints", "file"),
+        ("config.json", "directory"),
+        ("metrics.jsonl", "directory"),
+        ("loss.png", "directory"),
+        ("tensorboard", "file"),
+    ],
+)
+def test_run_files_of_the_wrong_kind_stop_the_run_before_it_writes(reference, tmp_path, capsys, name, kind):
+    """An unfinished run (summary.json removed) whose checkpoints/ or tensorboard/ is a file, or whose config.json,
+    metrics.jsonl or loss.png is a directory: one error line naming it, before anything is written or cut."""
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    (work / "summary.json").unlink()
+    path = work / name
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.mkdir() if kind == "directory" else path.write_text("mine")
+    before = _files(work)
+    rc = main([*ARGS, "--workdir", str(work), "--config.train.steps=6"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"error: {path} is not a "), err[-3:]
+    assert _files(work) == before and sorted(p.name for p in work.iterdir()) == sorted(
+        p.name for p in reference.iterdir() if p.name != "summary.json"
+    )
+
+
+def test_when_every_checkpoint_is_damaged_the_history_goes_aside_with_them(reference, tmp_path, capsys):
+    """Both checkpoints of an unfinished run truncated: they are moved aside and the run's records go with them,
+    byte-identical; the next run starts from step 0 in a clean workdir and reproduces the reference."""
+    assert run(tmp_path, crash_after=5) == -1  # checkpoints 2 and 4, metrics of steps 1-5
+    for step in (2, 4):
+        f = _largest_state_file(tmp_path, step)
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    history = {n: (tmp_path / n).read_bytes() for n in ("config.json", "metrics.jsonl")}
+    assert run(tmp_path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "none of the checkpoints" in err[-1] and "the run history that went with them is in" in err[-1]
+    aside = list((tmp_path / "checkpoints_damaged").glob("history-*"))
+    assert len(aside) == 1 and {n: (aside[0] / n).read_bytes() for n in history} == history
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert run(tmp_path) == 0
+    assert losses(tmp_path) == losses(reference)
+    assert {n: (aside[0] / n).read_bytes() for n in history} == history  # kept, never truncated
