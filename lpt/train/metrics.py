@@ -10,6 +10,7 @@ the device's peak is known (:func:`lpt.targets.peak_flops`, dense bf16 numbers f
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -25,6 +26,7 @@ import jax
 
 from lpt import targets
 from lpt.train import paths
+from lpt.train import workdir as workdir_lib
 
 log = logging.getLogger("lpt.train")
 
@@ -77,7 +79,7 @@ class MetricsWriter:
 
             local = self.workdir
             if self.remote:
-                local = self._staging = Path(tempfile.mkdtemp(prefix="lpt-metrics-"))
+                local = self._staging = staging_dir(self.workdir)
                 stored = read_jsonl(self.jsonl_path)  # [] when there is none
                 self.jsonl_path = local / "metrics.jsonl"
                 rewrite_jsonl(self.jsonl_path, [r for r in stored if drop_after is None or r["step"] <= drop_after])
@@ -137,6 +139,22 @@ class MetricsWriter:
             finally:
                 if self._staging is not None:
                     shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def staging_dir(workdir) -> Path:
+    """A new local directory where the metrics of the object-storage run ``workdir`` are staged:
+    ``<tmp>/lpt-metrics-<digest of workdir>-<pid>``. The ones that earlier trainers of the same workdir left on this
+    machine (killed before they could remove them; their records are stored up to their last checkpoint, and the
+    resumed run writes the rest again) are removed first."""
+    tag = hashlib.sha256(str(workdir).encode()).hexdigest()[:16]
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(f"lpt-metrics-{tag}-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not workdir_lib.pid_alive(int(pid))):
+            shutil.rmtree(old, ignore_errors=True)
+    path = root / f"lpt-metrics-{tag}-{os.getpid()}"
+    path.mkdir()
+    return path
 
 
 def _py(v):

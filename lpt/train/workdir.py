@@ -215,13 +215,18 @@ def _pid_gone(holder: dict) -> bool:
     """True if ``holder`` ran on this host under a pid that no longer exists (it died: its lease is stale)."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False
+    return not pid_alive(holder["pid"])
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process ``pid`` exists on this machine (another user's included)."""
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except OSError:  # it exists (another user's process)
         return False
-    return False
+    except OSError:  # it exists (another user's process)
+        return True
+    return True
 
 
 class Lease:

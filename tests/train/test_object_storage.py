@@ -121,7 +121,7 @@ def reference(tmp_path_factory):
 def gcs_run(tmp_path_factory):
     """The fake bucket's root after a run in ``URL``: SIGKILLed after step 3 (a subprocess, checkpoint 2 complete),
     then resumed to step 6 in this process. Returns (root, the resume's log records)."""
-    root = tmp_path_factory.mktemp("gcs")
+    root, tmp = tmp_path_factory.mktemp("gcs"), tmp_path_factory.mktemp("tmp")  # tmp: where metrics are staged
     code = (
         "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/..']; "
         "import fault_runner, test_object_storage as t; "
@@ -132,7 +132,7 @@ def gcs_run(tmp_path_factory):
     p = subprocess.run(
         [sys.executable, "-c", code, str(ROOT / "tests" / "train"), str(root)],
         cwd=ROOT,
-        env=cpu_env(1),
+        env=cpu_env(1, TMPDIR=str(tmp)),
         capture_output=True,
         text=True,
         timeout=600,
@@ -143,9 +143,11 @@ def gcs_run(tmp_path_factory):
         "lease": json.loads((run_dir / "lpt.lock").read_text()),  # the dead holder's lease is left behind
         "steps": sorted(d.name for d in (run_dir / "checkpoints").iterdir()),
         "train": losses(run_dir / "metrics.jsonl")[0],
+        "staged": sorted(p.name for p in tmp.iterdir()),  # the killed trainer's staging directory
     }
-    with trainer_log() as messages, fake_gcs(root):
+    with trainer_log() as messages, fake_gcs(root), mock.patch("tempfile.tempdir", str(tmp)):
         assert run(URL) == 0
+    killed["staged_after_resume"] = sorted(p.name for p in tmp.iterdir())
     return root, killed, messages
 
 
@@ -153,6 +155,9 @@ def test_a_gs_workdir_trains_and_resumes_bitwise_after_a_sigkill(reference, gcs_
     root, killed, messages = gcs_run
     run_dir = stored(root)
     assert killed["steps"] == ["2"]  # orbax's GCS route: step 2 written in place, finalized by its commit file
+    pid = killed["lease"]["pid"]
+    assert [n.rsplit("-", 1)[-1] for n in killed["staged"] if n.startswith("lpt-metrics-")] == [str(pid)]
+    assert killed["staged_after_resume"] == []  # the resumed run removed the killed one's staging, then its own
     assert killed["lease"]["pid"] != os.getpid() and set(killed["train"]) >= {1, 2}  # synced before checkpoint 2
     assert any("taking over the stale lease" in m and f"pid {killed['lease']['pid']}" in m for m in messages)
     assert losses(run_dir / "metrics.jsonl") == losses(reference / "metrics.jsonl")  # every loss, bit for bit
