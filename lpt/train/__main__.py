@@ -23,10 +23,10 @@ def main(argv: list[str] | None = None, *, hooks: Sequence[loop.Hook] = ()) -> i
     console.setup()
     try:
         cfg, args = config_lib.parse_args(sys.argv[1:] if argv is None else argv)
+        how = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    how = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     log.info("processes: %s; devices: %s", how, jax.devices())
     try:
         loop.train(cfg, args.workdir, hooks=hooks)

@@ -344,7 +344,7 @@ class _Logger:
                 )
             if skipping and host["skipped_in_a_row"] > self.cfg.train.max_skips:
                 raise NonFiniteLossError(
-                    f"step {s} is the {int(host['skipped_in_a_row'])}th bad step in a row (loss={host['loss']}, "
+                    f"step {s} is bad step {int(host['skipped_in_a_row'])} in a row (loss={host['loss']}, "
                     f"grad_norm={host['grad_norm']}), more than train.max_skips={self.cfg.train.max_skips}: "
                     f"stopping. {self._last_good()} Try a lower optim.lr or another precision recipe."
                 )

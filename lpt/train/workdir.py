@@ -53,6 +53,11 @@ def prepare(workdir: str | Path) -> Path:
     path = _nonempty(workdir)
     if _exists(path) and not path.is_dir():
         raise ValueError(f"--workdir {str(path)!r} is a file; give a directory (it is created if missing)")
+    if not paths.is_remote(path) and _is_symlink(path) and not _exists(path):
+        raise ValueError(
+            f"--workdir {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not exist; create that "
+            f"directory or give another --workdir"
+        )
     if paths.is_remote(path):  # object storage: no directory to create; the lease's write checks the access
         return path
     try:
@@ -84,6 +89,13 @@ def _exists(path: Path) -> bool:
     try:
         return path.exists()
     except OSError:  # a name the file system cannot hold (over 255 bytes): it does not exist
+        return False
+
+
+def _is_symlink(path: Path) -> bool:
+    try:
+        return path.is_symlink()
+    except OSError:  # a name the file system cannot hold
         return False
 
 

@@ -417,8 +417,10 @@ def test_a_run_that_fails_before_its_first_step_rewrites_nothing(tmp_path, monke
         (["--config.train.seed=99999999999999999999"], "config key train.seed=99999999999999999999 must be a seed in"),
         (["--config.data.shuffle_seed=-1"], "config key data.shuffle_seed=-1 must be a seed in [0, 2**63)"),
         (["--workdir", "x" * 256], "cannot be created: File name too long"),
+        (["--process_id", "5", "--num_processes", "2", "--coordinator", "localhost:1"], "--process_id=5 must be in"),
+        (["--num_processes", "2"], "--coordinator, --num_processes and --process_id must be given together"),
     ],
-    ids=["seed", "shuffle_seed", "long_name"],
+    ids=["seed", "shuffle_seed", "long_name", "process_id", "num_processes"],
 )
 def test_bad_seeds_and_names_are_one_error_line_and_create_nothing(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
@@ -426,6 +428,18 @@ def test_bad_seeds_and_names_are_one_error_line_and_create_nothing(tmp_path, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: ") and message in err[-1], err[-3:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dangling_symlink_workdir_names_its_target(tmp_path, capsys):
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "gone")
+    rc = main([*ARGS, "--workdir", str(link)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == (
+        f"error: --workdir {str(link)!r} is a symlink to {str(tmp_path / 'gone')!r}, which does not exist; create "
+        "that directory or give another --workdir"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and link.is_symlink()
 
 
 @pytest.mark.parametrize("damage", ["directory", "not_json"])

@@ -174,3 +174,18 @@ def test_a_run_counts_its_skips_and_resumes_them_exactly(tmp_path):
     assert [(s, b[s]["loss"], b[s]["skipped"]) for s in range(21, 41)] == [
         (s, a[s]["loss"], a[s]["skipped"]) for s in range(21, 41)
     ]
+
+
+def test_more_bad_steps_in_a_row_than_max_skips_stop_with_their_count(tmp_path):
+    from types import SimpleNamespace
+
+    from lpt.train import metrics
+
+    cfg = config_lib.resolve(tiny_config({"train.bad_step": "skip", "train.max_skips": "2"}))
+    ckpt = SimpleNamespace(manager=SimpleNamespace(latest_step=lambda: None), directory=tmp_path)
+    logger = loop._Logger(cfg, metrics.MetricsWriter(tmp_path, enabled=False), ckpt, 0, disable=True)
+    nan = float("nan")
+    bad = {"loss": nan, "grad_norm": nan, "params_finite": 1.0, "skipped": 1.0, "skipped_total": 3.0}
+    logger.add(5, {**bad, "skipped_in_a_row": 3.0}, False)
+    with pytest.raises(loop.NonFiniteLossError, match=r"^step 5 is bad step 3 in a row .*more than train.max_skips=2"):
+        logger.drain()
