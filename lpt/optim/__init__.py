@@ -15,7 +15,8 @@ For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit 
 
 Rules: :func:`kahan_summation` (Zamirai et al., Algorithm 1), :func:`stochastic_rounding` (Zamirai et al.),
 :func:`nearest_rounding` (the baseline), :func:`norm_preserving_update` (the norm-preserving update note); the papers
-are listed in docs/references.md. Helpers: diagnostics (:func:`get_diagnostics`), f32-checkpoint conversion
+are listed in docs/references.md. Helpers: :func:`check_last` (one update, checked to land on the params' grid: the rule is last in the chain),
+diagnostics (:func:`get_diagnostics`), f32-checkpoint conversion
 (:func:`compensation_from_f32`, :func:`to_f32`, :func:`find_compensation`, :func:`replace_compensation`), moment
 storage conversion (:func:`convert_moments`, e.g. 16-bit to 8-bit moments), and recipes
 (:func:`scale_by_adam`, :func:`add_decayed_weights`, :func:`adamw`, :func:`kahan_adamw`: one fused transform with
@@ -30,6 +31,7 @@ states.
 
 from lpt.optim.adam import scale_by_adam
 from lpt.optim.apply import apply_updates
+from lpt.optim.check import check_last
 from lpt.optim.diagnostics import convert_moments, find_compensation, get_diagnostics, replace_compensation
 from lpt.optim.fused_adamw import KahanAdamWState, kahan_adamw
 from lpt.optim.kahan import compensation_from_f32, kahan_summation, to_f32
@@ -43,6 +45,7 @@ __all__ = [
     "add_decayed_weights",
     "adamw",
     "apply_updates",
+    "check_last",
     "compensation_from_f32",
     "convert_moments",
     "find_compensation",
