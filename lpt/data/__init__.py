@@ -16,6 +16,10 @@ loss / ln 2 / bytes_per_token.
 ``load_corpus(source, paths, validation_fraction, cache_dir=None, tokenizer="bytes")`` -> ``Corpus`` (streams,
 counts, text_bytes); ``load_documents(source, paths)``, ``data_options(cfg)``, ``Windows``, ``PreparedStream`` (a
 prepared directory's split, random access).
+``corpus_identity(data_cfg) -> dict`` (:mod:`lpt.data.identity`): what the run trains on (source, tokenizer,
+validation_fraction, the input files with their sizes and digests, each split's token count and digest),
+JSON-serializable, from the token cache's meta.json (no input read again); ``corpus_changes(saved, current) ->
+list[str]``: one phrase per difference ("file a.txt added", "b.txt: size 100 -> 120"), ``[]`` for the same corpus.
 
 Command-line tools: ``python -m lpt.data.prepare`` (tokenize files into ArrayRecord shards for
 ``source="prepared"``) and ``python -m lpt.data.train_tokenizer`` (a byte-level BPE ``tokenizer.json``).
@@ -27,6 +31,7 @@ docs/models_and_data.md.
 
 from lpt.data.cache import Corpus
 from lpt.data.corpus import load_corpus, load_documents
+from lpt.data.identity import corpus_changes, corpus_identity
 from lpt.data.pipeline import (
     DataConfig,
     Windows,
@@ -45,6 +50,8 @@ __all__ = [
     "PreparedStream",
     "Windows",
     "bytes_per_token",
+    "corpus_changes",
+    "corpus_identity",
     "data_options",
     "load_corpus",
     "load_documents",

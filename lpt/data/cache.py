@@ -10,12 +10,22 @@ and mtime, validation_fraction, the validation split unless it is "tail", and th
 renamed into place at the end, so processes sharing a cache directory never see a half-written cache (the loser of
 a race discards its copy). Old caches are not deleted.
 
-Every open verifies the cache against ``meta.json``: each stream file's size must be its token count times the
-token size, and its ``digest`` (blake2b of the file size and of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` at
-evenly spaced offsets, the first and the last included: at most 256 KiB read, so it stays cheap for any cache size)
-must match. A truncated, extended or overwritten stream (and a missing file) is damaged: the cache is removed with
-one warning naming the file and rebuilt from the documents. A cache without digests (written by an older lpt) is
-checked by size only.
+Every open of an existing cache verifies all of it against ``meta.json``: each stream file's size must be its
+token count times the token size, and its ``full_digest`` (:func:`full_digest`: SHA-256 over every byte, in 16 MiB
+chunks hashed on parallel threads) must match, and so must that of ``counts.npy`` (``counts_digest``). A
+truncated, extended or overwritten stream, any byte of it, any byte of ``counts.npy``, a missing file and a missing
+or unreadable ``meta.json`` are damage: the cache is removed with one warning naming the file and rebuilt from the
+documents. ``meta.json`` is the reference: an edit of it that stays valid JSON is seen only where it no longer
+matches the files (sizes, digests). A cache written by an older lpt has no full digest (only ``digest``, 64 sampled
+blocks of 4 KiB, which misses damage between the blocks): it is removed with one warning saying so and rebuilt
+once. ``meta.json`` keeps ``digest`` (:func:`digest`) beside ``full_digest`` so that an older lpt still checks a
+new cache as it did, and records in ``inputs`` each input file's path, size and :func:`digest` (for
+:mod:`lpt.data.identity`; taken once, when the cache is built, at most 256 KiB read per file). A build takes the
+digests of the files it wrote and opens them without reading them again.
+
+``cache_dir``: ``config.data.cache_dir`` if set, else ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data``; one that cannot
+hold a new cache (a file, a path that cannot be created, a directory that is not writable) is a one-line ValueError
+naming where it came from, the path and why.
 
 Validation split (``validation_split``, :data:`VALIDATION_SPLITS`): ``"tail"`` holds out the last
 ``validation_fraction`` of every document (:func:`split_document`); ``"docs"`` holds out whole documents, those whose
@@ -30,8 +40,6 @@ is an error) and encoded, and the separator id follows each non-empty part. A pa
 character boundary), so a huge file never sits in the tokenizer at once; the pieces are a function of the text
 alone. Text bytes of a split = UTF-8 bytes of its text + 1 per separator (the bytes tokenizer's NUL), so for
 "bytes" they equal the token count.
-
-``cache_dir``: ``config.data.cache_dir`` if set, else ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -52,7 +61,8 @@ from lpt.data.tokenizer import token_dtype
 CACHE_VERSION = 1
 SPLITS = ("train", "validation")
 VALIDATION_SPLITS = ("tail", "docs")
-SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # the digest reads at most 64 blocks of 4 KiB of each stream
+SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # the sampled digest reads at most 64 blocks of 4 KiB of a file
+DIGEST_CHUNK = 1 << 24  # 16 MiB: full_digest hashes chunks of this size on parallel threads
 
 log = logging.getLogger("lpt.data")
 
@@ -68,6 +78,16 @@ class Corpus(NamedTuple):
 
 def default_cache_dir() -> str:
     return os.environ.get("LPT_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lpt", "data")
+
+
+def cache_root(cache_dir: str | None) -> tuple[str, str]:
+    """``(directory, where it came from)``: ``cache_dir`` ("data.cache_dir"), else ``$LPT_DATA_CACHE``, else the
+    default ``~/.cache/lpt/data`` (module docstring)."""
+    if cache_dir:
+        return os.path.expanduser(cache_dir), "data.cache_dir"
+    if os.environ.get("LPT_DATA_CACHE"):
+        return os.environ["LPT_DATA_CACHE"], "$LPT_DATA_CACHE (data.cache_dir is unset)"
+    return default_cache_dir(), "the default data cache (data.cache_dir and $LPT_DATA_CACHE are unset)"
 
 
 def fingerprint(
@@ -233,7 +253,8 @@ def _suffix(dtype: np.dtype) -> str:
 
 def digest(path: str) -> str:
     """blake2b (16 bytes, hex) of the file's size and of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` at evenly
-    spaced offsets from the first byte to the last block (the whole file when it is smaller than that)."""
+    spaced offsets from the first byte to the last block (the whole file when it is smaller than that). Cheap for
+    any size; blind to changes between the blocks (:func:`full_digest` sees every byte)."""
     size = os.path.getsize(path)
     h = hashlib.blake2b(str(size).encode(), digest_size=16)
     with open(path, "rb") as fh:
@@ -246,34 +267,118 @@ def digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _write_meta(directory: str, meta: dict, dtype: np.dtype) -> None:
-    """``meta.json`` with the ``digest`` of each split's stream file."""
-    meta["digest"] = {s: digest(os.path.join(directory, f"{s}.{_suffix(dtype)}")) for s in SPLITS}
+def _chunk_digest(fd: int, start: int, stop: int, algorithm: str = "sha256") -> bytes:
+    h = hashlib.new(algorithm)
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    pos = start
+    while pos < stop:
+        n = os.preadv(fd, [view[: min(len(buf), stop - pos)]], pos)
+        if n == 0:
+            raise OSError(f"{stop - pos} bytes short: the file shrank while it was hashed")
+        h.update(view[:n])  # hashlib releases the GIL for large updates: the chunks hash in parallel
+        pos += n
+    return h.digest()
+
+
+def digest_chunks(size: int, chunk_digests: Iterable[bytes]) -> str:
+    """The :func:`full_digest` of ``size`` bytes whose ``DIGEST_CHUNK`` chunks have the SHA-256 digests
+    ``chunk_digests``."""
+    h = hashlib.sha256(str(size).encode())
+    for d in chunk_digests:
+        h.update(d)
+    return h.hexdigest()
+
+
+def full_digest(path: str | bytes | np.ndarray, threads: int | None = None) -> str:
+    """SHA-256 (hex) of the size and of the SHA-256 digests of every ``DIGEST_CHUNK`` chunk of a file (a path) or of
+    an in-memory buffer: every byte counts. A file's chunks are read and hashed on ``threads`` threads (default
+    ``os.cpu_count()``), 1 MiB at a time each. SHA-256 rather than blake2b: with the SHA instructions of current
+    x86 and ARM CPUs it hashes about twice as fast (benchmarks/token_cache_check.py measures both)."""
+    if not isinstance(path, str):
+        data = memoryview(np.ascontiguousarray(path)).cast("B")
+        chunks = range(0, len(data), DIGEST_CHUNK)
+        return digest_chunks(len(data), (hashlib.sha256(data[a : a + DIGEST_CHUNK]).digest() for a in chunks))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        starts = range(0, size, DIGEST_CHUNK)
+        with ThreadPoolExecutor(max(1, min(len(starts), threads or os.cpu_count() or 1))) as pool:
+            chunks = list(pool.map(lambda a: _chunk_digest(fd, a, min(size, a + DIGEST_CHUNK)), starts))
+    finally:
+        os.close(fd)
+    return digest_chunks(size, chunks)
+
+
+def input_record(path: str) -> list:
+    """``[absolute path, size, digest]`` of an input file, as ``meta.json`` records it in ``inputs``."""
+    return [os.path.abspath(path), os.path.getsize(path), digest(path)]
+
+
+def _write_meta(directory: str, meta: dict, dtype: np.dtype, inputs: Iterable[str]) -> None:
+    """``meta.json`` with each split's stream ``digest`` (sampled, read by older lpt) and ``full_digest``, that of
+    ``counts.npy`` (``counts_digest``) when there is one, and the ``inputs`` (:func:`input_record`)."""
+    streams = {s: os.path.join(directory, f"{s}.{_suffix(dtype)}") for s in SPLITS}
+    meta["digest"] = {s: digest(path) for s, path in streams.items()}
+    meta["full_digest"] = {s: full_digest(path) for s, path in streams.items()}
+    if os.path.exists(os.path.join(directory, "counts.npy")):
+        meta["counts_digest"] = full_digest(os.path.join(directory, "counts.npy"))
+    meta["inputs"] = [input_record(f) for f in inputs]
     with open(os.path.join(directory, "meta.json"), "w") as fh:
         json.dump(meta, fh)
 
 
+class OldCache(DamagedCache):
+    """A cache written by an older lpt, without the full digest that every open checks."""
+
+
 def _verify(directory: str, meta: dict, dtype: np.dtype) -> None:
-    """DamagedCache (one line, naming the file) unless every stream has the size and digest ``meta`` records."""
+    """DamagedCache (one line, naming the file) unless every stream has the size and full digest ``meta`` records,
+    and ``counts.npy`` (a tokenizer's cache) its digest; OldCache when ``meta`` has no full digest."""
     for split in SPLITS:
         path = os.path.join(directory, f"{split}.{_suffix(dtype)}")
         want = int(meta["tokens"][split]) * dtype.itemsize
         size = os.path.getsize(path) if os.path.isfile(path) else None
         if size != want:
             found = "missing" if size is None else f"{size} bytes"
-            raise DamagedCache(f"{path} is {found}; its meta.json says {want} bytes")
-        if "digest" in meta and digest(path) != meta["digest"][split]:
-            raise DamagedCache(f"{path} does not match the digest in its meta.json (its bytes were changed)")
+            raise DamagedCache(f"the data cache is damaged: {path} is {found}; its meta.json says {want} bytes")
+    if "full_digest" not in meta or "inputs" not in meta:
+        raise OldCache(
+            f"the data cache {directory} was written by an older lpt without a full digest (damage between its 64 "
+            "sampled blocks would go unseen)"
+        )
+    checks = {os.path.join(directory, f"{s}.{_suffix(dtype)}"): meta["full_digest"][s] for s in SPLITS}
+    if "counts" not in meta:  # a tokenizer's per-id counts live in counts.npy
+        checks[os.path.join(directory, "counts.npy")] = meta.get("counts_digest")
+    for path, want in checks.items():
+        if not os.path.isfile(path):
+            raise DamagedCache(f"the data cache is damaged: {path} is missing")
+        if full_digest(path) != want:
+            raise DamagedCache(
+                f"the data cache is damaged: {path} does not match the full digest in its meta.json (its bytes were "
+                "changed)"
+            )
 
 
-def _open(directory: str) -> Corpus:
+def read_meta(directory: str) -> dict:
+    """The ``meta.json`` of the cache ``directory``; DamagedCache when it is missing or not JSON."""
     try:
         with open(os.path.join(directory, "meta.json")) as fh:
-            meta = json.load(fh)
+            return json.load(fh)
+    except FileNotFoundError:
+        raise DamagedCache(f"the data cache is damaged: {os.path.join(directory, 'meta.json')} is missing") from None
     except ValueError:
-        raise DamagedCache(f"{os.path.join(directory, 'meta.json')} is not valid JSON") from None
+        path = os.path.join(directory, "meta.json")
+        raise DamagedCache(f"the data cache is damaged: {path} is not valid JSON") from None
+
+
+def _open(directory: str, verify: bool = True) -> Corpus:
+    """The cache in ``directory``, verified (:func:`_verify`) unless ``verify`` is False (this process just wrote
+    it and took its digests)."""
+    meta = read_meta(directory)
     dtype = np.dtype(meta.get("dtype", "uint8"))
-    _verify(directory, meta, dtype)
+    if verify:
+        _verify(directory, meta, dtype)
     streams = {}
     for split in SPLITS:
         path = os.path.join(directory, f"{split}.{_suffix(dtype)}")
@@ -287,32 +392,61 @@ def _open(directory: str) -> Corpus:
     return Corpus(streams, counts, {split: int(text_bytes[split]) for split in SPLITS})
 
 
-def _build_or_open(root: str, key: str, write: Callable[[str], None]) -> Corpus:
-    """Open the verified cache ``root/key``, building it with ``write(tmp_dir)`` when it is missing or damaged."""
+def _make_tmp(root: str, origin: str, key: str) -> str:
+    """A new temporary directory in ``root``; ValueError (one line: ``origin``, the path, why) when ``root`` cannot
+    hold one."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root)
+    except FileExistsError:
+        why = "it is a file, not a directory"
+    except NotADirectoryError:
+        why = "a part of its path is a file, not a directory"
+    except OSError as e:
+        why = f"{'it is not writable' if os.path.isdir(root) else 'it cannot be created'} ({e.strerror})"
+    raise ValueError(
+        f"{origin}={root!r} cannot hold the token cache: {why}; set data.cache_dir to a writable directory"
+    )
+
+
+def cache_path(cache_dir: str | None, key: str) -> str:
+    """Where the cache of fingerprint ``key`` lives (see :func:`cache_root`)."""
+    return os.path.join(cache_root(cache_dir)[0], key)
+
+
+def _build_or_open(cache_dir: str | None, key: str, write: Callable[[str], None]) -> Corpus:
+    """Open the verified cache ``<cache_dir>/key``, building it with ``write(tmp_dir)`` when it is missing, damaged
+    or written without a full digest."""
+    root, origin = cache_root(cache_dir)
     final = os.path.join(root, key)
-    if os.path.exists(os.path.join(final, "meta.json")):
+    if os.path.isdir(final):
         try:
             return _open(final)
         except DamagedCache as e:
-            log.warning("the data cache is damaged: %s; removing %s and rebuilding it", e, final)
-            aside = tempfile.mkdtemp(prefix=f"{key}.damaged-", dir=root)
+            log.warning("%s; removing %s and rebuilding it", e, final)
             try:
-                os.rename(final, os.path.join(aside, key))  # atomic: no reader sees a half-deleted cache
-            except OSError:  # another process moved it first
-                pass
-            shutil.rmtree(aside, ignore_errors=True)
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root)
+                aside = tempfile.mkdtemp(prefix=f"{key}.damaged-", dir=root)
+            except OSError:  # root is not writable: _make_tmp below says so
+                aside = None
+            if aside is not None:
+                try:
+                    os.rename(final, os.path.join(aside, key))  # atomic: no reader sees a half-deleted cache
+                except OSError:  # another process moved it first
+                    pass
+                shutil.rmtree(aside, ignore_errors=True)
+    tmp = _make_tmp(root, origin, key)
     try:
         write(tmp)
         try:
             os.rename(tmp, final)
+            ours = True
         except OSError:  # another process finished first: use its cache
             shutil.rmtree(tmp, ignore_errors=True)
+            ours = False
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _open(final)
+    return _open(final, verify=not ours)
 
 
 def build_or_open(
@@ -322,11 +456,12 @@ def build_or_open(
     separator: int,
     cache_dir: str | None = None,
     validation_split: str = "tail",
+    inputs: Iterable[str] = (),
 ) -> Corpus:
     """Memory-mapped uint8 byte streams (the bytes tokenizer) and their counts for the fingerprint ``key``.
 
     ``documents()`` yields the documents in order, each as bytes or as the path of a file holding it; it is only
-    called when the cache does not exist yet.
+    called when the cache does not exist yet. ``inputs``: the input files, recorded in ``meta.json``.
     """
 
     def write(tmp: str) -> None:
@@ -347,9 +482,9 @@ def build_or_open(
                         counts[split][separator] += 1
                         sizes[split] += n + 1
         meta = {"version": CACHE_VERSION, "tokens": sizes, "counts": {s: counts[s].tolist() for s in SPLITS}}
-        _write_meta(tmp, meta, np.dtype(np.uint8))
+        _write_meta(tmp, meta, np.dtype(np.uint8), inputs)
 
-    return _build_or_open(cache_dir or default_cache_dir(), key, write)
+    return _build_or_open(cache_dir, key, write)
 
 
 class TokenCounter:
@@ -377,10 +512,12 @@ def build_or_open_tokens(
     tokenizer,
     cache_dir: str | None = None,
     validation_split: str = "tail",
+    inputs: Iterable[str] = (),
 ) -> Corpus:
     """Memory-mapped token streams of ``tokenizer`` (uint16 / uint32, :func:`lpt.data.tokenizer.token_dtype`), their
     counts (``counts.npy``) and text bytes for the fingerprint ``key``. ``documents()`` yields ``(name, bytes or file
-    path)`` in order; it is only called when the cache does not exist yet."""
+    path)`` in order; it is only called when the cache does not exist yet. ``inputs``: the input files, recorded in
+    ``meta.json``."""
     dtype = token_dtype(tokenizer.vocab_size)
     suffix = _suffix(dtype)
 
@@ -403,6 +540,6 @@ def build_or_open_tokens(
             "tokens": {s: counters[s].tokens for s in SPLITS},
             "bytes": {s: counters[s].text_bytes for s in SPLITS},
         }
-        _write_meta(tmp, meta, dtype)
+        _write_meta(tmp, meta, dtype, inputs)
 
-    return _build_or_open(cache_dir or default_cache_dir(), key, write)
+    return _build_or_open(cache_dir, key, write)

@@ -40,6 +40,7 @@ The embedded corpus lives in memory; file sources are streamed once into an on-d
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import glob as globlib
 import os
@@ -92,6 +93,38 @@ def glob_files(pattern: str | None, source: str, option: str = "config.data.path
     if not files:
         raise ValueError(f"{given} matches no files (source={source!r})")
     return files
+
+
+def _glob_parts(pattern: str) -> tuple[str, list[str]]:
+    """``(the directory the glob starts in, the components after it)``: the start is the absolute path of the
+    components before the first one with a wildcard (a pattern without wildcards: its directory)."""
+    parts = os.path.abspath(os.path.expanduser(pattern)).split(os.sep)
+    first = next((i for i, part in enumerate(parts) if globlib.has_magic(part)), len(parts) - 1)
+    return os.sep.join(parts[:first]) or os.sep, parts[first:]
+
+
+def glob_root(pattern: str) -> str:
+    """The absolute directory the glob ``pattern`` starts in (its part before the first wildcard)."""
+    return _glob_parts(pattern)[0]
+
+
+def _match(pattern: list[str], names: list[str]) -> bool:
+    if not pattern:
+        return not names
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":  # recursive: any number of directories, none included
+        return any(_match(rest, names[i:]) for i in range(len(names) + 1))
+    return bool(names) and fnmatch.fnmatchcase(names[0], head) and _match(rest, names[1:])
+
+
+def glob_matches(pattern: str, path: str) -> bool:
+    """Whether :func:`glob_files` of ``pattern`` would match the file ``path`` were it there (symlinks followed in
+    both; a ``*`` is also taken to match names that start with a dot, so it errs on the side of a match)."""
+    root, rest = _glob_parts(pattern)
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return False
+    return _match(rest, rel.split(os.sep))
 
 
 def _iter_text(files: list[str], text_field: str = "text", bad=None) -> Iterator[tuple[str, bytes]]:
@@ -217,8 +250,9 @@ def _file_streams(
         named = lambda: _FILE_SOURCES[source].read(list(files), "text", records.BadRecords())
     if tokenizer == "bytes":
         docs = lambda: (doc for _, doc in named())
-        return cache.build_or_open(key, docs, validation_fraction, SEPARATOR, cache_dir, split)
-    return cache.build_or_open_tokens(key, named, validation_fraction, load_tokenizer(tokenizer), cache_dir, split)
+        return cache.build_or_open(key, docs, validation_fraction, SEPARATOR, cache_dir, split, files)
+    tok = load_tokenizer(tokenizer)
+    return cache.build_or_open_tokens(key, named, validation_fraction, tok, cache_dir, split, files)
 
 
 def load_corpus(

@@ -36,16 +36,28 @@ and renamed when complete (a rerun deletes the temporary files an interrupted ru
 arguments skips the finished shards and gives byte-identical files and manifest; a rerun into the same DIR with
 another tokenizer, other inputs or other settings (source, text field, validation split or fraction, record size)
 is an error.
-Progress: a tqdm bar over the input bytes.
+
+One prepare at a time per DIR: it holds an exclusive lock (``fcntl.flock``) on ``DIR/prepare.lock``, which names it
+(host, pid, start time) and is removed when it ends; a second prepare into the same DIR fails at once with a
+one-line error naming the directory and the holder (:class:`OutLock`). DIR must lie apart from the input: DIR equal
+to an input file's directory, DIR containing one, or DIR inside one where the ``--input`` glob would match the files
+prepare writes (``'in/**'``) is refused before anything is written (paths resolved, symlinks followed;
+:func:`check_apart`). Each finished shard records a blake2b digest of each split's records (``digest``), taken as
+they are written, which :mod:`lpt.data.identity` combines into the directory's identity.
+Progress: a tqdm bar over the input bytes, on stderr when it is a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import fcntl
+import hashlib
 import json
 import multiprocessing
 import os
 import re
+import socket
 import sys
 import time
 
@@ -98,6 +110,11 @@ class _RecordWriter:
         self.dtype, self.record_tokens = dtype.newbyteorder("<"), record_tokens
         self._pending: list[np.ndarray] = []
         self._n = 0
+        self.hash = hashlib.blake2b(digest_size=16)  # of every record's bytes, in order
+
+    def _write(self, record: bytes) -> None:
+        self._writer.write(record)
+        self.hash.update(record)
 
     def add(self, ids: np.ndarray) -> None:
         self._pending.append(ids.astype(self.dtype))  # native -> little-endian uint16 / uint32 (same values)
@@ -106,13 +123,13 @@ class _RecordWriter:
             flat = np.concatenate(self._pending)
             full = flat.size - flat.size % self.record_tokens
             for start in range(0, full, self.record_tokens):
-                self._writer.write(flat[start : start + self.record_tokens].tobytes())
+                self._write(flat[start : start + self.record_tokens].tobytes())
             self._pending, self._n = [flat[full:]], flat.size - full
 
     def close(self) -> None:
         if self._n:
             flat = np.concatenate(self._pending)
-            self._writer.write(flat.tobytes())  # the shard's shorter last record
+            self._write(flat.tobytes())  # the shard's shorter last record
         self._writer.close()
         os.replace(self.tmp, self.path)
 
@@ -123,7 +140,8 @@ _TOKENIZERS: dict = {}  # per worker process
 def tokenize_shard(task: dict) -> dict:
     """Tokenize one shard (``task``: out, index, inputs, source, text_field, tokenizer, validation_fraction,
     validation_split, record_tokens, max_bad_records) into its files; returns its counts ``{"index", "tokens",
-    "bytes", "documents", "split_documents", "bad_records", "bad_examples"}``. Each bad record is one stderr line."""
+    "bytes", "documents", "split_documents", "bad_records", "bad_examples"}`` and ``"digest"`` (per split: blake2b of
+    its records' bytes in order, for :mod:`lpt.data.identity`). Each bad record is one stderr line."""
     tok = _TOKENIZERS.setdefault(task["tokenizer"], load_tokenizer(task["tokenizer"]))
     dtype = token_dtype(tok.vocab_size)
     out, index = task["out"], task["index"]
@@ -163,6 +181,7 @@ def tokenize_shard(task: dict) -> dict:
         "split_documents": split_documents,
         "bad_records": bad.count,
         "bad_examples": bad.examples,
+        "digest": {s: w.hash.hexdigest() for s, w in writers.items()},
     }
 
 
@@ -206,6 +225,94 @@ def _check_rerun(out: str, old: dict, new: dict) -> None:
             raise ValueError(f"--out {out!r} was prepared with other {what}; use another --out or delete it")
 
 
+LOCK = "prepare.lock"  # held (flock) by the one prepare writing into a directory; removed when it ends
+WRITTEN = (prepared.MANIFEST, prepared.TOTAL_COUNTS, prepared.counts_file(0), LOCK) + tuple(
+    prepared.shard_file(s, 0) for s in cache.SPLITS
+)  # the names prepare writes into --out (shard 0 for each shard)
+
+
+def check_apart(out: str, files: list[str], input: str) -> None:
+    """ValueError (one line) when ``out`` is an input file's directory, contains one, or lies inside one where the
+    ``input`` glob would match what prepare writes (resolved paths: symlinks followed). Before anything is
+    written."""
+    real = os.path.realpath(out)
+    apart = "give a directory apart from the input"
+    for d in sorted({os.path.realpath(os.path.dirname(f)) for f in files}):
+        if d == real:
+            raise ValueError(f"--out {out!r} is the directory of --input files ({d}); {apart}")
+        if d.startswith(real.rstrip(os.sep) + os.sep):
+            raise ValueError(f"--out {out!r} contains the directory of --input files {d}; {apart}")
+    for name in WRITTEN:
+        if corpus.glob_matches(input, os.path.join(real, name)):
+            raise ValueError(
+                f"--out {out!r} lies where --input {input!r} reads: it would match the {name} prepare writes there; "
+                "give an --out outside the input"
+            )
+
+
+class OutLock:
+    """Exclusive lock (``fcntl.flock``) on ``<out>/prepare.lock`` for one prepare; the file names the holder (host,
+    pid, start time). A second prepare into the same directory fails at once with a one-line ValueError naming the
+    directory and the holder. The file is removed when the holder ends (after a crash the next prepare takes it
+    over: the OS drops the lock with its process)."""
+
+    def __init__(self, out: str):
+        self.out, self.path = out, os.path.join(out, LOCK)
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutLock:
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ValueError(f"--out {self.out!r}: cannot create {LOCK}: {e.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise ValueError(
+                    f"--out {self.out!r} is in use by another prepare ({holder}); wait for it to finish or choose "
+                    "another --out"
+                ) from None
+            except OSError as e:  # a file system without flock
+                os.close(fd)
+                raise ValueError(f"--out {self.out!r}: cannot lock {LOCK}: {e.strerror}") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed this file as it ended: lock the one at the path now
+        os.ftruncate(fd, 0)
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            try:
+                os.remove(self.path)  # while still holding it: a waiter that opened it locks the new file instead
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        h = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"host {h['host']}, pid {h['pid']}, started {h['started']}"
+    except (ValueError, KeyError, OSError):
+        return "holder unknown"
+
+
 def _first_bad(manifest: dict) -> str | None:
     return next((e for f in manifest["finished"].values() for e in f.get("bad_examples", [])), None)
 
@@ -239,8 +346,6 @@ def prepare(
     the indices of the shards this call tokenized. ``workers == 1`` tokenizes in this process. ``source``,
     ``text_field`` and ``validation_split`` left at None take the input's format, ``"text"`` and that format's
     split."""
-    from tqdm import tqdm
-
     if source is not None and source not in SOURCES:
         raise ValueError(f"--source {source!r} is not supported; allowed: {list(SOURCES)}")
     if validation_split is not None and validation_split not in cache.VALIDATION_SPLITS:
@@ -291,6 +396,21 @@ def prepare(
         "finished": {},
         "complete": False,
     }
+    check_apart(out, files, input)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r} cannot be created: {e.strerror}") from None
+    with OutLock(out):
+        return _prepare_locked(out, manifest, tok, max_bad_records, workers, tokenizer, progress)
+
+
+def _prepare_locked(
+    out: str, manifest: dict, tok, max_bad_records: int, workers: int, tokenizer: str, progress: bool
+) -> dict:
+    """:func:`prepare` once it holds ``out``'s lock: check a rerun, tokenize the unfinished shards, sum up."""
+    from tqdm import tqdm
+
     path = os.path.join(out, prepared.MANIFEST)
     if os.path.exists(path):
         old = _read_manifest(path)
@@ -303,19 +423,18 @@ def prepare(
                 for f in (*(prepared.shard_file(s, int(k)) for s in cache.SPLITS), prepared.counts_file(int(k)))
             )
         }
-    os.makedirs(out, exist_ok=True)
     for f in os.listdir(out):  # files an interrupted run left half-written
         if _TEMPORARY.fullmatch(f):
             os.remove(os.path.join(out, f))
     _write_manifest(out, manifest)
     settings = {
         "out": out,
-        "source": source,
-        "text_field": text_field,
+        "source": manifest["source"],
+        "text_field": manifest["text_field"],
         "tokenizer": str(tokenizer),
-        "validation_fraction": float(validation_fraction),
-        "validation_split": validation_split,
-        "record_tokens": record_tokens,
+        "validation_fraction": manifest["validation_fraction"],
+        "validation_split": manifest["validation_split"],
+        "record_tokens": manifest["record_tokens"],
         "max_bad_records": max_bad_records,
     }
     tasks = [{**settings, **s} for s in manifest["shards"] if str(s["index"]) not in manifest["finished"]]
@@ -394,7 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        m = prepare(**vars(args))  # the options' dests are prepare's parameter names
+        # the options' dests are prepare's parameter names; the bar is shown on a terminal only, so that a logged
+        # stderr holds the bad-record and error lines alone
+        m = prepare(**vars(args), progress=sys.stderr.isatty())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

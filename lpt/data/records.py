@@ -20,6 +20,7 @@ import gzip
 import io
 import json
 import logging
+import zlib
 from collections.abc import Callable, Iterator
 
 MAX_BAD_RECORDS = 1000  # the most bad records skipped (each reported); one more stops reading with an error
@@ -94,25 +95,29 @@ def jsonl_document(line: bytes, text_field: str, first: bool = False) -> tuple[b
 
 
 def _open_jsonl(path: str):
-    """``(binary line iterator, errors the decompressor raises)`` for ``path``, decompressed by its suffix."""
+    """``(binary line iterator, errors the decompressor raises, what the file must be)`` for ``path``, decompressed
+    by its suffix."""
     suffix = path.lower().rsplit(".", 1)[-1]
     if suffix == "gz":
-        return gzip.open(path, "rb"), (OSError, EOFError)
+        return gzip.open(path, "rb"), (OSError, EOFError, zlib.error), "gzip-compressed JSON Lines (its name ends .gz)"
     if suffix == "zst":
         import zstandard
 
         reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
-        return io.BufferedReader(reader), (OSError, zstandard.ZstdError)
-    return open(path, "rb"), (OSError,)
+        expected = "zstd-compressed JSON Lines (its name ends .zst)"
+        return io.BufferedReader(reader), (OSError, zstandard.ZstdError), expected
+    return open(path, "rb"), (OSError,), "JSON Lines"
 
 
 def read_jsonl(
     files: list[str], text_field: str = "text", bad: BadRecords | None = None
 ) -> Iterator[tuple[str, bytes]]:
-    """``(path:line, UTF-8 bytes of the text field)`` of every good record of the JSON Lines ``files``, in order."""
+    """``(path:line, UTF-8 bytes of the text field)`` of every good record of the JSON Lines ``files``, in order. A
+    file its decompressor cannot read (a ``.gz`` that is not gzip, corrupt or truncated data) is a one-line
+    ValueError naming it and what it must be."""
     bad = bad if bad is not None else BadRecords()
     for path in files:
-        fh, errors = _open_jsonl(path)
+        fh, errors, expected = _open_jsonl(path)
         lineno = 0
         try:
             with fh:
@@ -123,7 +128,8 @@ def read_jsonl(
                     elif doc is not None:
                         yield f"{path}:{lineno}", doc
         except errors as e:
-            raise ValueError(f"cannot read {path!r} as JSON Lines after line {lineno}: {e}") from e
+            where = "at its start" if lineno == 0 else f"after line {lineno}"
+            raise ValueError(f"cannot read {path!r} as {expected} {where}: {e}") from None
 
 
 _STRING_TYPES = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")

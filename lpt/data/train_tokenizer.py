@@ -6,7 +6,9 @@ exactly) with one special token ``<|endoftext|>`` = id 0, which :func:`lpt.data.
 separator. ``N`` = 256 bytes + 1 special token + the merges (at least 257; fewer ids result when the text has no
 more pairs to merge). Trained only on the train split of the documents (the same cut as the data pipeline, so the
 validation text is never seen): by default the embedded corpus (no download), else the text files matching
-``--input`` (one file = one document, read in pieces). Deterministic: the same text gives the same file.
+``--input`` (one file = one document, read in pieces). Deterministic: the same text gives the same file. An
+``--out`` that is one of the input files, or that the ``--input`` glob would match, is refused before anything is
+written.
 """
 
 from __future__ import annotations
@@ -58,6 +60,14 @@ def train_tokenizer(
     if os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a directory; give the tokenizer.json file to write")
     files = None if input is None else corpus.glob_files(input, "text", "--input")
+    if files is not None:  # before anything is written: the tokenizer file must not land among its inputs
+        if os.path.realpath(out) in {os.path.realpath(f) for f in files}:
+            raise ValueError(f"--out {out!r} is one of the --input files; writing it would overwrite that input")
+        if corpus.glob_matches(input, out):
+            raise ValueError(
+                f"--out {out!r} lies where --input {input!r} reads: a rerun would train on the tokenizer file; "
+                "write it outside the input"
+            )
     t0 = time.perf_counter()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -155,3 +155,74 @@ def test_refusals(bpe512, tmp_path, capsys):
         _run(bpe512, glob, tmp_path / "x", source="json")
     with pytest.raises(ValueError, match="matches no files"):
         _run(bpe512, str(tmp_path / "*.none"), tmp_path / "x")
+
+
+def _one_error(err: str, *names: str) -> str:
+    """The one line of ``err``: ``error: ...`` naming each of ``names``, no traceback."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_second_prepare_into_the_same_out_is_refused_at_once(tmp_path, capsys):
+    glob = _write_docs(tmp_path / "in", n=4)
+    out = tmp_path / "prep"
+    args = ["--tokenizer", "bytes", "--input", glob, "--out", str(out), "--workers", "1", "--shard-mb", "0.01"]
+    assert prepare.main(args) == 0
+    before = _tree(out)
+    assert prepare.LOCK not in before  # removed when the prepare ended
+    capsys.readouterr()
+    with prepare.OutLock(str(out)):  # another prepare holds the directory (its own open file: flock conflicts)
+        assert prepare.main(args) == 2
+        _one_error(capsys.readouterr().err, str(out), "in use by another prepare", f"pid {os.getpid()}")
+    assert _tree(out) == before  # byte-identical: the refused prepare wrote and deleted nothing
+    (out / prepare.LOCK).write_text('{"host": "gone", "pid": 1, "started": "yesterday"}')  # a crashed holder's file
+    assert prepare.main(args) == 0 and _tree(out) == before  # taken over, finished, removed
+
+
+def test_out_over_the_input_is_refused_before_anything_is_written(tmp_path, capsys):
+    glob = _write_docs(tmp_path / "in", n=2)
+    _write_docs(tmp_path / "in" / "sub", n=1)
+    os.symlink(tmp_path / "in", tmp_path / "link")
+    cases = [
+        (glob, tmp_path / "in", "is the directory of --input files"),
+        (glob, tmp_path / "link", "is the directory of --input files"),  # the same directory through a symlink
+        (glob, tmp_path, "contains the directory of --input files"),
+        (str(tmp_path / "in" / "**"), tmp_path / "in" / "prep", "lies where --input"),  # would read its own output
+        (str(tmp_path / "link" / "*" / "*"), tmp_path / "in" / "prep", "lies where --input"),  # in/sub/00.txt
+    ]
+    before = _tree(tmp_path)
+    for pattern, out, why in cases:
+        argv = ["--tokenizer", "bytes", "--input", pattern, "--out", str(out), "--workers", "1"]
+        assert prepare.main(argv) == 2, out
+        _one_error(capsys.readouterr().err, f"--out {str(out)!r}", why)
+        assert _tree(tmp_path) == before and not (tmp_path / "in" / "prep").exists()
+    # inside the input's directory where the glob does not reach: allowed
+    argv = ["--tokenizer", "bytes", "--input", glob, "--out", str(tmp_path / "in" / "prep"), "--workers", "1"]
+    assert prepare.main(argv) == 0
+
+
+def test_train_tokenizer_does_not_write_where_it_reads(tmp_path, capsys):
+    from lpt.data import train_tokenizer
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("some words of text\n" * 50)
+    (tmp_path / "in" / "notes.json").write_text("more words of text\n" * 50)
+    before = _tree(tmp_path)
+    for pattern, out, why in [
+        ("*", "notes.json", "is one of the --input files"),
+        ("*", "tok.json", "lies where --input"),
+        ("**/*.json", "tok.json", "lies where --input"),
+    ]:
+        argv = ["--vocab-size", "300", "--input", str(tmp_path / "in" / pattern), "--out", str(tmp_path / "in" / out)]
+        assert train_tokenizer.main(argv) == 2
+        _one_error(capsys.readouterr().err, str(tmp_path / "in" / out), why)
+        assert _tree(tmp_path) == before
+    argv = ["--vocab-size", "300", "--input", str(tmp_path / "in" / "*.txt"), "--out", str(tmp_path / "in" / "t.json")]
+    assert train_tokenizer.main(argv) == 0  # beside its input, where the glob does not reach

@@ -237,5 +237,24 @@ def test_format_refusals(bpe512, tmp_path):
     with pytest.raises(ValueError, match=r"c.parquet' has no column 'text' to read the text from; columns: \['id', "):
         _run(bpe512, pq, tmp_path / "z")
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:30])
-    with pytest.raises(ValueError, match=r"cannot read .*d.jsonl.gz' as JSON Lines after line \d+"):
+    with pytest.raises(ValueError, match=r"cannot read .*d.jsonl.gz' as gzip-compressed JSON Lines .* after line \d+"):
         _run(bpe512, str(tmp_path / "d.jsonl.gz"), tmp_path / "w")
+
+
+@pytest.mark.parametrize("kind", ["plain", "corrupt"])
+def test_a_gz_file_that_is_not_gzip_is_one_error(kind, tmp_path, capsys):
+    """A ``.jsonl.gz`` that holds plain JSON Lines, or a gzip header followed by damaged data: one line naming the
+    file and what it must be, from prepare (exit 2) and from the trainer's source="jsonl"."""
+    path = tmp_path / "in" / "d.jsonl.gz"
+    path.parent.mkdir()
+    data = b'{"text": "one"}\n' * 100
+    path.write_bytes(data if kind == "plain" else gzip.compress(data)[:10] + b"\xff" * 40)
+    argv = ["--tokenizer", "bytes", "--input", str(path), "--out", str(tmp_path / "prep"), "--workers", "1"]
+    assert prepare.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: cannot read {str(path)!r} as gzip-compressed JSON Lines (its name ends .gz)")
+    with pytest.raises(ValueError, match=r"^cannot read .*d.jsonl.gz' as gzip-compressed JSON Lines"):
+        D.load_corpus("jsonl", str(path), 0.1, str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache") == []  # the half-built cache was removed

@@ -99,7 +99,8 @@ def test_bytes_path_is_unchanged(tmp_path):
     s = D.load_corpus("text", glob, 0.1, str(tmp_path / "cache")).streams
     assert {k: v.tobytes() for k, v in s.items()} == _old_byte_streams(D.load_documents("text", glob), 0.1)
     meta = json.loads(next((tmp_path / "cache").glob("*/meta.json")).read_text())
-    assert set(meta) == {"version", "tokens", "counts", "digest"}  # the bytes cache keeps its format and its key
+    # the bytes cache keeps its format and its key, with the full digest and the inputs added
+    assert set(meta) == {"version", "tokens", "counts", "digest", "full_digest", "inputs"}
     cfg = {"source": "text", "paths": glob, "cache_dir": str(tmp_path / "cache")}
     assert D.bytes_per_token(cfg) == 1.0 and D.bytes_per_token(cfg, "train") == 1.0
 
