@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from lpt import data as data_lib
 from lpt.train import config as config_lib
 from lpt.train import console, paths
 from lpt.train import guard as guard_lib
@@ -166,7 +167,9 @@ class Checkpointer:
                 f"before it are complete: free space or fix the file system, then run again to resume"
             ) from None
 
-    def restore_latest(self, abstract: TrainState, config=None, layout_of=None) -> tuple[TrainState, dict] | None:
+    def restore_latest(
+        self, abstract: TrainState, config=None, layout_of=None, corpus: dict | None = None
+    ) -> tuple[TrainState, dict] | None:
         """Restore the newest readable checkpoint onto ``abstract``'s shardings (None if there is none).
 
         ``layout_of`` (saved config dict or None -> abstract TrainState with shardings), when given, names the layout
@@ -175,6 +178,9 @@ class Checkpointer:
 
         With ``config`` (the run's), a step saved with another model, precision recipe or data position
         (:func:`lpt.train.config.resume_conflicts`) raises ValueError naming every differing key; nothing is moved.
+        With ``corpus`` (:func:`lpt.data.corpus_identity` of the run's data), a step saved on another corpus (files
+        added, deleted or changed behind the same ``data.paths``) raises ValueError naming the differences; a step
+        saved without one (an older lpt) is not compared.
         A step whose files cannot be read, or whose arrays fail their checksums, is moved aside (:meth:`move_aside`)
         and the previous step is tried. A step whose stored arrays do not have the current config's shapes and
         dtypes raises ValueError (a changed model, precision or optimizer: use a new workdir); nothing is moved then.
@@ -197,6 +203,14 @@ class Checkpointer:
                     f"checkpoint step {step} in {self.directory} was saved with another model, precision recipe or "
                     f"data position ({'; '.join(conflicts)}); a run resumes only with the same ones: use a new "
                     f"--workdir (with --config.init_from.workdir={self.directory.parent} to start from its weights)"
+                )
+            changes = _corpus_changes(metadata.get("corpus") if metadata else None, corpus)
+            if changes:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.directory} was saved on another corpus behind the same "
+                    f"data settings ({'; '.join(changes[:8])}{'; ...' if len(changes) > 8 else ''}); a run resumes "
+                    f"only on the data it trained on: restore those files, or use a new --workdir (with "
+                    f"--config.init_from.workdir={self.directory.parent} to start from its weights)"
                 )
             target = layout_of(saved if isinstance(saved, dict) else None) if layout_of is not None else abstract
             wanted = _layout(target.to_dict())
@@ -270,6 +284,14 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+def _corpus_changes(saved, current: dict | None) -> list[str]:
+    """The differences of a checkpoint's recorded corpus from the run's (:func:`lpt.data.corpus_changes`); none when
+    either is missing."""
+    if not isinstance(saved, dict) or current is None:
+        return []
+    return data_lib.corpus_changes(saved, current)
 
 
 def _layout(tree) -> list[tuple[tuple[int, ...], str]]:

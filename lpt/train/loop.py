@@ -124,6 +124,7 @@ def _train(
     # 2. Data: this process's slice of every global batch, and fixed validation batches.
     eval_batches, to_global = _eval_data(cfg, mesh)
     unigram = data_lib.unigram_loss(cfg.data, split="validation")
+    corpus = data_lib.corpus_identity(cfg.data)  # saved with every checkpoint; a resume needs the same corpus
 
     # 3. Model, optimizer, the sharded layout of the train state, the jitted steps.
     prog = program(cfg, mesh)
@@ -134,7 +135,7 @@ def _train(
     #    its moments re-stored into this run's (lpt.train.resume).
     layout = state_lib.with_shardings(prog.abstract, prog.shardings)
     try:
-        restored = ckpt.restore_latest(layout, cfg, resume.layout_of(cfg, mesh, layout, prog.model_def))
+        restored = ckpt.restore_latest(layout, cfg, resume.layout_of(cfg, mesh, layout, prog.model_def), corpus)
     except ckpt_lib.AllDamagedError as e:  # the history of the lost steps goes aside with them
         moved = history.move_aside(workdir) if is_main else None
         raise ValueError(f"{e}{f'; the run history that went with them is in {moved}' if moved else ''}") from None
@@ -216,7 +217,7 @@ def _train(
                 logger.drain()
                 writer.sync()  # object storage: the records of the steps the checkpoint holds are stored first
                 lock.refresh()  # object storage: stop here if another trainer took the workdir's lease over
-                ckpt.save(s, state, _metadata(cfg, mesh, s, origin), force=True)
+                ckpt.save(s, state, _metadata(cfg, mesh, s, origin, corpus), force=True)
             if stop:
                 ckpt.wait()
                 log.warning("preempted: saved checkpoint at step %d in %s; exiting cleanly", s, ckpt.directory)
@@ -399,7 +400,7 @@ def _warn_schedule_change(saved: dict | None, cfg, step: int) -> None:
         )
 
 
-def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None) -> dict:
+def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None, corpus: dict) -> dict:
     import flax
     import optax
     import orbax.checkpoint
@@ -419,6 +420,7 @@ def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None) -> dict:
         "device_kind": jax.devices()[0].device_kind,
         "data_worker_count": cfg.data.worker_count,
         "init_from": origin,  # where the step-0 params came from: {"seed": s}, {"workdir", "step"} or {"hf"}
+        "corpus": corpus,  # lpt.data.corpus_identity: a resume on other files behind the same data.paths is refused
         "time": time.time(),
     }
 
