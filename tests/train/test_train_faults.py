@@ -20,6 +20,7 @@ from lpt.train import workdir as workdir_lib
 from lpt.train.__main__ import main
 
 ARGS = ["--config", "tiny_cpu", *TRAIN_FLAGS, "--config.train.eval_every=6"]
+ROOT_DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 class Crash(Exception):
@@ -581,3 +582,39 @@ def test_when_every_checkpoint_is_damaged_the_history_goes_aside_with_them(refer
     assert run(tmp_path) == 0
     assert losses(tmp_path) == losses(reference)
     assert {n: (aside[0] / n).read_bytes() for n in history} == history  # kept, never truncated
+
+
+def test_a_changed_corpus_behind_the_same_paths_never_resumes(tmp_path, capsys):
+    """A text run crashed after step 5 (checkpoints 2 and 4); then a file is added and another deleted under the same
+    data.paths glob: the next run is one error line naming both changes, and the run's files stay byte-identical.
+    With the corpus restored it resumes."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (ROOT_DOCS / "optim.md").read_text()
+    for i, name in enumerate(("a.txt", "b.txt", "c.txt")):
+        (corpus / name).write_text(text[i * 3000 : (i + 1) * 3000 + 20_000])
+    work = tmp_path / "run"
+    data = ["--config.data.source=text", f"--config.data.paths={corpus}/*.txt"]
+    data.append(f"--config.data.cache_dir={tmp_path / 'cache'}")
+    argv = [*ARGS, "--workdir", str(work), "--config.train.steps=6", *data]
+
+    def crash(step, ckpt):
+        if step == 5:
+            raise Crash(step)
+
+    with pytest.raises(Crash):
+        main(argv, hooks=[crash])
+    before = _files(work)
+    kept = (corpus / "c.txt").read_bytes()
+    (corpus / "c.txt").unlink()
+    (corpus / "d.txt").write_text(text[:5000])
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: checkpoint step 4 in ") and "saved on another corpus" in err[-1], err[-3:]
+    assert "file d.txt added" in err[-1] and "file c.txt deleted" in err[-1]
+    assert _files(work) == before
+    (corpus / "d.txt").unlink()
+    (corpus / "c.txt").write_bytes(kept)
+    steps = []
+    assert main(argv, hooks=[lambda s, c: steps.append(s)]) == 0 and steps == [5, 6]
