@@ -37,7 +37,7 @@ arguments skips the finished shards and gives byte-identical files and manifest;
 another tokenizer, other inputs or other settings (source, text field, validation split or fraction, record size)
 is an error.
 
-One prepare at a time per DIR: it holds an exclusive lock (``fcntl.flock``) on ``DIR/prepare.lock``, which names it
+One prepare at a time per DIR: it holds an exclusive lock (:mod:`lpt.filelock`) on ``DIR/prepare.lock``, which names it
 (host, pid, start time) and is removed when it ends; a second prepare into the same DIR fails at once with a
 one-line error naming the directory and the holder (:class:`OutLock`). DIR must lie apart from the input: DIR equal
 to an input file's directory, DIR containing one, or DIR inside one where the ``--input`` glob would match the files
@@ -50,19 +50,17 @@ Progress: a tqdm bar over the input bytes, on stderr when it is a terminal.
 from __future__ import annotations
 
 import argparse
-import datetime
-import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
 import re
-import socket
 import sys
 import time
 
 import numpy as np
 
+from lpt import filelock
 from lpt.data import cache, corpus, prepared, records
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
@@ -263,20 +261,13 @@ class OutLock:
     def __enter__(self) -> OutLock:
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise ValueError(f"--out {self.out!r}: cannot create {LOCK}: {e.strerror}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_holder(fd)
-                os.close(fd)
+                fd = filelock.lock(self.path)
+            except filelock.HeldError as e:
                 raise ValueError(
-                    f"--out {self.out!r} is in use by another prepare ({holder}); wait for it to finish or choose "
+                    f"--out {self.out!r} is in use by another prepare ({e}); wait for it to finish or choose "
                     "another --out"
                 ) from None
-            except OSError as e:  # a file system without flock
-                os.close(fd)
+            except OSError as e:  # cannot create it, or a file system without flock
                 raise ValueError(f"--out {self.out!r}: cannot lock {LOCK}: {e.strerror}") from None
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -284,14 +275,7 @@ class OutLock:
                 same = False
             if same:
                 break
-            os.close(fd)  # the holder removed this file as it ended: lock the one at the path now
-        os.ftruncate(fd, 0)
-        holder = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        }
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+            filelock.unlock(fd)  # the holder removed this file as it ended: lock the one at the path now
         self._fd = fd
         return self
 
@@ -301,16 +285,8 @@ class OutLock:
                 os.remove(self.path)  # while still holding it: a waiter that opened it locks the new file instead
             except FileNotFoundError:
                 pass
-            os.close(self._fd)
+            filelock.unlock(self._fd)
             self._fd = None
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        h = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"host {h['host']}, pid {h['pid']}, started {h['started']}"
-    except (ValueError, KeyError, OSError):
-        return "holder unknown"
 
 
 def _first_bad(manifest: dict) -> str | None:

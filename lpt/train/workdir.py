@@ -26,8 +26,6 @@ failed run whose new parent directory meanwhile holds another trainer's workdir.
 
 from __future__ import annotations
 
-import datetime
-import fcntl
 import json
 import logging
 import os
@@ -38,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from lpt import filelock
 from lpt.train import paths
 
 log = logging.getLogger("lpt.train")
@@ -169,21 +168,14 @@ class WorkdirLock:
             self._lease = Lease(self.path.parent).acquire()
             return
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ValueError(f"--workdir {str(self.path.parent)!r}: cannot create {LOCK_NAME}: {e.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
+            self._fd = filelock.lock(self.path)
+        except filelock.HeldError as e:
             raise InUseError(
-                f"--workdir {str(self.path.parent)!r} is in use by another trainer ({holder}); wait for it to finish "
+                f"--workdir {str(self.path.parent)!r} is in use by another trainer ({e}); wait for it to finish "
                 f"or choose another --workdir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
-        self._fd = fd
+        except OSError as e:
+            raise ValueError(f"--workdir {str(self.path.parent)!r}: cannot lock {LOCK_NAME}: {e.strerror}") from None
 
     def __exit__(self, exc_type, *exc) -> None:
         try:
@@ -198,29 +190,12 @@ class WorkdirLock:
             self._lease.release()
             self._lease = None
         if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            filelock.unlock(self._fd)
             self._fd = None
 
 
 class InUseError(ValueError):
     """The workdir is held by another trainer (its lock or a fresh lease)."""
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        h = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"host {h['host']}, pid {h['pid']}, started {h['started']}"
-    except (ValueError, KeyError, OSError):
-        return "holder unknown"
-
-
-def _holder() -> dict:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
 
 
 def _pid_gone(holder: dict) -> bool:
@@ -298,17 +273,17 @@ class Lease:
                 age = time.time() - holder.get("heartbeat", 0.0) if holder else float("inf")
                 if holder and age < LEASE_SECONDS and not _pid_gone(holder):
                     raise InUseError(
-                        f"--workdir {str(self.workdir)!r} is in use by another trainer ({_describe(holder)}, last "
-                        f"heartbeat {age:.0f} s ago); wait for it to finish or choose another --workdir (a lease "
-                        f"not renewed for {LEASE_SECONDS:.0f} s is taken over)"
+                        f"--workdir {str(self.workdir)!r} is in use by another trainer ({filelock.describe(holder)}, "
+                        f"last heartbeat {age:.0f} s ago); wait for it to finish or choose another --workdir (a "
+                        f"lease not renewed for {LEASE_SECONDS:.0f} s is taken over)"
                     )
                 log.warning(
                     "--workdir %s: taking over the stale lease of %s (%s)",
                     self.workdir,
-                    _describe(holder) if holder else "an unreadable holder",
+                    filelock.describe(holder) if holder else "an unreadable holder",
                     f"last heartbeat {age:.0f} s ago" if age != float("inf") else "no heartbeat",
                 )
-            record = {**_holder(), "token": secrets.token_hex(8), "heartbeat": time.time()}
+            record = {**filelock.holder(), "token": secrets.token_hex(8), "heartbeat": time.time()}
             try:
                 generation = self._write(record, found.stamp.generation)
             except Exception as e:  # noqa: BLE001 -- permissions, a missing bucket
@@ -342,7 +317,7 @@ class Lease:
         holder = _parse(found.value) if found.state == "value" else None
         self._lost = (
             f"--workdir {str(self.workdir)!r}: this trainer's lease was taken over by "
-            f"{_describe(holder) if holder else 'nobody (it was deleted)'}; stopping without writing another "
+            f"{filelock.describe(holder) if holder else 'nobody (it was deleted)'}; stopping without writing another "
             f"checkpoint"
         )
 
@@ -376,10 +351,6 @@ def _parse(value: bytes) -> dict | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return holder if isinstance(holder, dict) and isinstance(holder.get("heartbeat"), int | float) else None
-
-
-def _describe(holder: dict) -> str:
-    return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}"
 
 
 def _one_line(e: Exception) -> str:
