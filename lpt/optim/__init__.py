@@ -15,8 +15,8 @@ For float8 params use :func:`lpt.optim.apply_updates` (JAX refuses the implicit 
 
 Rules: :func:`kahan_summation` (Zamirai et al., Algorithm 1), :func:`stochastic_rounding` (Zamirai et al.),
 :func:`nearest_rounding` (the baseline), :func:`norm_preserving_update` (the norm-preserving update note); the papers
-are listed in docs/references.md. Helpers: :func:`check_last` (one update, checked to land on the params' grid: the rule is last in the chain),
-diagnostics (:func:`get_diagnostics`), f32-checkpoint conversion
+are listed in docs/references.md. Helpers: :func:`check_last` (one update, checked to land on the params' grid:
+the rule is last in the chain), diagnostics (:func:`get_diagnostics`), f32-checkpoint conversion
 (:func:`compensation_from_f32`, :func:`to_f32`, :func:`find_compensation`, :func:`replace_compensation`), moment
 storage conversion (:func:`convert_moments`, e.g. 16-bit to 8-bit moments), and recipes
 (:func:`scale_by_adam`, :func:`add_decayed_weights`, :func:`adamw`, :func:`kahan_adamw`: one fused transform with

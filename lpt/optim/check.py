@@ -28,10 +28,9 @@ def check_last(tx: optax.GradientTransformation, params, grads=None) -> int:
     low-precision leaves checked; ValueError when there are none (nothing to check: f32 params need no rule)."""
     if grads is None:
         leaves, treedef = jax.tree.flatten(params)
-        keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
-        grads = jax.tree.unflatten(
-            treedef, [jax.random.normal(k, jnp.shape(p), jnp.float32).astype(p.dtype) for k, p in zip(keys, leaves)]
-        )
+        keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))[: len(leaves)]
+        normals = [jax.random.normal(k, jnp.shape(p), jnp.float32) for k, p in zip(keys, leaves, strict=True)]
+        grads = jax.tree.unflatten(treedef, [g.astype(p.dtype) for g, p in zip(normals, leaves, strict=True)])
     updates, _ = tx.update(grads, tx.init(params), params)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     changes = jax.tree.leaves(updates)
