@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_errors import one_error
 from tiny_run import OVERRIDES, ROOT, train_tiny
 
 from lpt import eval as eval_tool
@@ -22,15 +23,6 @@ from lpt.train import compile as compile_tool
 from lpt.train.__main__ import main as train_main
 
 _LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")  # lpt.train's log lines
-
-
-def one_error(err: str, *names: str) -> str:
-    """The one line of ``err`` (stderr), checked to be ``error: ...`` naming each of ``names``."""
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-    return lines[0]
 
 
 def tree(path: Path) -> dict[str, str]:

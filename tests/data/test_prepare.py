@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from cli_errors import one_error
 
 import lpt.data as D
 from lpt.data import prepare, prepared
@@ -157,15 +158,6 @@ def test_refusals(bpe512, tmp_path, capsys):
         _run(bpe512, str(tmp_path / "*.none"), tmp_path / "x")
 
 
-def _one_error(err: str, *names: str) -> str:
-    """The one line of ``err``: ``error: ...`` naming each of ``names``, no traceback."""
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-    return lines[0]
-
-
 def _tree(path):
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
@@ -180,7 +172,7 @@ def test_a_second_prepare_into_the_same_out_is_refused_at_once(tmp_path, capsys)
     capsys.readouterr()
     with prepare.OutLock(str(out)):  # another prepare holds the directory (its own open file: flock conflicts)
         assert prepare.main(args) == 2
-        _one_error(capsys.readouterr().err, str(out), "in use by another prepare", f"pid {os.getpid()}")
+        one_error(capsys.readouterr().err, str(out), "in use by another prepare", f"pid {os.getpid()}")
     assert _tree(out) == before  # byte-identical: the refused prepare wrote and deleted nothing
     (out / prepare.LOCK).write_text('{"host": "gone", "pid": 1, "started": "yesterday"}')  # a crashed holder's file
     assert prepare.main(args) == 0 and _tree(out) == before  # taken over, finished, removed
@@ -201,7 +193,7 @@ def test_out_over_the_input_is_refused_before_anything_is_written(tmp_path, caps
     for pattern, out, why in cases:
         argv = ["--tokenizer", "bytes", "--input", pattern, "--out", str(out), "--workers", "1"]
         assert prepare.main(argv) == 2, out
-        _one_error(capsys.readouterr().err, f"--out {str(out)!r}", why)
+        one_error(capsys.readouterr().err, f"--out {str(out)!r}", why)
         assert _tree(tmp_path) == before and not (tmp_path / "in" / "prep").exists()
     # inside the input's directory where the glob does not reach: allowed
     argv = ["--tokenizer", "bytes", "--input", glob, "--out", str(tmp_path / "in" / "prep"), "--workers", "1"]
@@ -222,7 +214,7 @@ def test_train_tokenizer_does_not_write_where_it_reads(tmp_path, capsys):
     ]:
         argv = ["--vocab-size", "300", "--input", str(tmp_path / "in" / pattern), "--out", str(tmp_path / "in" / out)]
         assert train_tokenizer.main(argv) == 2
-        _one_error(capsys.readouterr().err, str(tmp_path / "in" / out), why)
+        one_error(capsys.readouterr().err, str(tmp_path / "in" / out), why)
         assert _tree(tmp_path) == before
     argv = ["--vocab-size", "300", "--input", str(tmp_path / "in" / "*.txt"), "--out", str(tmp_path / "in" / "t.json")]
     assert train_tokenizer.main(argv) == 0  # beside its input, where the glob does not reach
