@@ -6,15 +6,18 @@ fields are made with :func:`option`. Everything a config needs is derived from t
 once:
 
 - :func:`build`: an instance from a (partial) mapping or ConfigDict; a missing key takes its default; an unknown
-  key, a wrong type or a value outside the allowed set raises a one-line ``ValueError`` naming the key.
+  key, a wrong type, a value outside the allowed set or outside the key's :class:`Range` raises a one-line
+  ``ValueError`` naming the key, the value and what is allowed.
 - construction: the same checks for an instance built directly, then the section's own ``check()`` (what only it
-  knows: divisible heads, a worker count >= 0).
-- :func:`leaves`: every key of a tree with its type, default, allowed values and doc (``--help``, the parser).
+  knows: divisible heads, an even RoPE head dim).
+- :func:`leaves`: every key of a tree with its type, default, allowed values, range and doc (``--help``, the parser).
 - :func:`to_dict`: the instance as nested plain dicts (``config.json``).
 - :func:`parse`: a command-line string as a value of a key's type.
 
 Leaf types are ``bool``, ``int``, ``float``, ``str`` and ``tuple[str, ...]`` (written ``a,b`` on the command line);
-a field whose type is another section class nests it.
+a field whose type is another section class nests it. An int or float key states its allowed numbers with a
+:class:`Range` (``at_least(1)``, ``above(0)``, ``Range(0, 1, high_open=True)``); a float key refuses NaN and ±inf
+(``finite=False`` allows ±inf), with or without a range.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -49,12 +53,78 @@ def section(path: str):
     return make
 
 
-def option(default: Any, doc: str, choices: tuple | None = None) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The numbers an int or float key allows: ``low <= x`` (``<`` with ``low_open``) and ``x <= high`` (``<`` with
+    ``high_open``), a None bound being no bound; ``also``: values allowed besides (``-1`` for "all" or "the newest");
+    ``finite``: ±inf refused (float keys; NaN always is). ``what`` names the kind of number in errors ("a seed");
+    ``note`` says what a special value means ("0 = off"), in errors after the range."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple = ()
+    finite: bool = True
+    what: str = ""
+    note: str = ""
+
+    def __contains__(self, x) -> bool:
+        if x in self.also:
+            return True
+        if isinstance(x, float) and not math.isfinite(x) and (self.finite or math.isnan(x)):
+            return False
+        low_ok = self.low is None or (x > self.low if self.low_open else x >= self.low)
+        return low_ok and (self.high is None or (x < self.high if self.high_open else x <= self.high))
+
+    def __str__(self) -> str:
+        """The bounds alone: ``>= 1``, ``> 0``, ``in [0, 1)``, ``>= 0 or -1`` (``finite`` when unbounded)."""
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"in {left}{_bound(self.low)}, {_bound(self.high)}{right}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {_bound(self.low)}"
+        elif self.high is not None:
+            text = f"{'<' if self.high_open else '<='} {_bound(self.high)}"
+        else:
+            text = "finite" if self.finite else "any number"
+        return " or ".join([text, *map(str, self.also)])
+
+    def message(self, value) -> str:
+        """What ``value`` (outside the range) must be: ``a seed in [0, 2**63)``, ``finite and > 0``, ``>= 0 (0 =
+        off)``."""
+        text = f"{self.what} {self}" if self.what else str(self)
+        if isinstance(value, float) and not math.isfinite(value) and self.finite and text != "finite":
+            text = f"finite and {text}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _bound(x) -> str:
+    """A bound as written in a range: ``2**63`` for a large power of two, else the number itself."""
+    if isinstance(x, int) and x >= 2**32 and x & (x - 1) == 0:
+        return f"2**{x.bit_length() - 1}"
+    return str(x)
+
+
+def at_least(low, **kwargs) -> Range:
+    """``x >= low`` (``Range``'s other fields as keywords: ``also``, ``note``, ...)."""
+    return Range(low, **kwargs)
+
+
+def above(low, **kwargs) -> Range:
+    """``x > low``."""
+    return Range(low, low_open=True, **kwargs)
+
+
+SEED = Range(0, 2**63, high_open=True, what="a seed")  # what jax, numpy and grain all take
+
+
+def option(default: Any, doc: str, choices: tuple | None = None, bounds: Range | None = None) -> Any:
     """A dataclass field with its ``default``, a one-line ``doc`` and, optionally, the allowed values ``choices``
-    (for a tuple field: the values its entries are drawn from)."""
-    return dataclasses.field(
-        default=default, metadata={"doc": doc, "choices": None if choices is None else tuple(choices)}
-    )
+    (for a tuple field: the values its entries are drawn from) or, for an int or float field, the :class:`Range`
+    ``bounds`` of its allowed numbers (a float field without one allows every finite number)."""
+    metadata = {"doc": doc, "choices": None if choices is None else tuple(choices), "bounds": bounds}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 class Leaf(NamedTuple):
@@ -63,6 +133,7 @@ class Leaf(NamedTuple):
     default: Any
     choices: tuple | None
     doc: str
+    bounds: Range | None = None  # an int or float key's allowed numbers (a float key without one: finite ones)
 
 
 def is_section(typ: Any) -> bool:
@@ -91,11 +162,13 @@ def leaves(cls: type, path: str | None = None) -> Iterator[Leaf]:
         if is_section(typ):
             yield from leaves(typ, key)
         else:
-            yield Leaf(key, typ, f.default, f.metadata.get("choices"), f.metadata.get("doc", ""))
+            meta = f.metadata
+            yield Leaf(key, typ, f.default, meta.get("choices"), meta.get("doc", ""), meta.get("bounds"))
 
 
-def _coerce(key: str, value: Any, typ: Any, choices: tuple | None) -> Any:
-    """``value`` checked against ``typ`` and ``choices`` (an int is taken as a float; a list as a tuple)."""
+def _coerce(key: str, value: Any, typ: Any, choices: tuple | None, bounds: Range | None = None) -> Any:
+    """``value`` checked against ``typ``, ``choices`` and ``bounds`` (an int is taken as a float; a list as a
+    tuple)."""
     if typ == _TUPLE:
         if isinstance(value, str) or not isinstance(value, tuple | list):
             raise ValueError(f"config key {key}={value!r}: must be a tuple drawn from {choices}")
@@ -109,13 +182,11 @@ def _coerce(key: str, value: Any, typ: Any, choices: tuple | None) -> Any:
         raise ValueError(f"config key {key}={value!r} has type {type(value).__name__}; expected {type_name(typ)}")
     if choices is not None and value not in choices:
         raise ValueError(f"config key {key}={value!r} is not allowed; valid values: {', '.join(map(str, choices))}")
+    if typ is float and bounds is None:
+        bounds = Range()  # every finite number
+    if bounds is not None and value not in bounds:
+        raise ValueError(f"config key {key}={value!r} must be {bounds.message(value)}")
     return value
-
-
-def check_seed(key: str, value: int) -> None:
-    """ValueError unless ``value`` is a seed that jax, numpy and grain all take: an int in [0, 2**63)."""
-    if not 0 <= value < 2**63:
-        raise ValueError(f"config key {key}={value!r} must be a seed in [0, 2**63)")
 
 
 def check_fields(obj: Any) -> None:
@@ -127,7 +198,8 @@ def check_fields(obj: Any) -> None:
             if not isinstance(value, typ):
                 raise ValueError(f"config key {key} must be a {typ.__name__} section, got {type(value).__name__}")
             continue
-        object.__setattr__(obj, f.name, _coerce(key, value, typ, f.metadata.get("choices")))
+        meta = f.metadata
+        object.__setattr__(obj, f.name, _coerce(key, value, typ, meta.get("choices"), meta.get("bounds")))
 
 
 def _as_mapping(value: Any, key: str) -> Mapping:

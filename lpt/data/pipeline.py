@@ -22,7 +22,7 @@ import numpy as np
 from lpt.data.cache import Corpus
 from lpt.data.corpus import SOURCES, load_corpus
 from lpt.data.workers import exit_with_parent
-from lpt.options import build, check_seed, option, section
+from lpt.options import SEED, Range, at_least, build, option, section
 
 
 @section("data")
@@ -36,17 +36,18 @@ class DataConfig:
         SOURCES,
     )
     paths: str = option("", "glob of the input files (text, arrayrecord, jsonl, parquet) or the prepared directory")
-    seq_len: int = option(64, "tokens per training sequence")
-    validation_fraction: float = option(0.1, "share of the corpus held out for validation")
-    worker_count: int = option(0, "grain worker processes (0 = in-process; may change between runs)")
-    shuffle_seed: int = option(0, "seed of the training data order")
+    seq_len: int = option(64, "tokens per training sequence", bounds=at_least(1))
+    validation_fraction: float = option(
+        0.1, "share of the corpus held out for validation", bounds=Range(0, 1, low_open=True, high_open=True)
+    )
+    worker_count: int = option(
+        0, "grain worker processes (0 = in-process; may change between runs)", bounds=at_least(0, note="0 = in-process")
+    )
+    shuffle_seed: int = option(0, "seed of the training data order", bounds=SEED)
     cache_dir: str = option("", 'tokenized-corpus cache; "" = $LPT_DATA_CACHE, else ~/.cache/lpt/data')
     tokenizer: str = option("bytes", '"bytes" (vocab 256) | a Hugging Face tokenizer.json | a SentencePiece .model')
 
     def check(self):
-        if self.worker_count < 0:
-            raise ValueError(f"config key data.worker_count={self.worker_count!r} must be an int >= 0")
-        check_seed("data.shuffle_seed", self.shuffle_seed)
         if not self.tokenizer:
             raise ValueError(
                 f"config.data.tokenizer={self.tokenizer!r} must be 'bytes' or the path of a tokenizer.json / .model"

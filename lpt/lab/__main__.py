@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import time
+from typing import NoReturn
 
 from lpt.lab.report import Report
 from lpt.lab.runs import RECIPES
+from lpt.train import config as config_lib
 
 # section name -> module with ``run(report, quick)`` (the recipe sections also take ``recipes=``)
 SECTIONS = {
@@ -28,8 +31,42 @@ SECTIONS = {
 RECIPE_SECTIONS = ("recipes", "cost")
 
 
+def fail(message: str) -> NoReturn:
+    """Bad input: one ``error:`` line on stderr and exit code 2 (nothing written)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """``{"train.seed": "1"}`` from ``--set KEY=VALUE`` arguments, each key known and its value of the key's type."""
+    overrides = {}
+    for item in items:
+        if "=" not in item:
+            fail(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.seed=1")
+        key, value = item.split("=", 1)
+        try:
+            config_lib.parse_value(key, value)
+        except ValueError as e:
+            fail(f"--set {item}: {e}")
+        overrides[key] = value
+    return overrides
+
+
+def check_configs(names: list[str], quick: bool, recipes, overrides: dict[str, str]) -> None:
+    """Build every config the recipe sections among ``names`` will run, so that a value outside its key's range (or
+    one that does not fit the recipe) is one error line before ``--out`` is made."""
+    for name in names:
+        if name in RECIPE_SECTIONS:
+            try:
+                importlib.import_module(SECTIONS[name]).configs(quick, recipes=recipes, overrides=overrides)
+            except ValueError as e:
+                fail(f"--set {' '.join(f'{k}={v}' for k, v in overrides.items())} (section {name}): {e}")
+
+
 def main(argv=None) -> dict:
-    """Run the sections; return ``{"report": path, <section>: headline numbers}``."""
+    """Run the sections; return ``{"report": path, <section>: headline numbers}``. Bad input (an unknown section,
+    recipe or key, a value outside its key's range, ``--set``/``--recipes`` without a section that uses them) is
+    one ``error:`` line and exit code 2, before anything is written."""
     import matplotlib
 
     matplotlib.use("Agg")  # the command writes files only; importing lpt.lab leaves the backend alone
@@ -50,20 +87,19 @@ def main(argv=None) -> dict:
         help="config override for every recipe run, e.g. --set train.seed=1 (repeatable; recipes/cost sections)",
     )
     args = ap.parse_args(argv)
-    recipes = args.recipes.split(",") if args.recipes else None
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            ap.error(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.seed=1")
-        key, value = item.split("=", 1)
-        overrides[key] = value
-    for r in recipes or ():
-        if r not in RECIPES:
-            ap.error(f"--recipes: {r!r} is not a recipe; available: {', '.join(RECIPES)}")
     names = list(SECTIONS) if "all" in args.sections else args.sections
     for name in names:
         if name not in SECTIONS:
-            ap.error(f"section {name!r} is unknown; available: all, {', '.join(SECTIONS)}")
+            fail(f"section {name!r} is unknown; available: all, {', '.join(SECTIONS)}")
+    recipes = args.recipes.split(",") if args.recipes else None
+    for r in recipes or ():
+        if r not in RECIPES:
+            fail(f"--recipes: {r!r} is not a recipe; available: {', '.join(RECIPES)}")
+    overrides = parse_sets(args.set)
+    if (overrides or recipes) and not set(names) & set(RECIPE_SECTIONS):
+        uses = " and ".join(RECIPE_SECTIONS)
+        fail(f"--set and --recipes apply to the {uses} sections only; the sections given: {', '.join(names)}")
+    check_configs(names, args.quick, recipes, overrides)
     report = Report(args.out)
     results = {}
     for name in names:

@@ -58,12 +58,25 @@ def measure(names, overrides: dict[str, str], rounds: int, batches: int) -> dict
     return out
 
 
+def plan(quick: bool, recipes=None) -> tuple[list[str], list[str]]:
+    """The recipes (default: all; :func:`measure` adds the f32 baseline) and the model sizes (``--quick``: tiny)
+    :func:`run` measures."""
+    return list(recipes or runs.RECIPES), ["tiny"] if quick else list(SIZES)
+
+
+def configs(quick: bool, recipes=None, overrides=None) -> dict:
+    """``{(size, recipe): config}`` of every step :func:`run` measures; ValueError naming the key for a bad override
+    (checked by ``python -m lpt.lab`` before anything is written)."""
+    names, sizes = plan(quick, recipes)
+    names = names if runs.BASELINE in names else [runs.BASELINE, *names]
+    return {(s, n): runs.recipe_config(n, {**SIZES[s], **(overrides or {})}) for s in sizes for n in names}
+
+
 def run(report, quick: bool, recipes=None, overrides=None) -> dict:
     """Measure ``recipes`` (default: all) plus the f32 baseline at the tiny size (``--quick``) or both sizes, with
     ``overrides`` applied after each size's own."""
-    names = list(recipes or runs.RECIPES)
+    names, sizes = plan(quick, recipes)
     extra = overrides or {}
-    sizes = ["tiny"] if quick else list(SIZES)
     rounds, batches = (2, 3) if quick else (5, 6)
     report.section(
         "cost: step time and memory of each recipe",

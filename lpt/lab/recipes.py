@@ -51,17 +51,30 @@ def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, 
     return out
 
 
-def run(report, quick: bool, recipes=None, overrides=None) -> dict:
-    """Train ``recipes`` (default: all; ``--quick``: a smaller budget and four recipes) plus the f32 baseline, with
-    the section's budget and then ``overrides`` (e.g. ``{"train.seed": "1"}``) applied to every run."""
+def plan(quick: bool, recipes=None, overrides=None) -> tuple[list[str], dict[str, str]]:
+    """The recipes :func:`run` trains (``recipes``, default: all; ``--quick``: four; the f32 baseline first) and
+    the overrides of every run: the section's budget, then ``overrides``."""
     names = list(recipes or (QUICK_RECIPES if quick else runs.RECIPES))
     if runs.BASELINE not in names:
         names.insert(0, runs.BASELINE)
-    overrides = {**(QUICK if quick else FULL), **(overrides or {})}
+    return names, {**(QUICK if quick else FULL), **(overrides or {})}
+
+
+def configs(quick: bool, recipes=None, overrides=None) -> dict:
+    """``{recipe: config}`` of every run of :func:`run`; ValueError naming the key for a bad override (checked by
+    ``python -m lpt.lab`` before anything is written)."""
+    names, overrides = plan(quick, recipes, overrides)
+    return {n: runs.recipe_config(n, overrides) for n in names}
+
+
+def run(report, quick: bool, recipes=None, overrides=None) -> dict:
+    """Train ``recipes`` (default: all; ``--quick``: a smaller budget and four recipes) plus the f32 baseline, with
+    the section's budget and then ``overrides`` (e.g. ``{"train.seed": "1"}``) applied to every run."""
+    names, overrides = plan(quick, recipes, overrides)
+    cfgs = {n: runs.recipe_config(n, overrides) for n in names}
     workdir = Path(report.out_dir) / "recipes_runs"
     results = train_recipes(names, overrides, workdir)
 
-    cfgs = {n: runs.recipe_config(n, overrides) for n in names}
     cost_of = cost.measure(names, overrides, rounds=2 if quick else 5, batches=3 if quick else 6)
 
     base = results[runs.BASELINE]["eval_loss"]

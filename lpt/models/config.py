@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from lpt.options import build, option, section
+from lpt.options import above, at_least, build, option, section
 
 PARAM_DTYPES = {
     "float32": jnp.float32,
@@ -60,14 +60,14 @@ class RopeScaling:
     """RoPE frequency scaling (see :func:`lpt.models.layers.rope_inv_freq`); Hugging Face's ``rope_scaling``."""
 
     type: str = option("none", 'RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)', ROPE_SCALINGS)
-    factor: float = option(1.0, "linear / llama3: context extension factor")
-    low_freq_factor: float = option(1.0, "llama3: wavelengths above original_max_len / this are scaled")
-    high_freq_factor: float = option(4.0, "llama3: wavelengths below original_max_len / this are kept")
-    original_max_len: int = option(8192, "llama3: the pretraining context length")
+    factor: float = option(1.0, "linear / llama3: context extension factor", bounds=above(0))
+    low_freq_factor: float = option(
+        1.0, "llama3: wavelengths above original_max_len / this are scaled", bounds=above(0)
+    )
+    high_freq_factor: float = option(4.0, "llama3: wavelengths below original_max_len / this are kept", bounds=above(0))
+    original_max_len: int = option(8192, "llama3: the pretraining context length", bounds=at_least(1))
 
     def check(self):
-        if self.type != "none" and not self.factor > 0:
-            raise ValueError(f"config key model.rope_scaling.factor={self.factor!r} must be > 0")
         if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 f"config key model.rope_scaling: high_freq_factor={self.high_freq_factor!r} must exceed "
@@ -82,23 +82,35 @@ class ModelSpec:
     kind: str = option(
         "llama", '"llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)', KINDS
     )
-    vocab_size: int = option(0, "0: the tokenizer's vocabulary size (256 for data.tokenizer=bytes)")
-    d_model: int = option(128, "residual stream width")
-    n_layers: int = option(2, "transformer blocks")
-    n_heads: int = option(4, "query heads")
-    n_kv_heads: int = option(0, "key/value heads (GQA); 0: n_heads")
-    head_dim: int = option(0, "width of each q, k, v head; 0: d_model / n_heads (llama may set another, e.g. Qwen3)")
+    vocab_size: int = option(
+        0,
+        "0: the tokenizer's vocabulary size (256 for data.tokenizer=bytes)",
+        bounds=at_least(0, note="0 = the tokenizer's size"),
+    )
+    d_model: int = option(128, "residual stream width", bounds=at_least(1))
+    n_layers: int = option(2, "transformer blocks", bounds=at_least(1))
+    n_heads: int = option(4, "query heads", bounds=at_least(1))
+    n_kv_heads: int = option(0, "key/value heads (GQA); 0: n_heads", bounds=at_least(0, note="0 = n_heads"))
+    head_dim: int = option(
+        0,
+        "width of each q, k, v head; 0: d_model / n_heads (llama may set another, e.g. Qwen3)",
+        bounds=at_least(0, note="0 = d_model / n_heads"),
+    )
     qkv_bias: bool = option(False, "llama: biases on the q, k, v projections, none on the output one (Qwen2)")
     qk_norm: bool = option(False, "llama: RMSNorm over each head of q and k, before RoPE (Qwen3)")
     sliding_window: int = option(
-        0, "llama: each query attends only its own and the sliding_window - 1 previous keys (Mistral); 0: no window"
+        0,
+        "llama: each query attends only its own and the sliding_window - 1 previous keys (Mistral); 0: no window",
+        bounds=at_least(0, note="0 = no window"),
     )
-    d_ff: int = option(384, "MLP hidden width (SwiGLU for llama, GELU for gpt2)")
-    max_seq_len: int = option(64, "longest sequence the model accepts (RoPE table / position embedding size)")
-    rope_theta: float = option(10000.0, "RoPE base frequency (llama only)")
-    norm_eps: float = option(1e-5, "epsilon of RMSNorm / LayerNorm")
+    d_ff: int = option(384, "MLP hidden width (SwiGLU for llama, GELU for gpt2)", bounds=at_least(1))
+    max_seq_len: int = option(
+        64, "longest sequence the model accepts (RoPE table / position embedding size)", bounds=at_least(1)
+    )
+    rope_theta: float = option(10000.0, "RoPE base frequency (llama only)", bounds=above(0))
+    norm_eps: float = option(1e-5, "epsilon of RMSNorm / LayerNorm (added to the variance)", bounds=above(0))
     tie_embeddings: bool = option(False, "share the input embedding with the output projection")
-    init_std: float = option(0.02, "std of the normal init of weight matrices")
+    init_std: float = option(0.02, "std of the normal init of weight matrices", bounds=above(0))
     remat: bool = option(False, "recompute block activations in the backward pass (less memory, ~1/3 more compute)")
     scan_layers: bool = option(False, "nnx.scan over stacked blocks (one compiled block: faster compiles when deep)")
     rope_scaling: RopeScaling = option(RopeScaling(), "RoPE frequency scaling")
@@ -106,15 +118,6 @@ class ModelSpec:
     def check(self):
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.vocab_size < 0:
-            raise ValueError(f"config key model.vocab_size={self.vocab_size} must be >= 0 (0 = the tokenizer's size)")
-        for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-            if getattr(self, k) <= 0:
-                raise ValueError(f"config key model.{k}={getattr(self, k)!r} must be a positive int")
-        if self.head_dim < 0:
-            raise ValueError(f"config key model.head_dim={self.head_dim} must be >= 0 (0 = d_model / n_heads)")
-        if self.sliding_window < 0:
-            raise ValueError(f"config key model.sliding_window={self.sliding_window} must be >= 0 (0 = no window)")
         if self.kind == "gpt2" and self.n_kv_heads != self.n_heads:
             raise ValueError(f"gpt2 has no GQA: n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads}")
         for k, plain in (("qkv_bias", False), ("qk_norm", False), ("head_dim", 0), ("sliding_window", 0)):
@@ -160,7 +163,7 @@ class Attention:
 
     impl: str = option("xla", '"xla" reference, "pallas" flash kernel, or "softmax" (plain)', ATTENTION_IMPLS)
     stable: bool = option(True, "Qiu & Yao's fix for repeated row maxima in low-precision softmax")
-    beta: float = option(7.0, "the fix's beta (rows with a repeated max use beta*m or 0 as offset)")
+    beta: float = option(7.0, "the fix's beta (rows with a repeated max use beta*m or 0 as offset)", bounds=above(1))
 
 
 @section("precision.pqt")
@@ -169,9 +172,16 @@ class Pqt:
 
     method: str = option("none", 'pseudo-quantization training: "none" | "gaussws" | "diffq"', PQT_METHODS)
     layers: tuple[str, ...] = option((), 'layer kinds that get PQT, e.g. "out,down"', PQT_LAYER_KINDS)
-    b_init: float = option(6.0, "initial learnable bitwidth")
-    b_target: float = option(4.0, "bitwidth the aux loss pulls towards")
-    loss_weight: float = option(0.0, "weight of the bitwidth aux loss")
+    b_init: float = option(6.0, "initial learnable bitwidth", bounds=above(0))
+    b_target: float = option(4.0, "bitwidth the aux loss and weight decay pull towards; != b_init", bounds=above(0))
+    loss_weight: float = option(0.0, "weight of the bitwidth aux loss (0 = none)", bounds=at_least(0))
+
+    def check(self):
+        if self.method != "none" and self.layers and self.b_init == self.b_target:
+            raise ValueError(
+                f"config key precision.pqt.b_target={self.b_target!r} equals b_init: the learnable bitwidth "
+                "b_t = b_target + b_i * (b_init - b_target) would not depend on b_i; choose another b_target"
+            )
 
 
 @section("precision")
@@ -266,9 +276,10 @@ def matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
 
 
 def check_matmul_blocks(spec: ModelSpec, numerics: Numerics) -> None:
-    """Raise ValueError for a layer kind whose block-scaled matmul ("mxfp8", "nvfp4") has a K or N that is not a
-    multiple of the recipe's block (:data:`lpt.fp8.block_scaled.BLOCKS`), and for ``bf16_layers`` that are not
-    block indices or that name blocks without a low-precision matmul."""
+    """Raise ValueError for a layer kind whose low-precision matmul has a K or N that is not a multiple of its block
+    ("fp8": the 128x128 weight blocks of :func:`lpt.fp8.blockwise_dot`; "mxfp8", "nvfp4": the recipe's block of
+    :data:`lpt.fp8.block_scaled.BLOCKS`), naming the key and the layer, and for ``bf16_layers`` that are not block
+    indices or that name blocks without a low-precision matmul."""
     kinds = {k: numerics.matmul_for(k) for k in LAYER_KINDS}
     numerics.bf16_blocks(spec.n_layers)
     if numerics.bf16_layers and not any(kinds[k] in LOW_PRECISION for k in BLOCK_KINDS):
@@ -277,12 +288,15 @@ def check_matmul_blocks(spec: ModelSpec, numerics: Numerics) -> None:
             f"low-precision (precision.matmul.{{{','.join(BLOCK_KINDS)}}} are all bf16); set one to one of "
             f"{LOW_PRECISION} or leave bf16_layers empty"
         )
-    if not any(m in ("mxfp8", "nvfp4") for m in kinds.values()):
+    if not any(m in LOW_PRECISION for m in kinds.values()):
         return
-    from lpt.fp8.block_scaled import BLOCKS  # in-function: lpt.fp8 loads the Pallas kernels
+    # in-function: lpt.fp8 loads the Pallas kernels
+    from lpt.fp8.block_scaled import BLOCKS
+    from lpt.fp8.blockwise import blockwise_config
 
+    blocks = {**BLOCKS, "fp8": blockwise_config(**numerics.fp8_options()).block}
     for kind, shapes in matmul_shapes(spec).items():
-        block = BLOCKS.get(kinds[kind], 1)  # 1: a matmul without blocks
+        block = blocks.get(kinds[kind], 1)  # 1: a matmul without blocks
         for k, n in shapes:
             if k % block or n % block:
                 raise ValueError(

@@ -2,15 +2,17 @@
 
 :class:`Config` is the whole tree, made of the typed sections ``model`` and ``precision`` (:mod:`lpt.models.config`),
 ``data`` (:mod:`lpt.data.pipeline`) and ``optim``, ``train``, ``init_from`` (here). Every key is one field with its
-type, default, allowed values and doc (:func:`lpt.options.option`); the parser, validation, ``--help`` and the
-complete ``config.json`` are derived from them.
+type, default, allowed values or range, and doc (:func:`lpt.options.option`); the parser, validation, ``--help`` and
+the complete ``config.json`` are derived from them.
 
 A config file is a Python file with ``get_config() -> ml_collections.ConfigDict`` (see ``configs/``) that starts
 from :func:`defaults` and sets the keys that make it that run; keys it does not set keep their defaults. The loader
 puts the file's directory on ``sys.path`` while it runs, so a recipe config can start from another one
-(``from tiny_cpu import get_config as base``). An unknown key, a value of the wrong type or outside the allowed set
-raises ``ValueError`` naming the key and what is valid. ``--config.a.b=value`` overrides are parsed with the key's
-type. ``python -m lpt.train --help`` lists every key with its value and doc.
+(``from tiny_cpu import get_config as base``). An unknown key, a value of the wrong type, outside the allowed set or
+outside the key's range raises ``ValueError`` naming the key and what is valid; so does a file whose code fails (a
+syntax error, a missing module) or whose ``get_config()`` returns no ConfigDict or mapping, naming the file.
+``--config.a.b=value`` overrides are parsed with the key's type. ``python -m lpt.train --help`` lists every key with
+its value, range and doc.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,7 @@ from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
 from lpt.models.config import LAYER_KINDS, SHAPE_KEYS, ModelSpec, check_matmul_blocks
 from lpt.models.hf_config import read_config as read_hf_config
-from lpt.options import option, section
+from lpt.options import SEED, Range, above, at_least, option, section
 from lpt.train.guard import BAD_STEPS
 from lpt.train.recipe import PrecisionConfig
 
@@ -40,15 +44,15 @@ _CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to t
 class OptimConfig:
     """The ``optim`` section: AdamW and its schedule."""
 
-    lr: float = option(3e-3, "peak learning rate")
-    warmup_steps: int = option(30, "linear warmup from 0")
+    lr: float = option(3e-3, "peak learning rate", bounds=above(0))
+    warmup_steps: int = option(30, "linear warmup from 0", bounds=at_least(0, note="0 = no warmup"))
     schedule: str = option("cosine", '"cosine" (decay to lr/10 at train.steps) | "constant"', ("cosine", "constant"))
-    b1: float = option(0.9, "Adam beta1, in [0, 1)")
-    b2: float = option(0.95, "Adam beta2, in [0, 1)")
-    eps: float = option(1e-8, "Adam epsilon, > 0")
-    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)")
-    grad_clip: float = option(1.0, "clip the global gradient norm (0 = off)")
-    microbatches: int = option(1, "gradient accumulation steps per optimizer step")
+    b1: float = option(0.9, "Adam beta1", bounds=Range(0, 1, high_open=True))
+    b2: float = option(0.95, "Adam beta2", bounds=Range(0, 1, high_open=True))
+    eps: float = option(1e-8, "Adam epsilon", bounds=above(0))
+    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)", bounds=at_least(0, note="0 = none"))
+    grad_clip: float = option(1.0, "clip the global gradient norm (0 = off)", bounds=at_least(0, note="0 = off"))
+    microbatches: int = option(1, "gradient accumulation steps per optimizer step", bounds=at_least(1))
     fp8_gather: str = option(
         "microbatch",
         '"microbatch" | "step": FP8 weights quantized and gathered in each microbatch, or once per step for all '
@@ -57,44 +61,51 @@ class OptimConfig:
     )
 
 
+# a mesh axis: a size, or -1 for the devices the other axes leave (at most one axis; checked in validate)
+_AXIS = at_least(1, also=(-1,), note="-1 = the devices the other axes leave")
+
+
 @section("train.mesh")
 class MeshConfig:
     """``train.mesh``: the device mesh's axis sizes."""
 
-    data: int = option(-1, "data-parallel axis (-1: all devices not used by the other axes)")
-    fsdp: int = option(1, 'fully-sharded data parallel axis (params sharded on "embed")')
-    tensor: int = option(1, "tensor-parallel axis (heads / mlp / vocab)")
+    data: int = option(-1, "data-parallel axis (-1: all devices not used by the other axes)", bounds=_AXIS)
+    fsdp: int = option(1, 'fully-sharded data parallel axis (params sharded on "embed")', bounds=_AXIS)
+    tensor: int = option(1, "tensor-parallel axis (heads / mlp / vocab)", bounds=_AXIS)
 
 
 @section("train")
 class TrainConfig:
     """The ``train`` section: steps, batch, evaluation, logging, checkpoints and the mesh."""
 
-    steps: int = option(600, "optimizer steps")
-    global_batch: int = option(32, "sequences per step, summed over all devices and processes")
-    seed: int = option(0, "model init and per-step randomness: key = fold_in(PRNGKey(seed), step)")
-    eval_every: int = option(100, "validation every N steps (and at the end)")
-    eval_batches: int = option(4, "validation batches per evaluation")
-    log_every: int = option(10, "JSONL/TensorBoard logging interval")
-    diagnostics_every: int = option(50, "forward pass logging FP8 underflow / attention repeated max; 0 = off")
+    steps: int = option(600, "optimizer steps", bounds=at_least(1))
+    global_batch: int = option(32, "sequences per step, summed over all devices and processes", bounds=at_least(1))
+    seed: int = option(
+        0, "model init and per-step randomness: key = fold_in(PRNGKey(seed), step); fixed on resume", bounds=SEED
+    )
+    eval_every: int = option(100, "validation every N steps (and at the end)", bounds=at_least(1))
+    eval_batches: int = option(4, "validation batches per evaluation", bounds=at_least(1))
+    log_every: int = option(10, "JSONL/TensorBoard logging interval", bounds=at_least(1))
+    diagnostics_every: int = option(
+        50, "forward pass logging FP8 underflow / attention repeated max; 0 = off", bounds=at_least(0, note="0 = off")
+    )
     profile_steps: str = option("", '"FIRST,LAST" writes a jax.profiler trace of those steps to workdir/profile')
-    checkpoint_every: int = option(200, "checkpoint interval (and at the end, and on SIGTERM)")
-    keep_checkpoints: int = option(3, "newest checkpoints to keep")
+    checkpoint_every: int = option(200, "checkpoint interval (and at the end, and on SIGTERM)", bounds=at_least(1))
+    keep_checkpoints: int = option(3, "newest checkpoints to keep", bounds=at_least(1))
     bad_step: str = option(
         "stop", '"stop": a non-finite loss or grad norm stops the run; "skip": such a step changes nothing', BAD_STEPS
     )
     spike_sigmas: float = option(
-        0.0, "skip: also skip a loss or grad norm this many running stds above its mean; 0 off"
+        0.0,
+        "skip: also skip a loss or grad norm this many running stds above its mean; 0 off",
+        bounds=at_least(0, note="0 = spikes not judged"),
     )
-    max_skips: int = option(10, "skip: stop the run after this many skipped steps in a row")
+    max_skips: int = option(
+        10,
+        "skip: stop the run after more than this many skipped steps in a row",
+        bounds=at_least(0, note="0 = stop at the first skipped step"),
+    )
     mesh: MeshConfig = option(MeshConfig(), "the device mesh")
-
-    def check(self):
-        options.check_seed("train.seed", self.seed)
-        if not self.spike_sigmas >= 0:
-            raise ValueError(f"config key train.spike_sigmas={self.spike_sigmas!r} must be >= 0 (0: spikes not judged)")
-        if self.max_skips < 0:
-            raise ValueError(f"config key train.max_skips={self.max_skips!r} must be >= 0")
 
 
 @section("init_from")
@@ -103,7 +114,11 @@ class InitFromConfig:
 
     hf: str = option("", 'a Hugging Face model directory (config.json + *.safetensors) to fine-tune; "" = none')
     workdir: str = option("", 'an lpt run directory to fine-tune from; "" = none (fresh init)')
-    step: int = option(-1, "with init_from.workdir: the checkpoint step to take (-1 = the newest)")
+    step: int = option(
+        -1,
+        "with init_from.workdir: the checkpoint step to take (-1 = the newest)",
+        bounds=at_least(0, also=(-1,), note="-1 = the newest"),
+    )
 
 
 @section("")
@@ -122,25 +137,13 @@ LEAVES: dict[str, options.Leaf] = {leaf.key: leaf for leaf in options.leaves(Con
 # key path -> (type, allowed values or None); tuple values are written "a,b" on the command line
 SCHEMA: dict[str, tuple[Any, tuple | None]] = {k: (leaf.type, leaf.choices) for k, leaf in LEAVES.items()}
 
-# integer keys that must be >= 1 (intervals, counts, sizes)
-POSITIVE = (
-    "train.steps",
-    "train.global_batch",
-    "optim.microbatches",
-    "data.seq_len",
-    "train.log_every",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.checkpoint_every",
-    "train.keep_checkpoints",
-)
-
-
 # On resume, these keys must equal the checkpoint's: the model and the precision recipe define the train state and its
-# numerics; the data keys and the batch define what the saved data position means. Every other key (intervals,
-# diagnostics, the mesh, data.worker_count, the optimizer's hyperparameters, train.steps) may change between runs.
+# numerics; the data keys and the batch define what the saved data position means; the seed defines every step's
+# randomness (stochastic rounding, PQT noise), so a resumed run continues the steps it would have taken. Every other
+# key (intervals, diagnostics, the mesh, data.worker_count, the optimizer's hyperparameters, train.steps) may change
+# between runs.
 RESUME_FIXED = ("model.", "precision.", "data.source", "data.paths", "data.tokenizer", "data.seq_len")
-RESUME_FIXED += ("data.validation_fraction", "data.shuffle_seed", "train.global_batch")
+RESUME_FIXED += ("data.validation_fraction", "data.shuffle_seed", "train.global_batch", "train.seed")
 RESUME_FREE = ("model.remat", "precision.update_impl")  # the same math, another memory or kernel
 RESUME_CONVERTED = ("precision.moment_dtype",)  # the trainer re-stores the checkpoint's moments (lpt.train.resume)
 
@@ -182,10 +185,7 @@ def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Raise ValueError if ``cfg`` has unknown keys, wrong types, values outside the allowed set, or values that
     do not fit together (missing keys take their defaults)."""
-    typed = options.build(Config, cfg)
-    flat = _flatten(ml_collections.ConfigDict(options.to_dict(typed)))
-    if typed.train.diagnostics_every < 0:
-        raise ValueError(f"config key train.diagnostics_every={typed.train.diagnostics_every} must be >= 0 (0 = off)")
+    typed = options.build(Config, cfg)  # types, allowed values and ranges of each key
     p = typed.precision
     if p.update_impl == "pallas" and (p.update_rule != "kahan" or p.param_dtype != "bfloat16"):
         raise ValueError(
@@ -195,20 +195,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     mesh = typed.train.mesh
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
-    if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"train.mesh (data, fsdp, tensor) = {sizes}: each must be >= 1, and at most one may be -1")
-    for key in POSITIVE:
-        if flat[key] < 1:
-            raise ValueError(f"config key {key}={flat[key]} must be >= 1")
+    if sum(s == -1 for s in sizes) > 1:
+        raise ValueError(f"train.mesh (data, fsdp, tensor) = {sizes}: at most one may be -1")
     _profile_range(typed.train.profile_steps)  # raises on a malformed range
     o = typed.optim
-    if not o.lr > 0:
-        raise ValueError(f"config key optim.lr={o.lr} must be > 0")
-    for key, value in (("b1", o.b1), ("b2", o.b2)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"config key optim.{key}={value} must be in [0, 1)")
-    if not o.eps > 0:
-        raise ValueError(f"config key optim.eps={o.eps} must be > 0")
     if p.update_rule != "f32_master" and p.param_dtype == "float32":
         raise ValueError(
             f"precision.update_rule={p.update_rule!r} rounds each update into low-precision params, but "
@@ -226,8 +216,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"init_from.hf={i.hf!r} and init_from.workdir={i.workdir!r} are both set; start from one of them"
         )
-    if i.step < -1:
-        raise ValueError(f"config key init_from.step={i.step} must be >= 0, or -1 for the newest")
     check_matmul_blocks(typed.model, p)
     noisy = [k for k in LAYER_KINDS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
     if o.fp8_gather == "step" and noisy:
@@ -330,7 +318,8 @@ def parse_value(key: str, text: str) -> Any:
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """Return a copy of ``cfg`` with ``{"a.b": "text"}`` overrides applied (parsed by schema type), validated and
-    passed through :func:`resolve`."""
+    passed through :func:`resolve`; the matmul blocks are checked again with the resolved ``model.vocab_size`` (the
+    lm_head's N)."""
     tree = complete(cfg).to_dict()
     for key, text in overrides.items():
         value = parse_value(key, text)
@@ -341,7 +330,9 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
         node[leaf] = value
     cfg = ml_collections.ConfigDict(tree)
     validate(cfg)
-    return resolve(cfg)
+    cfg = resolve(cfg)
+    check_matmul_blocks(options.build(ModelSpec, cfg.model), options.build(PrecisionConfig, cfg.precision))
+    return cfg
 
 
 def shipped_configs() -> list[str]:
@@ -357,40 +348,82 @@ def resolve_config(name_or_path: str | Path) -> Path:
     shipped = _CONFIGS / f"{path.name}.py"
     if path.suffix == "" and len(path.parts) == 1 and shipped.is_file():
         return shipped
-    what = "does not exist" if path.suffix or len(path.parts) > 1 else "is neither a file nor a shipped config"
+    if path.is_dir():
+        what = "is a directory; expected a Python file that defines get_config()"
+    elif path.suffix or len(path.parts) > 1:
+        what = "does not exist"
+    else:
+        what = "is neither a file nor a shipped config"
     raise ValueError(
         f"config {str(name_or_path)!r} {what}; shipped configs: {', '.join(shipped_configs())} "
         "(give one by name, or a path such as configs/tiny_cpu.py)"
     )
 
 
-def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
-    """Import ``path`` (a Python file defining ``get_config()``, or the name of a shipped config such as
-    ``tiny_cpu``) and return its validated ConfigDict."""
-    path = resolve_config(path)
+def _code_error(path: Path, e: Exception) -> ValueError:
+    """``config file 'X': SyntaxError at line 3: invalid syntax`` for an exception raised by the code of the config
+    file ``path``: the line is the innermost one in a file of ``path``'s directory (the file itself, or a base config
+    it imports, then named too)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        where, line, text = e.filename, e.lineno, e.msg
+    else:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]  # not <frozen>
+        here = [f for f in frames if Path(f.filename).resolve().parent == path.parent.resolve()]
+        where, line, text = (here[-1].filename, here[-1].lineno, str(e)) if here else (None, None, str(e))
+    at = ""
+    if line is not None:
+        at = f" at line {line}" if Path(where).resolve() == path.resolve() else f" at {where} line {line}"
+    text = " ".join(text.split())  # one line
+    return ValueError(f"config file {str(path)!r}: {type(e).__name__}{at}" + (f": {text}" if text else ""))
+
+
+def _run_config_file(path: Path) -> Any:
+    """Import the config file ``path`` (its directory on ``sys.path`` meanwhile) and return ``get_config()``;
+    ValueError naming the file for code that fails (a syntax error, a missing module, an exception) and for a file
+    without a ``get_config``."""
     spec = importlib.util.spec_from_file_location(f"_lpt_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent.resolve()))
     try:
         spec.loader.exec_module(module)
+        get_config = getattr(module, "get_config", None)
+        made = get_config() if get_config is not None else None
+    except Exception as e:  # noqa: BLE001 -- the file's own code failed: bad input, named in one line
+        raise _code_error(path, e) from None
     finally:
         sys.path.pop(0)
-    if not hasattr(module, "get_config"):
+    if get_config is None:
         raise ValueError(f"config file {str(path)!r} does not define get_config()")
-    cfg = complete(module.get_config())
+    return made
+
+
+def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
+    """Import ``path`` (a Python file defining ``get_config()``, or the name of a shipped config such as
+    ``tiny_cpu``) and return its validated ConfigDict; ValueError naming the file when its code fails or
+    ``get_config()`` returns something other than a ConfigDict or a mapping of keys."""
+    path = resolve_config(path)
+    made = _run_config_file(path)
+    if not isinstance(made, ml_collections.ConfigDict | Mapping):
+        raise ValueError(
+            f"config file {str(path)!r}: get_config() returned {type(made).__name__} ({made!r:.60}); it must return "
+            "an ml_collections.ConfigDict (e.g. lpt.train.config.defaults() with its keys set) or a mapping of keys"
+        )
+    cfg = complete(made)
     validate(cfg)
     return cfg
 
 
 def schema_help(cfg: ml_collections.ConfigDict | None = None) -> str:
-    """The config keys with their types, allowed values and docs for ``--help``; with ``cfg``, each key's value."""
+    """The config keys with their types, allowed values or ranges and docs for ``--help``; with ``cfg``, each key's
+    value."""
     flat = _flatten(cfg) if cfg is not None else {}
     head = "config keys (override any with --config.KEY=VALUE or --config.KEY VALUE; tuples as a,b)"
     lines = [head + (": values from the given --config" if cfg is not None else ": defaults")]
     for key, leaf in LEAVES.items():
         value = flat[key] if key in flat else leaf.default
         choices = f"  one of: {', '.join(map(str, leaf.choices))}" if leaf.choices else ""
-        lines.append(f"  {key} = {value!r}  ({options.type_name(leaf.type)}){choices}")
+        bounds = f" {leaf.bounds}" if leaf.bounds is not None else ""
+        lines.append(f"  {key} = {value!r}  ({options.type_name(leaf.type)}{bounds}){choices}")
         lines.append(f"      {leaf.doc}")
     return "\n".join(lines)
 

@@ -37,7 +37,8 @@ def test_the_chosen_kernel_runs_every_fp8_gemm():
 
 
 def test_mosaic_gpu_needs_a_gpu_mesh():
-    cfg = tiny_config({"precision.matmul.up": "fp8", "precision.fp8_impl": "mosaic_gpu", "model.d_ff": "128"})
+    fp8_up = {"precision.matmul.up": "fp8", "model.d_model": "128", "model.d_ff": "128"}  # K, N multiples of 128
+    cfg = tiny_config({**fp8_up, "precision.fp8_impl": "mosaic_gpu"})
     mesh_lib.check_platform(cfg, "gpu")
     with pytest.raises(ValueError, match=r"fp8_impl='mosaic_gpu' is the Hopper wgmma kernel.*devices are cpu"):
         mesh_lib.check_platform(cfg, "cpu")

@@ -245,8 +245,8 @@ def test_help_with_a_config_shows_each_keys_value_and_doc(capsys):
         main(["--config", "tiny_cpu_bf16_kahan", "--help"])
     out = capsys.readouterr().out
     assert "  precision.update_rule = 'kahan'  (str)" in out  # the derived config's value
-    assert "  model.d_model = 128  (int)\n      residual stream width" in out  # the key's doc
-    assert "  optim.b2 = 0.95  (float)\n      Adam beta2, in [0, 1)" in out  # a default the files do not set
+    assert "  model.d_model = 128  (int >= 1)\n      residual stream width" in out  # the key's range and doc
+    assert "  optim.b2 = 0.95  (float in [0, 1))\n      Adam beta2" in out  # a default the files do not set
 
 
 def test_every_key_has_one_typed_definition():
@@ -305,7 +305,7 @@ def test_a_saved_config_without_newer_keys_still_loads():
         ({"optim.eps": "-1e-8"}, r"optim.eps=-1e-08 must be > 0"),
         ({"optim.eps": "0"}, r"optim.eps=0.0 must be > 0"),
         ({"model.n_kv_heads": "3"}, r"model.n_heads=4 is not divisible by n_kv_heads=3"),
-        ({"data.worker_count": "-1"}, r"data.worker_count=-1 must be an int >= 0"),
+        ({"data.worker_count": "-1"}, r"data.worker_count=-1 must be >= 0 \(0 = in-process\)"),
         ({"precision.pqt.layers": "qkv,lm_head"}, r"precision.pqt.layers=\('qkv', 'lm_head'\): must be a tuple"),
         ({"precision.matmul.qkv": "fp4"}, r"precision.matmul.qkv='fp4' is not allowed; valid values: .*mxfp8, nvfp4"),
         (
