@@ -50,9 +50,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     targets.compile_only_environment()
     if args.tile is not None:
-        from lpt.kernels import flash_attention_tiles
+        from lpt.kernels.flash_attention import tiles
 
-        flash_attention_tiles._mosaic_tile = lambda t, block, cap: min(args.tile, t)
+        tiles._mosaic_tile = lambda t, block, cap: min(args.tile, t)
 
     shape = (args.batch, args.heads, args.kv_heads, args.head_dim)
     print(f"impl={args.impl} B, H, Hkv, D = {shape} bf16, forward+backward, one chip", flush=True)

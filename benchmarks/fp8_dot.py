@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lpt.fp8 import blockwise_dot, quantize_blocks, quantize_tiles
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul_reference
 from lpt.train.machine import describe
 
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from fp8_dot import median_time  # benchmarks/ is the script's directory, first on sys.path
 
 from lpt.fp8 import blockwise_dot, quantize_blocks, quantize_tiles
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
-from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
+from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
 
 
 def _row(name, seconds, flops, base):

@@ -12,7 +12,7 @@ the O kept for the backward); ``stable=True`` picks the bias-free :func:`default
 
 from lpt.attention.core import dot_product_attention
 from lpt.attention.diagnostics import delta_error, repeated_max_fraction, residual_output
-from lpt.kernels.flash_attention_math import AttentionPolicy, default_policy, standard_policy
+from lpt.kernels.flash_attention.math import AttentionPolicy, default_policy, standard_policy
 
 __all__ = [
     "AttentionPolicy",

@@ -5,7 +5,7 @@ i may attend (same segment id, key not padded, j ≤ i if causal, and i − w < 
 G = H / Hkv. A query without any such key gets O = 0 and zero gradients. The flash kernel skips the key blocks
 outside a sliding window (O(T·w) work); the XLA twin masks them.
 
-The forward runs the online-softmax block loop of :mod:`lpt.kernels.flash_attention_math` (XLA twin or Pallas
+The forward runs the online-softmax block loop of :mod:`lpt.kernels.flash_attention.math` (XLA twin or Pallas
 kernel); the backward is FA2's, with δ = rowsum(dO ∘ O_residual) where the residual O is chosen by the policy
 (the quantity Qiu & Yao trace the loss explosions to).
 
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 
 from lpt import sharding
 from lpt.kernels import dispatch
-from lpt.kernels import flash_attention as fk
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels import flash_attention_reference as fr
+from lpt.kernels.flash_attention import kernel as fk
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention import reference as fr
 
 _IMPLS = ("xla", "pallas", "softmax")
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -166,7 +166,7 @@ def _rowsum(x: jax.Array) -> jax.Array:
 
 def _default_block(t: int) -> int:
     """min(128, next power of two >= max(t, 16)): the padding granularity and the block of the XLA twin and the
-    interpreter; the compiled kernels grow or split it per platform (:func:`lpt.kernels.flash_attention_tiles.tiles`:
+    interpreter; the compiled kernels grow or split it per platform (:func:`lpt.kernels.flash_attention.tiles.tiles`:
     512 on TPU, 64 or 128 on GPU)."""
     return min(128, 1 << max(4, (t - 1).bit_length()))
 
@@ -268,7 +268,7 @@ def dot_product_attention(
       sliding_window: w > 0 (needs causal): query i sees only the w keys i − w < j <= i (Jiang et al., "Mistral 7B";
         transformers' convention). The flash kernel visits only the key blocks that meet the window, so its work
         and fetches are O(T·w); the XLA twin and "softmax" mask the rest. 0: no window.
-      stable: True uses :func:`lpt.kernels.flash_attention_math.default_policy` (β shift, ℓ from the rounded P̃,
+      stable: True uses :func:`lpt.kernels.flash_attention.math.default_policy` (β shift, ℓ from the rounded P̃,
         f32 O residual for δ); False the standard FA2 kernel (row-max shift, ℓ from f32 P̄, O residual in the
         input dtype). Ignored when ``policy`` is given.
       beta: β of the Qiu & Yao shift rule (used when ``stable`` and no ``policy``).
@@ -282,7 +282,7 @@ def dot_product_attention(
       key: PRNG key, required by ``policy.residual == "stochastic"``.
       block_q, block_k: block sizes (default min(128, pow2 >= T)); T is padded up to a multiple internally. The
         XLA twin and the interpreted kernel use them as given; the compiled kernels use a per-platform tile derived
-        from them (:func:`lpt.kernels.flash_attention_tiles.tiles`: on TPU a multiple, up to 512; on GPU a
+        from them (:func:`lpt.kernels.flash_attention.tiles.tiles`: on TPU a multiple, up to 512; on GPU a
         power-of-two divisor, up to 128).
       interpret: Pallas only. None: interpret on CPU, compiled kernel on cuda/tpu (``lax.platform_dependent``);
         True: always interpret.

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from lpt.attention import core
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels import flash_attention_reference as fr
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention import reference as fr
 
 
 def repeated_max_fraction(

@@ -14,8 +14,8 @@ Backward (``jax.custom_vjp``), with ``g = dL/dy``:
   token axis (from the original ``x``, not from ``qx``, so no double rounding). The token count is zero-padded to a
   multiple of B, which is exact.
 
-Every GEMM goes through the same primitive (``lpt.kernels.fp8_blockwise_matmul``): ``impl="xla"`` uses its XLA twin
-(a scan over K-chunks; no (K/B, M, N) tensor), ``impl="pallas"`` the portable Pallas kernel (interpreted on CPU,
+Every GEMM goes through the same primitive (``lpt.kernels.fp8_blockwise_matmul.kernel``): ``impl="xla"`` uses its XLA
+twin (a scan over K-chunks; no (K/B, M, N) tensor), ``impl="pallas"`` the portable Pallas kernel (interpreted on CPU,
 Triton on CUDA, Mosaic on TPU), ``impl="mosaic_gpu"`` the Hopper wgmma kernel (CUDA only; on CPU pass
 ``interpret=True``; needs ``grad_dtype == fwd_dtype`` because wgmma cannot mix FP8 formats). Scales are
 recomputed from the current tensors on every call, so there is no state to carry through scan, remat or gradient
@@ -54,8 +54,8 @@ from lpt.fp8.quantize import (
     quantize_tiles,
 )
 from lpt.kernels import dispatch
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
-from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
+from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
 
 __all__ = ["IMPLS", "BlockwiseConfig", "GemmWeight", "blockwise_dot", "gemm_weight", "scaled_matmul"]
 

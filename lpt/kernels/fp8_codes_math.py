@@ -2,7 +2,7 @@
 (:func:`round_fp8`, equal to ``lpt.numerics.round_nearest`` / ``round_stochastic`` with saturation), the codes of
 values on its grid and back (:func:`fp8_code`, :func:`fp8_value`), and blocks with one f32 scale each
 (:func:`encode_blocks`, :func:`decode_blocks`). Pure jnp, no Pallas: the fused AdamW kernel with 8-bit moments
-(:mod:`lpt.kernels.adamw_kahan_math`) and its XLA path (:mod:`lpt.optim.moments8`) share it.
+(:mod:`lpt.kernels.adamw_kahan.math`) and its XLA path (:mod:`lpt.optim.moments8`) share it.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention import math as fm
 from lpt.sharding import constrain
 
 
@@ -56,7 +56,7 @@ class KVCache:
     def mask(self, t: int, sliding_window: int = 0) -> jax.Array:
         """bool[B, t, S]: the keys the next ``t`` queries attend, ``start_b ≤ s ≤ index + j`` (causal, no padding)
         and, with ``sliding_window`` w > 0, ``s > index + j − w``
-        (:func:`lpt.kernels.flash_attention_math.position_mask`)."""
+        (:func:`lpt.kernels.flash_attention.math.position_mask`)."""
         slots_T = self.index + jnp.arange(t, dtype=jnp.int32)
         keys_S = jnp.arange(self.length, dtype=jnp.int32)
         seen_TS = fm.position_mask(slots_T[:, None], keys_S[None, :], True, sliding_window)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lpt.kernels.adamw_kahan_math import f32, moment_update, round_moments, runtime_zero, v_floor
+from lpt.kernels.adamw_kahan.math import f32, moment_update, round_moments, runtime_zero, v_floor
 from lpt.numerics import round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
 from lpt.optim import moments8
@@ -90,7 +90,7 @@ def scale_by_adam(
     moment's dtype: ``mu_dtype`` for m (as optax) else ``moment_dtype`` else the param dtype, and ``moment_dtype``
     else the param dtype for v (so bf16 params get bf16 moments: 4 bytes/param of state). ``Q`` is stochastic
     rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding; bf16 moments share one hash word
-    per element (m from its top 16 bits, v from its low 16: :func:`lpt.kernels.adamw_kahan_math.round_moments`).
+    per element (m from its top 16 bits, v from its low 16: :func:`lpt.kernels.adamw_kahan.math.round_moments`).
     The update ``u`` is f32.
     """
     if rounding not in MOMENT_ROUNDINGS:

@@ -1,7 +1,7 @@
 """AdamW + Kahan-compensated update in ONE GradientTransformation: :func:`kahan_adamw`.
 
 Same math as the composable chain ``scale_by_adam -> add_decayed_weights -> scale_by_learning_rate ->
-kahan_summation`` (bit for bit, tested), see :mod:`lpt.kernels.adamw_kahan`. What differs is how XLA sees it:
+kahan_summation`` (bit for bit, tested), see :mod:`lpt.kernels.adamw_kahan.kernel`. What differs is how XLA sees it:
 
 * **Packed moments.** Both Adam moments of an element live in one integer (16-bit moments: one ``uint32``, m's bits
   high; f32 moments: one ``complex64``, m real, v imaginary). XLA:CPU has no multi-output
@@ -15,8 +15,8 @@ kahan_summation`` (bit for bit, tested), see :mod:`lpt.kernels.adamw_kahan`. Wha
 
 Per low-precision leaf the compiled step (XLA:CPU) is 4 loop fusions and no copies: moments (reads g, mv; writes
 mv), ``t`` (reads mv, p, c), ``p'`` (inside ``optax.apply_updates``: reads t, p) and ``c'`` (reads t).
-``impl="pallas"`` runs :func:`lpt.kernels.adamw_kahan.adamw_kahan` instead: one pass for GPU/TPU, through
-:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`, so that inside a jit over several devices each
+``impl="pallas"`` runs :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan` instead: one pass for GPU/TPU, through
+:func:`lpt.kernels.adamw_kahan.sharded.adamw_kahan_partitioned`, so that inside a jit over several devices each
 device updates its own shard of every leaf (whatever the params' sharding; nothing is gathered) and draws the same
 stochastic-rounding bits as one device would (they hash the element's global flat index).
 """
@@ -32,7 +32,7 @@ import optax
 from jax import lax
 
 from lpt import sharding
-from lpt.kernels import adamw_kahan_math as K
+from lpt.kernels.adamw_kahan import math as K
 from lpt.numerics import change_to, round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
 from lpt.optim import moments8 as M8
@@ -171,10 +171,10 @@ def kahan_adamw(
     kernel (None: per platform, True: the Pallas interpreter everywhere). ``param_specs`` (``impl="pallas"``): a
     tree like the params of their PartitionSpecs or NamedShardings; each leaf's kernel then runs per shard in a
     ``shard_map`` over the mesh in context (8-bit moments: the scales split like the param, a shard holding whole
-    blocks of 128) (:func:`lpt.kernels.adamw_kahan_sharded.adamw_kahan_on_shards`). Without it, on a mesh with
+    blocks of 128) (:func:`lpt.kernels.adamw_kahan.sharded.adamw_kahan_on_shards`). Without it, on a mesh with
     Explicit axes (the default of ``jax.make_mesh``) each leaf runs per shard of the sharding in its type; otherwise
     ``custom_partitioning`` follows whatever sharding the partitioner picks
-    (:func:`~lpt.kernels.adamw_kahan_sharded.adamw_kahan_partitioned`) on GPUs and CPUs; XLA:TPU cannot partition that
+    (:func:`~lpt.kernels.adamw_kahan.sharded.adamw_kahan_partitioned`) on GPUs and CPUs; XLA:TPU cannot partition that
     call, so on a TPU mesh with Auto axes and no ``param_specs`` it is a ValueError that says to pass them.
 
     ``sequential_leaves`` (XLA path) chains the leaves through one element of each leaf's new compensation so the
@@ -282,7 +282,7 @@ class _Scalars(NamedTuple):
     inv_c1: jax.Array  # 1 / (1 − b1^t)
     inv_c2: jax.Array  # 1 / (1 − b2^t)
     neg_lr: jax.Array  # −learning rate
-    zero: jax.Array  # a runtime 0.0 (keeps XLA from folding products into FMAs, see lpt.kernels.adamw_kahan_math)
+    zero: jax.Array  # a runtime 0.0 (keeps XLA from folding products into FMAs, see lpt.kernels.adamw_kahan.math)
 
 
 def _round_moment(x32, mdt, key, stochastic: bool):
@@ -313,7 +313,7 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
     """One bf16 leaf through the fused kernel: ``(update, (moments', scales'), compensation', intended update
     thunk)``; ``mv`` is ``(moments, scales)`` (scales None for 16-bit moments)."""
     # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
-    from lpt.kernels import adamw_kahan_sharded as sharded
+    from lpt.kernels.adamw_kahan import sharded as sharded
     from lpt.kernels.dispatch import kernel_mesh
     from lpt.kernels.dispatch import mesh_platform as kernel_platform
 

@@ -14,7 +14,7 @@ common decay exactly, so an EMA whose elements decay together (``b2·v`` with no
 the scale moves. Storing ``sqrt(v)`` halves ``v``'s dynamic range in the exponent (``v`` is ``g²``), so ``sqrt(v)``
 spans the decades ``m`` does. ``m`` still reacts faster than ``v``, so a coordinate's ``sqrt(v)`` can underflow in
 its block while its ``m`` does not; the Adam updates therefore read ``v`` at least ``(m / C)²``, the Cauchy–Schwarz
-bound of the two EMAs (:func:`lpt.kernels.adamw_kahan_math.v_floor`), instead of dividing ``m`` by ``eps``.
+bound of the two EMAs (:func:`lpt.kernels.adamw_kahan.math.v_floor`), instead of dividing ``m`` by ``eps``.
 
 A block never spans two shards when the last axis is split into pieces that are whole multiples of ``block``: the
 scales have the param's rank (``shape[:-1] + (blocks,)``) and shard with the param's own PartitionSpec (the trainer

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lpt.kernels.adamw_kahan_math import no_fma, runtime_zero
+from lpt.kernels.adamw_kahan.math import no_fma, runtime_zero
 from lpt.optim.adam import scale_by_adam
 from lpt.optim.kahan import kahan_summation
 from lpt.optim.leaves import decay_mask
@@ -44,7 +44,7 @@ def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0, mask=None) -
     ``mask`` (a tree of bools like the params, or a callable returning one) limits the decay to the True leaves
     (``optax.masked``); ``None`` update leaves pass through. optax multiplies ``wd·p`` in the param dtype (bf16
     here), so whether it is rounded depends on XLA's fusion; here the product is f32 and kept out of an FMA with the
-    add (:func:`lpt.kernels.adamw_kahan_math.no_fma`, whose runtime zero comes from the step count in the state), so
+    add (:func:`lpt.kernels.adamw_kahan.math.no_fma`, whose runtime zero comes from the step count in the state), so
     the result is the same in every fusion and equal to :func:`kahan_adamw`'s fused step. Updates come out f32; a
     constant ``weight_decay == 0`` passes them through."""
 
@@ -74,7 +74,7 @@ def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0, mask=None) -
 
 
 def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
-    """``−lr · u`` in f32 with the product kept out of FMAs (:func:`lpt.kernels.adamw_kahan_math.no_fma`).
+    """``−lr · u`` in f32 with the product kept out of FMAs (:func:`lpt.kernels.adamw_kahan.math.no_fma`).
 
     The state is ``optax.ScaleByScheduleState(count)`` for schedules and constants alike (the count supplies
     ``no_fma``'s runtime zero); a schedule is read at the count before its increment, as optax does. The product is

@@ -10,7 +10,8 @@ each rule; :mod:`lpt.train.recipe` derives the parameters' storage from the same
   ``update="kahan"``, in fewer passes over memory; timings in docs/results.md). Its
   leaves are sequenced (bounded f32 temporaries) on one device and not on a multi-device mesh, where sequencing
   would cost a scalar collective per leaf. ``precision.update_impl="pallas"`` runs it as the Pallas kernel
-  (:mod:`lpt.kernels.adamw_kahan`: one pass per leaf on GPU/TPU, the Pallas interpreter on CPU; bf16 params only).
+  (:mod:`lpt.kernels.adamw_kahan.kernel`: one pass per leaf on GPU/TPU, the Pallas interpreter on CPU; bf16 params
+  only).
 * ``"nearest" | "stochastic" | "norm_preserving"`` with 16-bit params: :func:`lpt.optim.adamw`, i.e.
   ``clip -> lpt.optim.scale_by_adam -> decoupled decay (f32) -> -lr -> rule``.
 * float8 params (any rule): AdamW runs on a float32 view (``f32_view``: fp8 moments would underflow) and only the

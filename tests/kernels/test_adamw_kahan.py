@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import lpt.optim as O
-from lpt.kernels.adamw_kahan import adamw_kahan
-from lpt.kernels.adamw_kahan_math import adamw_kahan_reference
+from lpt.kernels.adamw_kahan.kernel import adamw_kahan
+from lpt.kernels.adamw_kahan.math import adamw_kahan_reference
 
 HP = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 

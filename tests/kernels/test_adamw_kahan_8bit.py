@@ -28,9 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 import lpt.optim as O
 from lpt import targets
-from lpt.kernels import adamw_kahan_math as K
-from lpt.kernels.adamw_kahan import adamw_kahan
-from lpt.kernels.adamw_kahan_sharded import adamw_kahan_on_shards
+from lpt.kernels.adamw_kahan import math as K
+from lpt.kernels.adamw_kahan.kernel import adamw_kahan
+from lpt.kernels.adamw_kahan.sharded import adamw_kahan_on_shards
 from lpt.numerics import hash_bits, round_nearest, round_stochastic
 from lpt.optim import moments8 as M8
 

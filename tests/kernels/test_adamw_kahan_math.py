@@ -1,11 +1,11 @@
-"""The fused AdamW math (lpt.kernels.adamw_kahan_math), which the Pallas kernel (interpreted, compiled) and the XLA
+"""The fused AdamW math (lpt.kernels.adamw_kahan.math), which the Pallas kernel (interpreted, compiled) and the XLA
 path share: its inline bf16 stochastic rounding equals lpt.numerics.round_stochastic bit for bit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lpt.kernels.adamw_kahan_math import stochastic_bf16
+from lpt.kernels.adamw_kahan.math import stochastic_bf16
 from lpt.numerics import hash_bits, round_stochastic
 
 

@@ -1,4 +1,4 @@
-"""Per-shard wrappers of the AdamW kernel (lpt.kernels.adamw_kahan_sharded). Without a mesh they are the kernel itself
+"""Per-shard wrappers of the AdamW kernel (lpt.kernels.adamw_kahan.sharded). Without a mesh they are the kernel itself
 (interpret mode here); the multi-device numbers and compiles are in test_kernels_sharded.py."""
 
 import jax.numpy as jnp
@@ -7,9 +7,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_adamw_kahan import HP, _leaf
 
-from lpt.kernels.adamw_kahan import adamw_kahan
-from lpt.kernels.adamw_kahan_math import adamw_kahan_reference
-from lpt.kernels.adamw_kahan_sharded import adamw_kahan_on_shards, adamw_kahan_partitioned
+from lpt.kernels.adamw_kahan.kernel import adamw_kahan
+from lpt.kernels.adamw_kahan.math import adamw_kahan_reference
+from lpt.kernels.adamw_kahan.sharded import adamw_kahan_on_shards, adamw_kahan_partitioned
 
 
 @pytest.mark.parametrize("wrapper", ["on_shards", "partitioned"])

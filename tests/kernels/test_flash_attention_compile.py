@@ -1,6 +1,6 @@
 """Deviceless compiles with the real compilers (lpt.targets): the Pallas flash attention forward+backward for one TPU
 v5e chip (Mosaic) and one H100 (Triton + ptxas) at T = 32768 with the per-mode tiles of
-lpt.kernels.flash_attention_tiles (causal, and with a sliding window), and the XLA twin's forward+backward temp memory
+lpt.kernels.flash_attention.tiles (causal, and with a sliding window), and the XLA twin's forward+backward temp memory
 at T = 8192.
 
 A tile change that Mosaic or Triton rejects, a block that holds a whole sequence (VMEM: CompileTimeScopedVmemOom on

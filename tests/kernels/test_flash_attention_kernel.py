@@ -9,9 +9,9 @@ import pytest
 from float_bounds import assert_within
 
 from lpt.attention import dot_product_attention
-from lpt.kernels import flash_attention as fk
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels import flash_attention_reference as fr
+from lpt.kernels.flash_attention import kernel as fk
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention import reference as fr
 
 B, H, HKV, T, D = 2, 4, 2, 64, 16
 BQ, BK = 16, 8  # bq != bk: the causal diagonal crosses blocks differently for queries and keys

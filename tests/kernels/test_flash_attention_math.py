@@ -1,4 +1,4 @@
-"""The block rules of lpt/kernels/flash_attention_math.py (running max, repeat count across blocks, the
+"""The block rules of lpt/kernels/flash_attention/math.py (running max, repeat count across blocks, the
 shift rule) that the Pallas kernel and its XLA twin share; both are run through them in interpret mode in
 test_flash_attention_reference.py."""
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lpt.attention import AttentionPolicy
-from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention import math as fm
 
 
 def test_repeat_count_runs_across_blocks():

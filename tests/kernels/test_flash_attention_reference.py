@@ -1,4 +1,4 @@
-"""The Pallas flash-attention kernel in interpret mode against its XLA twin (lpt/kernels/flash_attention_reference.py):
+"""The Pallas flash-attention kernel in interpret mode against its XLA twin (lpt/kernels/flash_attention/reference.py):
 forward and backward, several policies, repeats across blocks, masks, GQA."""
 
 import jax
@@ -8,9 +8,9 @@ import pytest
 from float_bounds import assert_within, gamma
 
 from lpt.attention import AttentionPolicy, dot_product_attention
-from lpt.kernels import flash_attention as fk
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels import flash_attention_reference as fr
+from lpt.kernels.flash_attention import kernel as fk
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention import reference as fr
 from lpt.lab.attention import repeated_max_draws
 
 B, T, H, HKV, D = 1, 30, 2, 1, 16  # T padded to 32 internally

@@ -5,12 +5,12 @@ tests prove them legal for v5e and H100."""
 import pytest
 from test_flash_attention_kernel import BK, BQ, HKV, B, D, H, T, _inputs  # noqa: F401
 
-from lpt.kernels import flash_attention as fk
-from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention import kernel as fk
+from lpt.kernels.flash_attention import math as fm
 
 
 def test_tiles_per_mode():
-    from lpt.kernels.flash_attention_tiles import tiles
+    from lpt.kernels.flash_attention.tiles import tiles
 
     assert tiles("interpret", 64, 64, 16, 16, 8) == (16, 8)
     assert tiles("mosaic", 32768, 32768, 128, 128, 128) == (512, 512)

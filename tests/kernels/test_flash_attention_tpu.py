@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from test_flash_attention_kernel import BK, BQ, HKV, B, D, H, T, _inputs  # noqa: F401
 
-from lpt.kernels import flash_attention as fk
-from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention import kernel as fk
+from lpt.kernels.flash_attention import math as fm
 
 
 def test_dkdv_kernel_is_gqa_native():

@@ -1,6 +1,6 @@
 """Sliding-window attention in the flash kernels (query i sees keys i − w < j <= i): both structures ("grid":
 Mosaic, "loop": Triton) interpreted against the XLA twin, forward and backward, at T = 64 > w with windows that are
-not multiples of the blocks; the block ranges of lpt.kernels.flash_attention_tiles against brute force; and the
+not multiples of the blocks; the block ranges of lpt.kernels.flash_attention.tiles against brute force; and the
 kernels visit exactly the blocks that meet the window (counted in the kernel, not read off the range function)."""
 
 import jax
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from test_flash_attention_kernel import BK, BQ, D, T, _assert_f32_order_close
 
-from lpt.kernels import flash_attention as fk
-from lpt.kernels import flash_attention_gpu as gpu
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels import flash_attention_reference as fr
-from lpt.kernels import flash_attention_tiles as tiles
-from lpt.kernels import flash_attention_tpu as tpu
+from lpt.kernels.flash_attention import kernel as fk
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention import reference as fr
+from lpt.kernels.flash_attention import tiles
+from lpt.kernels.flash_attention import tpu as tpu
+from lpt.kernels.flash_attention import triton as gpu
 
 
 def _visible_blocks(t: int, bq: int, bk: int, window: int) -> set[tuple[int, int]]:

@@ -9,7 +9,7 @@ import pytest
 from float_bounds import assert_within, gamma
 
 from lpt.fp8 import blockwise_dot, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 
 
 def _operands(m, k, n, da, db, seed=0):

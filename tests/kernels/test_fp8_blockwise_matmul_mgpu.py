@@ -9,8 +9,8 @@ import pytest
 from float_bounds import assert_within, gamma
 
 from lpt.fp8 import blockwise_dot
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul_reference
-from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
+from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
 
 
 def _operands(m, k, n, dtype=jnp.float8_e4m3fn, seed=0):

@@ -14,9 +14,9 @@ import pytest
 
 from lpt import targets
 from lpt.fp8 import blockwise_dot
-from lpt.kernels.adamw_kahan import adamw_kahan
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul
-from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
+from lpt.kernels.adamw_kahan.kernel import adamw_kahan
+from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul
+from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
 
 KERNEL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 DEVICE = {"tpu": "v5e:2x2", "cuda": "h100:1x1x8"}

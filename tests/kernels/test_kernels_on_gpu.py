@@ -33,14 +33,14 @@ from test_fp8_blockwise_matmul import _operands
 
 from lpt.attention import dot_product_attention
 from lpt.fp8 import blockwise_dot
-from lpt.kernels import adamw_kahan_math as K
-from lpt.kernels import flash_attention as fk
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels import flash_attention_reference as fr
-from lpt.kernels.adamw_kahan import adamw_kahan
-from lpt.kernels.flash_attention_tiles import tiles
-from lpt.kernels.fp8_blockwise_matmul import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
-from lpt.kernels.fp8_blockwise_matmul_mgpu import fp8_blockwise_matmul_mgpu
+from lpt.kernels.adamw_kahan import math as K
+from lpt.kernels.adamw_kahan.kernel import adamw_kahan
+from lpt.kernels.flash_attention import kernel as fk
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention import reference as fr
+from lpt.kernels.flash_attention.tiles import tiles
+from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
+from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
 from lpt.optim import moments8 as M8
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (compiled kernels)")

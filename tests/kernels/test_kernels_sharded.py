@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 from lpt import targets
 from lpt.attention import dot_product_attention
 from lpt.fp8 import blockwise_dot
-from lpt.kernels.adamw_kahan import adamw_kahan
-from lpt.kernels.adamw_kahan_sharded import adamw_kahan_partitioned
+from lpt.kernels.adamw_kahan.kernel import adamw_kahan
+from lpt.kernels.adamw_kahan.sharded import adamw_kahan_partitioned
 
 # Compile-only libtpu takes a lock meant for real TPUs; test processes running side by side must share it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -59,7 +59,8 @@ def _bits(x):
 )
 def test_fused_matches_the_chain(pdt, mdt, rounding):
     """Same moments, params and compensation bit for bit: both keep every product that feeds an add out of FMAs
-    (lpt.kernels.adamw_kahan.no_fma; the chain's decay and -lr products too). 120 steps: test_kahan_fused_vs_chain."""
+    (lpt.kernels.adamw_kahan.math.no_fma; the chain's decay and -lr products too). 120 steps:
+    test_kahan_fused_vs_chain."""
     sched = optax.linear_schedule(1e-2, 1e-3, 3)
     diag = pdt != "mixed"  # diagnostics compared once (they cost compile time)
     kw = dict(weight_decay=0.1, moment_rounding=rounding, moment_dtype=mdt, seed=4, diagnostics=diag)

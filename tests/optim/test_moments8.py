@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import lpt.optim as O
-from lpt.kernels import adamw_kahan_math as K
+from lpt.kernels.adamw_kahan import math as K
 from lpt.lab.states import least_squares
 from lpt.numerics import ulp
 from lpt.optim import moments8 as M8

@@ -4,17 +4,18 @@ A Triton program cannot carry state across grid steps, so each program loops ove
 block per iteration with ``pl.ds`` from a whole-sequence ref (a pointer: only the loaded [b, D] tiles occupy
 registers and shared memory, whatever T is):
 
-* forward ``(B, H, Tq/bq)``: loop over the key blocks the query block sees (:func:`flash_attention_tiles.key_blocks`:
-  causal up to the diagonal, with a sliding window from the window's first block) with the online softmax.
+* forward ``(B, H, Tq/bq)``: loop over the key blocks the query block sees
+  (:func:`lpt.kernels.flash_attention.tiles.key_blocks`: causal up to the diagonal, with a sliding window from the
+  window's first block) with the online softmax.
 * dQ ``(B, H, Tq/bq)``: loop over the same key blocks.
 * dK/dV ``(B, Hkv, Tk/bk)``: one loop over the G query heads of kv head hk (outer) and the query blocks that see the
-  key block (inner; :func:`flash_attention_tiles.query_blocks`: causal from the diagonal, with a sliding window up
-  to the window's last), accumulating dk, dv [bk, D] f32, written as [B, Hkv, Tk, D]. q, dO, lse, δ come in as
+  key block (inner; :func:`lpt.kernels.flash_attention.tiles.query_blocks`: causal from the diagonal, with a sliding
+  window up to the window's last), accumulating dk, dv [bk, D] f32, written as [B, Hkv, Tk, D]. q, dO, lse, δ come in as
   [B, Hkv, G·Tq, ·] (a free reshape of [B, H, Tq, ·]).
 
 The loops run over those ranges only, so a sliding window makes the work O(T · window), not O(T²).
 
-Same block order and per-block rules as the "grid" structure (:mod:`lpt.kernels.flash_attention_tpu`).
+Same block order and per-block rules as the "grid" structure (:mod:`lpt.kernels.flash_attention.tpu`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from lpt.kernels import dispatch
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import (
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.tiles import (
     NT,
     TN,
     backward_in_specs,

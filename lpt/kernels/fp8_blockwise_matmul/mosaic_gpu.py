@@ -1,6 +1,6 @@
 """Hopper variant of the blockwise FP8 matmul: Mosaic GPU, TMA pipeline into SMEM, wgmma per K-chunk.
 
-Computes the same sum as :mod:`lpt.kernels.fp8_blockwise_matmul` (XLA twin:
+Computes the same sum as :mod:`lpt.kernels.fp8_blockwise_matmul.kernel` (XLA twin:
 ``fp8_blockwise_matmul_reference``), in the same order::
 
     acc = 0 (f32 registers, WGMMA layout)
@@ -105,7 +105,7 @@ def fp8_blockwise_matmul_mgpu(
     if a.dtype != b.dtype or a.dtype not in _FP8:
         raise ValueError(
             f"a and b must share one FP8 format (wgmma cannot mix them), got {a.dtype} and {b.dtype}; use "
-            "grad_dtype=float8_e4m3fn or the portable kernel lpt.kernels.fp8_blockwise_matmul"
+            "grad_dtype=float8_e4m3fn or the portable kernel lpt.kernels.fp8_blockwise_matmul.kernel"
         )
     m, k = a.shape
     n = b.shape[1]

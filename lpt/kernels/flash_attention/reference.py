@@ -3,14 +3,14 @@
 Layout (canonical, as the kernel sees it): q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H % Hkv == 0 (grouped-query
 attention: query head h reads kv head h // (H / Hkv)); q_seg [B, Tq], kv_seg [B, Tk] int32. Query i may attend key
 j iff ``q_seg[i] == kv_seg[j]`` and, if causal, ``j <= i``, and with a sliding window ``window`` > 0 also
-``i − window < j`` (:func:`flash_attention_math.position_mask`). Tk must be a multiple of ``block_k`` (the wrapper
-pads). The twin masks the keys outside a window but still visits every key block (all query rows share one scan):
-its work stays O(Tq·Tk); the kernels skip the blocks outside the window.
+``i − window < j`` (:func:`lpt.kernels.flash_attention.math.position_mask`). Tk must be a multiple of ``block_k``
+(the wrapper pads). The twin masks the keys outside a window but still visits every key block (all query rows share
+one scan): its work stays O(Tq·Tk); the kernels skip the blocks outside the window.
 
-Forward: a ``lax.scan`` over key blocks of size ``block_k`` applying :mod:`flash_attention_math`'s rules; all query
-rows at once (rows are independent, so the query blocking of the kernel does not change a row's arithmetic).
+Forward: a ``lax.scan`` over key blocks of size ``block_k`` applying :mod:`lpt.kernels.flash_attention.math`'s rules;
+all query rows at once (rows are independent, so the query blocking of the kernel does not change a row's arithmetic).
 Backward (FA2, given lse and δ = rowsum(dO ∘ O_residual)): a ``lax.scan`` over the same key blocks, all query
-rows at once; per block (:func:`flash_attention_math.backward_weights`)::
+rows at once; per block (:func:`lpt.kernels.flash_attention.math.backward_weights`)::
 
     P = exp(S − lse);  dV_j = round(P)ᵀ dO;  dP = dO V_jᵀ;  dS = P ∘ (dP − δ)
     dQ += round(dS) K_j;  dK_j = round(dS)ᵀ Q·scale      (dQ·scale after the last block)
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention import math as fm
 
 
 def valid_mask(q_seg, kv_seg, q_pos, k_pos, causal: bool, window: int = 0):

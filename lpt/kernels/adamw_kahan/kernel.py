@@ -1,8 +1,8 @@
 """Fused AdamW + Kahan update of bf16 params with 16-bit or 8-bit moments as one Pallas kernel per leaf.
 
-The math (the update equations, :func:`~lpt.kernels.adamw_kahan_math.moment_update`, ``round_moments``,
+The math (the update equations, :func:`~lpt.kernels.adamw_kahan.math.moment_update`, ``round_moments``,
 ``kahan_target``, ``kahan_round``) and the kernel's XLA twin (``adamw_kahan_reference``) are in
-:mod:`lpt.kernels.adamw_kahan_math`, pure jnp, which the XLA path (``lpt.optim.kahan_adamw(impl="xla")``) calls as
+:mod:`lpt.kernels.adamw_kahan.math`, pure jnp, which the XLA path (``lpt.optim.kahan_adamw(impl="xla")``) calls as
 well, so the two agree bit for bit (tested in interpret mode).
 
 :func:`adamw_kahan` makes one pass over ``(g, p, c, mv)`` -> ``(p', c', mv')`` with the outputs aliased to the
@@ -14,12 +14,12 @@ other leaves are flattened and zero-padded to whole ``(rows, 128)`` blocks, the 
 moment rounding draws one ``hash_bits`` word per element from its global flat index (block base + in-block
 index, mapped back to the row-major position on the 2-D grid, or a shard's global index map), so the kernel draws
 the same bits as the XLA path. The platform switch is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in
-:mod:`lpt.kernels.adamw_kahan_sharded`.
+:mod:`lpt.kernels.adamw_kahan.sharded`.
 
 8-bit moments (``moments8=(m_format, v_format, v_sqrt)``, :mod:`lpt.optim.moments8`): ``mv`` is the uint16 pair of
 FP8 codes per element and ``scales`` one complex64 per block of 128 along the last axis (m's scale real, v's
 imaginary). The last axis must be a multiple of 128: a ``(rows, 128)`` tile row is then exactly one block, and the
-kernel requantizes each row from its own amax (:func:`~lpt.kernels.adamw_kahan_math.leaf_math8`). The scales enter
+kernel requantizes each row from its own amax (:func:`~lpt.kernels.adamw_kahan.math.leaf_math8`). The scales enter
 as two f32 arrays, lane-dense ``(rows / 128, 128)`` on TPU and in the interpreter (:func:`_chunks8`; a ``(rows, 1)``
 f32 array would be tiled (8, 128) in TPU memory, 128 times its size) and ``(rows, 1)`` columns on Triton (the same
 bytes, row-major). Memory traffic: reads g 2, p 2, c 2, codes 2, scales 8/128;
@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
-from lpt.kernels.adamw_kahan_math import LANES, check_leaf, leaf_math, leaf_math8, shard_index_map
+from lpt.kernels.adamw_kahan.math import LANES, check_leaf, leaf_math, leaf_math8, shard_index_map
 
 __all__ = ["TPU_BLOCK_ROWS", "TPU_BLOCK_ROWS_8BIT", "TRITON_BLOCK_ROWS", "adamw_kahan"]
 

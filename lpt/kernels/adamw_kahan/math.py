@@ -1,6 +1,6 @@
 """The per-element math of the fused AdamW + Kahan update, in stages, pure jnp (no Pallas): the XLA path
 (``lpt.optim.kahan_adamw(impl="xla")``, ``lpt.optim.adamw``'s chain) and the Pallas kernel
-(:mod:`lpt.kernels.adamw_kahan`) both call it, so they agree bit for bit.
+(:mod:`lpt.kernels.adamw_kahan.kernel`) both call it, so they agree bit for bit.
 
 One step for a parameter ``p`` with gradient ``g``, compensation ``c`` and moments ``m, v`` (all f32 arithmetic)::
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lpt.kernels import flash_attention_math as fm
+from lpt.kernels.flash_attention import math as fm
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -39,7 +39,7 @@ def dot(a, b, dims=None):
 
 def valid_mask(q_seg, kv_seg, q_start, k_start, shape, causal: bool, window: int = 0):
     """[bq, bk] attend mask from q_seg [bq, 1], kv_seg [1, bk] (int32) and the blocks' first positions (the position
-    rule: :func:`flash_attention_math.position_mask`)."""
+    rule: :func:`lpt.kernels.flash_attention.math.position_mask`)."""
     ok = q_seg == kv_seg
     if causal:
         q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -63,10 +63,10 @@ def _max(a, b):
 
 def key_blocks(i, *, bq: int, bk: int, nk: int, causal: bool, window: int = 0):
     """``(first, end)``: query block i (queries i·bq … (i+1)·bq − 1) visits key blocks first … end − 1, the blocks
-    holding a key one of its queries sees (:func:`flash_attention_math.position_mask`). Non-causal: all nk; causal: up
-    to the block of its last query; with a sliding window from the block of key i·bq − window + 1, the first its first
-    query sees. Never empty for a causal block (Tq = Tk). ``i`` a Python int (cost, grid sizes) or a traced int32
-    (kernels: grid index maps, loop bounds); the result is of the same kind."""
+    holding a key one of its queries sees (:func:`lpt.kernels.flash_attention.math.position_mask`). Non-causal: all nk;
+    causal: up to the block of its last query; with a sliding window from the block of key i·bq − window + 1, the first
+    its first query sees. Never empty for a causal block (Tq = Tk). ``i`` a Python int (cost, grid sizes) or a traced
+    int32 (kernels: grid index maps, loop bounds); the result is of the same kind."""
     if not causal:
         return 0, nk
     end = _min(nk, _div((i + 1) * bq - 1, bk) + 1)
@@ -137,8 +137,8 @@ def cost(
 
 
 def check(q, k, block_q: int, block_k: int, causal: bool = False, window: int = 0) -> int:
-    """Validate the kernel layout and the position rule (:func:`flash_attention_math.position_mask`; causal needs
-    Tq == Tk); return the GQA group size G = H / Hkv."""
+    """Validate the kernel layout and the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`; causal
+    needs Tq == Tk); return the GQA group size G = H / Hkv."""
     tq, tk, h, hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
     if block_q < 1 or block_k < 1 or tq % block_q or tk % block_k or h % hkv:
         raise ValueError(

@@ -5,14 +5,14 @@ over a trailing grid axis with "arbitrary" semantics; its running state lives in
 first step (``pl.when``) and written out on its last:
 
 * forward ``(B, H, Tq/bq, nt)``: step t visits key block j = first + t of query block i, where first … end − 1 are
-  the key blocks i sees (:func:`flash_attention_tiles.key_blocks`) and nt the most any query block sees (Tk/bk, or
-  with a sliding window about (bq + window)/bk); scratch M, n, c, ℓ [bq, 1] and acc [bq, D] f32; the last step
-  writes O (f32, or the input dtype for the "input" residual) and lse.
+  the key blocks i sees (:func:`lpt.kernels.flash_attention.tiles.key_blocks`) and nt the most any query block sees
+  (Tk/bk, or with a sliding window about (bq + window)/bk); scratch M, n, c, ℓ [bq, 1] and acc [bq, D] f32; the last
+  step writes O (f32, or the input dtype for the "input" residual) and lse.
 * dQ ``(B, H, Tq/bq, nt)``: the same steps; scratch dq [bq, D] f32.
 * dK/dV ``(B, Hkv, Tk/bk, G·ns)``: key block j of kv head hk; the trailing axis r runs over the G query heads of
   hk (g = r // ns, outer) and the query blocks i = first + r mod ns that see j (inner;
-  :func:`flash_attention_tiles.query_blocks`, ns the most any key block has); scratch dk, dv [bk, D] f32, written
-  as dk, dv [B, Hkv, Tk, D] f32. q, dO, lse, δ come in as [B, Hkv, G·Tq, ·] (a free reshape of [B, H, Tq, ·]).
+  :func:`lpt.kernels.flash_attention.tiles.query_blocks`, ns the most any key block has); scratch dk, dv [bk, D] f32,
+  written as dk, dv [B, Hkv, Tk, D] f32. q, dO, lse, δ come in as [B, Hkv, G·Tq, ·] (a free reshape of [B, H, Tq, ·]).
 
 Causal (and sliding window): a step past its block's range (j >= end) computes nothing (``pl.when``), and its
 index_map repeats the previous block's index (clamped to end − 1), so Pallas issues no DMA for it. Blocks outside
@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
-from lpt.kernels import flash_attention_math as fm
-from lpt.kernels.flash_attention_tiles import (
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.tiles import (
     NT,
     TN,
     backward_in_specs,

@@ -5,7 +5,7 @@ sharding the partitioner picks (``jax.experimental.custom_partitioning``).
 passes its param shardings to ``kahan_adamw(..., param_specs=...)``); it is a plain ``shard_map``, which every
 compiler, the compile-only TPU one included, partitions.
 
-:func:`adamw_kahan_partitioned` has the signature of :func:`lpt.kernels.adamw_kahan.adamw_kahan`. Inside a jit
+:func:`adamw_kahan_partitioned` has the signature of :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`. Inside a jit
 whose operands are split over several devices, XLA's partitioner (Shardy, or GSPMD) calls back into ``_partition``
 with the shardings it chose for the operands; every device then runs the kernel on its own shard of
 ``(g, p, c, mv)``, with ``g``, ``c`` and ``mv`` resharded like ``p`` if they differ (they are laid out like the
@@ -20,8 +20,8 @@ axes bound) and passes the global flat index of its first element to the kernel,
 global flat index for the stochastic rounding: the bits are a function of (key, leaf, element), never of the
 sharding. Outside a multi-device partitioned jit the kernel runs on the whole leaf.
 
-8-bit moments (``scales=`` and ``moments8=``, see :mod:`lpt.kernels.adamw_kahan`): the scales (one per block of 128
-along the last axis, ``p.shape[:-1] + (p.shape[-1] // 128,)``) are split like the param, with its PartitionSpec, so
+8-bit moments (``scales=`` and ``moments8=``, see :mod:`lpt.kernels.adamw_kahan.kernel`): the scales (one per block of
+128 along the last axis, ``p.shape[:-1] + (p.shape[-1] // 128,)``) are split like the param, with its PartitionSpec, so
 every shard holds its own blocks' scales; a split of the last axis must leave each shard whole blocks of 128
 (:func:`check_whole_blocks`, a one-line ValueError otherwise). The global flat index of each element, hashed for the
 stochastic rounding, is the same as for 16-bit moments.
@@ -37,8 +37,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lpt.kernels import dispatch
-from lpt.kernels.adamw_kahan import adamw_kahan
-from lpt.kernels.adamw_kahan_math import LANES
+from lpt.kernels.adamw_kahan.kernel import adamw_kahan
+from lpt.kernels.adamw_kahan.math import LANES
 
 __all__ = ["adamw_kahan_on_shards", "adamw_kahan_partitioned", "check_whole_blocks"]
 
@@ -153,8 +153,8 @@ def _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8) -> d
 def adamw_kahan_partitioned(
     g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, interpret=None, scales=None, moments8=None
 ):
-    """:func:`lpt.kernels.adamw_kahan.adamw_kahan` on one leaf, per shard under any sharding (see module doc); with
-    8-bit moments (``scales``, ``moments8``) it returns ``(p', c', mv', scales')``."""
+    """:func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan` on one leaf, per shard under any sharding (see module doc);
+    with 8-bit moments (``scales``, ``moments8``) it returns ``(p', c', mv', scales')``."""
     dispatch.check_interpret(interpret)
     opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
     if p.ndim == 0:  # a scalar leaf has nothing to split
@@ -184,7 +184,7 @@ def adamw_kahan_on_shards(
     scales=None,
     moments8=None,
 ):
-    """:func:`lpt.kernels.adamw_kahan.adamw_kahan` on one leaf laid out by ``spec`` (a PartitionSpec or a
+    """:func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan` on one leaf laid out by ``spec`` (a PartitionSpec or a
     NamedSharding) over ``mesh`` (default :func:`lpt.kernels.dispatch.kernel_mesh`): a ``shard_map`` in which every
     device updates its own shard, hashing global element indices (the same bits as unsharded). ``g``, ``c`` and
     ``mv`` (and the 8-bit moments' ``scales``) must be laid out like ``p``; a replicated leaf is updated whole on

@@ -1,21 +1,22 @@
 """Pallas flash attention (FA2 forward with saved logsumexp, FA2 backward) with the lpt numerics policy.
 
-XLA twin: :mod:`lpt.kernels.flash_attention_reference` (same recurrence, same key-block order); the per-block rules
+XLA twin: :mod:`lpt.kernels.flash_attention.reference` (same recurrence, same key-block order); the per-block rules
 (shift rule, repeat count across blocks, masking, rounding of P̃, where ℓ comes from, the backward's rounded P and
-dS) are the functions of :mod:`lpt.kernels.flash_attention_math`, called from both.
+dS) are the functions of :mod:`lpt.kernels.flash_attention.math`, called from both.
 
 Layout: q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] (GQA: query head h reads kv head h // G, G = H / Hkv); q_seg [B, Tq],
 kv_seg [B, Tk] int32 (query i attends key j iff segments match and, if causal, j <= i, and with a sliding window
-``window`` > 0 also i − window < j: :func:`flash_attention_math.position_mask`); Tq, Tk multiples of the blocks.
-Row vectors (lse, δ, q_seg) travel as [.., T, 1] and kv_seg as [B, 1, Tk] so that every block's last two dims are
-TPU-legal. The ranges of blocks each program visits (causal, sliding window) are
-:func:`flash_attention_tiles.key_blocks` and :func:`flash_attention_tiles.query_blocks`, shared by both structures.
+``window`` > 0 also i − window < j: :func:`lpt.kernels.flash_attention.math.position_mask`); Tq, Tk multiples of the
+blocks. Row vectors (lse, δ, q_seg) travel as [.., T, 1] and kv_seg as [B, 1, Tk] so that every block's last two dims
+are TPU-legal. The ranges of blocks each program visits (causal, sliding window) are
+:func:`lpt.kernels.flash_attention.tiles.key_blocks` and :func:`lpt.kernels.flash_attention.tiles.query_blocks`, shared
+by both structures.
 
-Two structures of the same kernels, one per compiler (tiles per mode: :func:`flash_attention_tiles.tiles`):
+Two structures of the same kernels, one per compiler (tiles per mode: :func:`lpt.kernels.flash_attention.tiles.tiles`):
 
-* "grid" (:mod:`lpt.kernels.flash_attention_tpu`; Mosaic): the reduction over blocks is a trailing "arbitrary"
+* "grid" (:mod:`lpt.kernels.flash_attention.tpu`; Mosaic): the reduction over blocks is a trailing "arbitrary"
   grid axis with VMEM scratch accumulators; every BlockSpec is one block.
-* "loop" (:mod:`lpt.kernels.flash_attention_gpu`; Triton): each program ``fori_loop``s over blocks of a
+* "loop" (:mod:`lpt.kernels.flash_attention.triton`; Triton): each program ``fori_loop``s over blocks of a
   whole-sequence ref.
 
 dK/dV is GQA-native in both: one program per (b, kv head, key block) accumulates over the G query heads of its kv
@@ -30,9 +31,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from lpt.kernels import dispatch
-from lpt.kernels import flash_attention_gpu as gpu
-from lpt.kernels import flash_attention_tpu as tpu
-from lpt.kernels.flash_attention_tiles import check, structure_of, tiles
+from lpt.kernels.flash_attention import tpu
+from lpt.kernels.flash_attention import triton as gpu
+from lpt.kernels.flash_attention.tiles import check, structure_of, tiles
 
 
 def _module(mode: str, structure: str | None):

@@ -1,0 +1,13 @@
+"""Flash attention with lpt's numerics policy: FA2 forward with saved logsumexp and FA2 backward (dQ, dK, dV).
+
+* ``math``: the per-block rules of the policy (shift rule, repeated maxima, masking, rounding of P̃, where ℓ comes
+  from, the backward's rounded P and dS) and :class:`~lpt.kernels.flash_attention.math.AttentionPolicy`. Pure jnp:
+  the kernels and the twin call the same functions.
+* ``reference``: the XLA twin, the same recurrence in the same key-block order.
+* ``tiles``: block sizes per platform and the ranges of blocks a program visits (causal, sliding window).
+* ``kernel``: the entry points ``forward`` / ``backward``, which pick one of the two structures of the Pallas kernels:
+  ``tpu`` (a grid axis over blocks with VMEM scratch; Mosaic TPU) and ``triton`` (an in-kernel loop over blocks;
+  Pallas Triton on CUDA).
+
+The package imports nothing itself: ``math`` and ``reference`` load no Pallas.
+"""
