@@ -176,7 +176,7 @@ class Checkpointer:
         a step was written with where it differs from ``abstract`` (:func:`lpt.train.resume.layout_of`: other moment
         storage); the step is restored onto that layout and the caller converts it.
 
-        With ``config`` (the run's), a step saved with another model, precision recipe or data position
+        With ``config`` (the run's), a step saved with another model, precision recipe, seed or data position
         (:func:`lpt.train.config.resume_conflicts`) raises ValueError naming every differing key; nothing is moved.
         With ``corpus`` (:func:`lpt.data.corpus_identity` of the run's data), a step saved on another corpus (files
         added, deleted or changed behind the same ``data.paths``) raises ValueError naming the differences; a step
@@ -200,8 +200,8 @@ class Checkpointer:
             conflicts = config_lib.resume_conflicts(saved, config) if isinstance(saved, dict) and saved else []
             if conflicts:
                 raise ValueError(
-                    f"checkpoint step {step} in {self.directory} was saved with another model, precision recipe or "
-                    f"data position ({'; '.join(conflicts)}); a run resumes only with the same ones: use a new "
+                    f"checkpoint step {step} in {self.directory} was saved with another model, precision recipe, "
+                    f"seed or data position ({'; '.join(conflicts)}); a run resumes only with the same ones: use a new "
                     f"--workdir (with --config.init_from.workdir={self.directory.parent} to start from its weights)"
                 )
             changes = _corpus_changes(metadata.get("corpus") if metadata else None, corpus)
