@@ -1,8 +1,8 @@
-"""The Mosaic GPU (Hopper) flash-attention forward (lpt/kernels/flash_attention/mosaic_gpu.py): its row-vector forms of
-math.py's rules against math.py, bit for bit; the kernel in the Mosaic GPU interpreter against the XLA twin (stable and
-standard policy; causal, cross and sliding-window attention; GQA; D = 64, 128, 256; bf16 and f16) within a bound from
-f32 error analysis that a wrong policy or a mask one key off exceeds; the key blocks it visits; its errors; and
-deviceless compiles for one H100 (custom call, shared memory per block)."""
+"""The Mosaic GPU (Hopper) flash-attention forward (lpt/kernels/flash_attention/mosaic_gpu.py): math.py's rules on its
+row vectors against the same rules on columns, bit for bit; the kernel in the Mosaic GPU interpreter against the XLA
+twin (stable and standard policy; causal, cross and sliding-window attention; GQA; D = 64, 128, 256; bf16 and f16)
+within a bound from f32 error analysis that a wrong policy or a mask one key off exceeds; the key blocks it visits; its
+errors; and deviceless compiles for one H100 (custom call, shared memory per block)."""
 
 import functools
 import re
@@ -104,17 +104,7 @@ def _ties(case: str) -> float:
     return float(np.mean((s == s.max(-1, keepdims=True)).sum(-1) > 1))
 
 
-# -- the row forms of math.py's rules ---------------------------------------------------------------------------------
-
-
-def test_shift_rows_equals_math_shift_of():
-    """shift_rows takes the β rule's floor through int32; on maxima from −inf to 1e30 (every branch: M < 0, M = 0,
-    below the floor guard, between the guards, past the cap, the 2^20 clip) and counts 0 … 3 it equals shift_of bit
-    for bit, for both rules."""
-    m = np.array([-np.inf, -1e30, -100.0, -1.0, -(2.0**-10), 0.0, 2.0**-10, 0.1, 1.0, 9.3, 10.6, 10.7, 11.0, 1e6, 1e30])
-    m, n = (jnp.asarray(x, jnp.float32) for x in np.meshgrid(m, [0.0, 1.0, 2.0, 3.0]))
-    for policy in (fm.default_policy(), fm.default_policy(beta=2.0, max_offset=8.0), fm.standard_policy()):
-        np.testing.assert_array_equal(mg.shift_rows(m, n, policy), fm.shift_of(m, n, policy))
+# -- math.py's rules on rows (the kernel's layout) and on columns (the twin's) ------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -127,10 +117,10 @@ def test_shift_rows_equals_math_shift_of():
     ],
     ids=["stable", "standard", "pv", "beta-f32"],
 )
-def test_forward_step_rows_equals_math_forward_step(policy):
-    """Two key blocks of the online softmax on [64] rows (the kernel's form) and on [64, 1] columns (math.py's, the
-    twin's): the same carry bit for bit, op by op under XLA, with integer-grid logits (ties), large logits (the β cap),
-    a causal mask and a row that sees no key in the first block."""
+def test_forward_step_on_rows_equals_on_columns(policy):
+    """Two key blocks of math.py's online softmax on [64] rows (the kernel's layout) and on [64, 1] columns (the twin's
+    and the other kernels'): the same carry bit for bit, op by op under XLA, with integer-grid logits (ties), large
+    logits (the β cap), a causal mask and a row that sees no key in the first block."""
     rng = np.random.default_rng(1)
     bq, bk, d = 64, 64, 32
     v = jnp.asarray(rng.standard_normal((2, bk, d)), jnp.bfloat16)
@@ -146,7 +136,7 @@ def test_forward_step_rows_equals_math_forward_step(policy):
             return jnp.dot(w, v[j], preferred_element_type=jnp.float32)
 
         cols = fm.forward_step(cols, s[j], valid[j], matmul, policy, jnp.bfloat16)
-        rows = mg.forward_step_rows(rows, s[j], valid[j], matmul, policy, jnp.bfloat16)
+        rows = fm.forward_step(rows, s[j], valid[j], matmul, policy, jnp.bfloat16)
         for r, c in zip(rows[:4], cols[:4], strict=True):
             np.testing.assert_array_equal(r, c[:, 0])
         np.testing.assert_array_equal(rows[4], cols[4])

@@ -179,18 +179,35 @@ def position_mask(q_pos, k_pos, causal: bool, window: int = 0):
     return ok
 
 
+def wide(x, like):
+    """A row statistic ``x`` against a tile ``like`` [..., n]: as it is when it is a [..., 1] column (broadcasting
+    does the rest), broadcast to ``like``'s shape when it is a [...] row vector (Mosaic GPU holds row statistics so:
+    it has no [64, 1] layout)."""
+    if x.ndim == like.ndim:
+        return x
+    return jax.lax.broadcast_in_dim(x, like.shape, tuple(range(x.ndim)))
+
+
+def rowsum(t, like):
+    """The sum of tile ``t`` [..., n] over its last axis, laid out like the row statistic ``like``."""
+    return jnp.sum(t, axis=-1, keepdims=like.ndim == t.ndim)
+
+
 def update_max_count(m, n, s, valid, tie_tol: float):
-    """One block of the running (max, near-max count). m, n: [..., 1] f32; s: [..., bk] f32; valid: bool."""
+    """One block of the running (max, near-max count). m, n: [..., 1] columns or [...] rows, f32 (:func:`wide`); s:
+    [..., bk] f32; valid: bool."""
     s_masked = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s_masked, axis=-1, keepdims=True))
-    near = valid & (s_masked >= m_new - jnp.float32(tie_tol))
-    block_n = jnp.sum(jnp.where(near, 1.0, 0.0), axis=-1, keepdims=True)  # count as f32
+    m_new = jnp.maximum(m, jnp.max(s_masked, axis=-1, keepdims=m.ndim == s.ndim))
+    near = valid & (s_masked >= wide(m_new - jnp.float32(tie_tol), s))
+    block_n = rowsum(jnp.where(near, 1.0, 0.0), m)  # count as f32
     n_new = jnp.where(m_new - jnp.float32(tie_tol) > m, 0.0, n) + block_n
     return m_new, n_new
 
 
 def shift_of(m, n, policy: AttentionPolicy):
-    """The shift c for running max m and near-max count n ([..., 1] f32); finite even for m = −inf."""
+    """The shift c for running max m and near-max count n (f32, elementwise); finite even for m = −inf. The β
+    rule's ``floor`` of the offset is a truncation through int32, exact for the offset's range [0, 2**20] (Mosaic GPU
+    lowers the conversion, not ``floor``)."""
     if policy.shift == "max":
         c = m
     else:
@@ -198,7 +215,8 @@ def shift_of(m, n, policy: AttentionPolicy):
         raw = jnp.minimum(raw, jnp.float32(2.0**20))  # finite (m = −inf gives inf; that row's c is 0 below)
         lo, hi = jnp.float32(policy.min_offset), jnp.float32(policy.max_offset)
         width = jnp.float32(min(1.0, policy.max_offset - policy.min_offset))  # dither of the upper guard
-        offset = jnp.where(raw > hi, hi - width * (raw - jnp.floor(raw)), jnp.where(raw < lo, lo + raw, raw))
+        floor = raw.astype(jnp.int32).astype(jnp.float32)  # f32 -> int32 (truncates; raw >= 0) -> f32 (exact)
+        offset = jnp.where(raw > hi, hi - width * (raw - floor), jnp.where(raw < lo, lo + raw, raw))
         c = jnp.where(n > 1.5, m + offset, m)
     return jnp.where(m == -jnp.inf, 0.0, c)
 
@@ -222,6 +240,7 @@ def probs(s, valid, c):
 
     The clamp only matters when XLA recomputes s with a different last bit in another fusion (|s| > ~1e7).
     """
+    c = wide(c, s)
     ok = valid & (c != -jnp.inf)
     return jnp.where(ok, jnp.exp(jnp.where(ok, jnp.minimum(s - c, 0.0), -jnp.inf)), 0.0)
 
@@ -229,9 +248,10 @@ def probs(s, valid, c):
 def split_weights(p, s, m, policy: AttentionPolicy):
     """(P̃ ∘ big, P̃ ∘ ¬big) with big = s >= m − split_bits·ln 2 (``accumulator="split"``); p in any dtype.
 
-    m is the running max after this block ([..., 1]); masked entries have p = 0 and may land in either part.
+    m is the running max after this block (a row statistic, :func:`wide`); masked entries have p = 0 and may land in
+    either part.
     """
-    big = s >= m - jnp.float32(policy.split_bits * 0.6931471805599453)  # ln 2
+    big = s >= wide(m - jnp.float32(policy.split_bits * 0.6931471805599453), s)  # ln 2
     zero = jnp.zeros_like(p)
     return jnp.where(big, p, zero), jnp.where(big, zero, p)
 
@@ -239,9 +259,9 @@ def split_weights(p, s, m, policy: AttentionPolicy):
 def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, native: bool = False):
     """One key block of the online softmax (module docstring): the rules every flash forward applies per block.
 
-    carry: (M, n, c, ℓ, acc) with M, n, c, ℓ [..., 1] f32 and acc [..., D] f32; s: [..., bk] f32 logits; valid:
-    bool like s; ``matmul(w)`` returns w V for weights w [..., bk] in pv_dtype (the caller holds V, already rounded
-    to pv_dtype) as f32. Returns the new carry.
+    carry: (M, n, c, ℓ, acc) with M, n, c, ℓ f32 row statistics ([..., 1] columns, or [...] rows: :func:`wide`)
+    and acc [..., D] f32; s: [..., bk] f32 logits; valid: bool like s; ``matmul(w)`` returns w V for weights w
+    [..., bk] in pv_dtype (the caller holds V, already rounded to pv_dtype) as f32. Returns the new carry.
     """
     m, n, c, l, acc = carry
     m_new, n_new = update_max_count(m, n, s, valid, policy.tie_tol)
@@ -254,33 +274,34 @@ def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, nat
         p_big, p_small = split_weights(p_pv, s, m_new, policy)
         sum_big, sum_small = split_weights(p_sum, s, m_new, policy)
         pv = matmul(p_big) + matmul(p_small)
-        p_rowsum = jnp.sum(sum_big, axis=-1, keepdims=True) + jnp.sum(sum_small, axis=-1, keepdims=True)
+        p_rowsum = rowsum(sum_big, m) + rowsum(sum_small, m)
     else:
         pv = matmul(p_pv)
-        p_rowsum = jnp.sum(p_sum, axis=-1, keepdims=True)
+        p_rowsum = rowsum(p_sum, m)
     l_new = alpha * l + p_rowsum
+    alpha_d = wide(alpha, acc)
     if policy.accumulator == "pv":
         acc_new = round_grid_f32(
-            round_grid_f32(alpha * acc, pv_dtype, native) + round_grid_f32(pv, pv_dtype, native), pv_dtype, native
+            round_grid_f32(alpha_d * acc, pv_dtype, native) + round_grid_f32(pv, pv_dtype, native), pv_dtype, native
         )
     else:
-        acc_new = alpha * acc + pv
+        acc_new = alpha_d * acc + pv
     return m_new, n_new, c_new, l_new, acc_new
 
 
 def backward_weights(s, valid, lse, dp, delta, in_dtype, native: bool = False):
     """FA2 backward weights of one block: (round(P), round(dS)) in ``in_dtype`` with P = exp(s − lse) (masked),
-    dS = P ∘ (dP − δ); s, dp [..., bk] f32, lse, delta [..., 1] f32. They feed dV = round(P)ᵀ dO,
-    dQ = round(dS) K, dK = round(dS)ᵀ Q (f32 accumulation)."""
+    dS = P ∘ (dP − δ); s, dp [..., bk] f32, lse, delta f32 row statistics (:func:`wide`). They feed
+    dV = round(P)ᵀ dO, dQ = round(dS) K, dK = round(dS)ᵀ Q (f32 accumulation)."""
     p = probs(s, valid, lse)
-    ds = p * (dp - delta)
+    ds = p * (dp - wide(delta, dp))
     return round_to(p, in_dtype, native), round_to(ds, in_dtype, native)  # f32 -> input dtype (RNE)
 
 
 def finalize(acc, l, c):
-    """O = acc / ℓ (0 where ℓ = 0) and lse = c + log ℓ (−inf where ℓ = 0)."""
+    """O = acc / ℓ (0 where ℓ = 0) and lse = c + log ℓ (−inf where ℓ = 0), lse laid out like ℓ and c."""
     safe_l = jnp.where(l > 0, l, 1.0)
-    o = jnp.where(l > 0, acc / safe_l, 0.0)
+    o = jnp.where(wide(l, acc) > 0, acc / wide(safe_l, acc), 0.0)
     lse = jnp.where(l > 0, c + jnp.log(safe_l), -jnp.inf)
     return o, lse
 

@@ -28,12 +28,9 @@ reduction scratch and three barriers (bf16, D = 128, bk = 64: 83,992 bytes of th
 registers hold acc [64, D] f32 and the [64, bk] tiles of S and P̃.
 
 Rows. Mosaic GPU keeps a [64, bk] tile in the WGMMA layout (64×8 tiles) and a row statistic as a [64] vector (that
-layout reduced over columns); it cannot hold a [64, 1] array, and it has no lowering for ``floor``. So the two rules
-of math.py written on [..., 1] columns, ``update_max_count`` and ``forward_step``, are written here on rows with
-explicit broadcasts (:func:`update_max_count_rows`, :func:`forward_step_rows`), and ``shift_of``'s β branch takes
-floor as a conversion to int32 (exact: the offset it floors is clipped to [0, 2**20]; :func:`shift_rows`). Every
-elementwise rule is math.py's own (``rescale``, ``probs``, ``split_weights``, ``round_to``, ``round_grid_f32``,
-``finalize``, ``position_mask``); tests assert the row forms equal math.py's bit for bit under XLA.
+layout reduced over columns); it cannot hold a [64, 1] array. math.py's rules take either layout
+(:func:`lpt.kernels.flash_attention.math.wide`), so the kernel calls ``forward_step`` and ``finalize`` themselves; a
+test asserts the carry on rows equals the carry on columns bit for bit under XLA.
 
 ``interpret=True`` runs the Mosaic GPU interpreter on CPU (jax 0.10.2). Differences, none numeric: the interpreter
 cannot apply ``transpose_ref`` inside wgmma nor take a wgmma operand from registers, so there k is passed transposed
@@ -66,7 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention.tiles import check, key_blocks
 
-__all__ = ["BLOCK_Q", "BLOCK_KS", "HEAD_DIMS", "forward", "forward_step_rows", "shift_rows", "smem_bytes"]
+__all__ = ["BLOCK_Q", "BLOCK_KS", "HEAD_DIMS", "forward", "smem_bytes"]
 
 BLOCK_Q = 64  # query rows per CTA: one warpgroup's wgmma M
 BLOCK_KS = (64, 128)  # key rows per pipeline step (the N of S = QKᵀ and the K of P̃V)
@@ -91,74 +88,6 @@ def smem_bytes(d: int, itemsize: int, o_itemsize: int, block_k: int, block_q: in
     pipeline = STAGES * 2 * block_k * d * itemsize
     epilogue = block_q * d * o_itemsize + block_q * 4
     return q + max(pipeline, epilogue) + _REDUCTION_SCRATCH + _BARRIER * (1 + STAGES)
-
-
-def _wide(x, shape):
-    """Row vector [bq] -> [bq, n] (each row's value in every column)."""
-    return lax.broadcast_in_dim(x, shape, (0,))
-
-
-def update_max_count_rows(m, n, s, valid, tie_tol: float):
-    """:func:`lpt.kernels.flash_attention.math.update_max_count` on rows: m, n [bq] f32; s [bq, bk] f32; valid bool
-    like s (or True)."""
-    s_masked = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s_masked, axis=-1))
-    near = valid & (s_masked >= _wide(m_new - jnp.float32(tie_tol), s.shape))
-    block_n = jnp.sum(jnp.where(near, 1.0, 0.0), axis=-1)  # count as f32
-    n_new = jnp.where(m_new - jnp.float32(tie_tol) > m, 0.0, n) + block_n
-    return m_new, n_new
-
-
-def _floor_nonnegative(x):
-    """floor(x) for f32 0 <= x < 2**31: truncation through int32 (Mosaic GPU lowers the conversion, not floor)."""
-    return x.astype(jnp.int32).astype(jnp.float32)  # f32 -> int32 (truncates) -> f32 (exact below 2**24)
-
-
-def shift_rows(m, n, policy: fm.AttentionPolicy):
-    """:func:`lpt.kernels.flash_attention.math.shift_of` on rows (elementwise; any shape), with the β rule's floor
-    taken as :func:`_floor_nonnegative` of the offset, which is clipped to [0, 2**20] first."""
-    if policy.shift == "max":
-        return fm.shift_of(m, n, policy)  # c = M: no floor
-    raw = jnp.where(m > 0, jnp.float32(policy.beta - 1.0) * m, -m)  # >= 0; m = 0 gives 0
-    raw = jnp.minimum(raw, jnp.float32(2.0**20))  # finite (m = −inf gives inf; that row's c is 0 below)
-    lo, hi = jnp.float32(policy.min_offset), jnp.float32(policy.max_offset)
-    width = jnp.float32(min(1.0, policy.max_offset - policy.min_offset))  # dither of the upper guard
-    offset = jnp.where(raw > hi, hi - width * (raw - _floor_nonnegative(raw)), jnp.where(raw < lo, lo + raw, raw))
-    c = jnp.where(n > 1.5, m + offset, m)
-    return jnp.where(m == -jnp.inf, 0.0, c)
-
-
-def forward_step_rows(carry, s, valid, matmul, policy: fm.AttentionPolicy, pv_dtype, native: bool = False):
-    """:func:`lpt.kernels.flash_attention.math.forward_step` on rows: carry (M, n, c, ℓ [bq] f32, acc [bq, D] f32);
-    s [bq, bk] f32; valid bool like s (or True); ``matmul(w)`` returns w V (f32) for w [bq, bk] in pv_dtype. The
-    elementwise rules are math.py's, the row statistics are broadcast to the tile explicitly."""
-    m, n, c, l, acc = carry
-    m_new, n_new = update_max_count_rows(m, n, s, valid, policy.tie_tol)
-    c_new = shift_rows(m_new, n_new, policy)
-    alpha = fm.rescale(c, c_new, m, policy, pv_dtype, native)
-    p = fm.probs(s, valid, _wide(c_new, s.shape))
-    p_pv = fm.round_to(p, pv_dtype, native)  # f32 -> pv dtype (RNE)
-    p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
-    if policy.accumulator == "split":  # large and small weights in separate matmuls, summed once
-        m_wide = _wide(m_new, s.shape)
-        p_big, p_small = fm.split_weights(p_pv, s, m_wide, policy)
-        sum_big, sum_small = fm.split_weights(p_sum, s, m_wide, policy)
-        pv = matmul(p_big) + matmul(p_small)
-        p_rowsum = jnp.sum(sum_big, axis=-1) + jnp.sum(sum_small, axis=-1)
-    else:
-        pv = matmul(p_pv)
-        p_rowsum = jnp.sum(p_sum, axis=-1)
-    l_new = alpha * l + p_rowsum
-    alpha_d = _wide(alpha, acc.shape)
-    if policy.accumulator == "pv":
-        acc_new = fm.round_grid_f32(
-            fm.round_grid_f32(alpha_d * acc, pv_dtype, native) + fm.round_grid_f32(pv, pv_dtype, native),
-            pv_dtype,
-            native,
-        )
-    else:
-        acc_new = alpha_d * acc + pv
-    return m_new, n_new, c_new, l_new, acc_new
 
 
 def _iota(shape, dim: int, interpret: bool):
@@ -215,7 +144,7 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, *, policy, causal, window, scale, nq, nk,
                     w = p_s
                 return _mma(w, v_s, (bq, d))
 
-            return forward_step_rows(carry, s, valid, matmul, policy, pv_dtype, native)
+            return fm.forward_step(carry, s, valid, matmul, policy, pv_dtype, native)
 
         row = layout(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         init = (row - jnp.inf, row, row, row, layout(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA))
@@ -231,8 +160,7 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, *, policy, causal, window, scale, nq, nk,
             max_concurrent_steps=STAGES,
             init_carry=init,
         )(k_g.at[b, hk], v_g.at[b, hk])
-        o, _ = fm.finalize(acc, _wide(l, acc.shape), _wide(c, acc.shape))
-        _, lse = fm.finalize(l, l, c)  # on rows: lse [bq] (its O part, ℓ/ℓ, is unused)
+        o, lse = fm.finalize(acc, l, c)  # O [bq, D], lse [bq]
 
         def epilogue(o_s, lse_s):
             o_s[...] = fm.round_to(o, o_s.dtype, native)  # f32 -> O dtype (RNE; a no-op for f32)
