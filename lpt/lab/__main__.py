@@ -27,8 +27,11 @@ SECTIONS = {
     "finetune": "lpt.lab.finetune",
     "states": "lpt.lab.states",
     "formats": "lpt.lab.formats",
+    "headline": "lpt.lab.headline",
 }
-RECIPE_SECTIONS = ("recipes", "cost")
+RECIPE_SECTIONS = ("recipes", "cost")  # take --recipes and --set
+SET_SECTIONS = (*RECIPE_SECTIONS, "headline")  # take --set
+ALL = tuple(s for s in SECTIONS if s != "headline")  # "all": the headline is a GPU run (benchmarks/gpu_quality.sh)
 
 
 def fail(message: str) -> NoReturn:
@@ -56,9 +59,10 @@ def check_configs(names: list[str], quick: bool, recipes, overrides: dict[str, s
     """Build every config the recipe sections among ``names`` will run, so that a value outside its key's range (or
     one that does not fit the recipe) is one error line before ``--out`` is made."""
     for name in names:
-        if name in RECIPE_SECTIONS:
+        if name in SET_SECTIONS:
             try:
-                importlib.import_module(SECTIONS[name]).configs(quick, recipes=recipes, overrides=overrides)
+                subset = recipes if name in RECIPE_SECTIONS else None
+                importlib.import_module(SECTIONS[name]).configs(quick, recipes=subset, overrides=overrides)
             except ValueError as e:
                 fail(f"--set {' '.join(f'{k}={v}' for k, v in overrides.items())} (section {name}): {e}")
 
@@ -71,7 +75,9 @@ def main(argv=None) -> dict:
 
     matplotlib.use("Agg")  # the command writes files only; importing lpt.lab leaves the backend alone
     ap = argparse.ArgumentParser(prog="python -m lpt.lab", description=__doc__)
-    ap.add_argument("sections", nargs="*", default=["all"], help=f"all or any of {sorted(SECTIONS)}")
+    ap.add_argument(
+        "sections", nargs="*", default=["all"], help=f"all (every one but headline) or any of {sorted(SECTIONS)}"
+    )
     ap.add_argument("--out", required=True, help="output directory for REPORT.md and the plots")
     ap.add_argument("--quick", action="store_true", help="small sizes: a few minutes on 2 CPU cores")
     ap.add_argument(
@@ -87,7 +93,7 @@ def main(argv=None) -> dict:
         help="config override for every recipe run, e.g. --set train.seed=1 (repeatable; recipes/cost sections)",
     )
     args = ap.parse_args(argv)
-    names = list(SECTIONS) if "all" in args.sections else args.sections
+    names = list(ALL) if "all" in args.sections else args.sections
     for name in names:
         if name not in SECTIONS:
             fail(f"section {name!r} is unknown; available: all, {', '.join(SECTIONS)}")
@@ -96,16 +102,20 @@ def main(argv=None) -> dict:
         if r not in RECIPES:
             fail(f"--recipes: {r!r} is not a recipe; available: {', '.join(RECIPES)}")
     overrides = parse_sets(args.set)
-    if (overrides or recipes) and not set(names) & set(RECIPE_SECTIONS):
+    if (overrides or recipes) and not set(names) & set(SET_SECTIONS if not recipes else RECIPE_SECTIONS):
         uses = " and ".join(RECIPE_SECTIONS)
-        fail(f"--set and --recipes apply to the {uses} sections only; the sections given: {', '.join(names)}")
+        fail(
+            f"--set and --recipes apply to the {uses} sections only (--set to headline too); the sections given: "
+            f"{', '.join(names)}"
+        )
     check_configs(names, args.quick, recipes, overrides)
     report = Report(args.out)
     results = {}
     for name in names:
         t = time.perf_counter()
         print(f"[lab] {name} ...", flush=True)
-        kwargs = {"recipes": recipes, "overrides": overrides} if name in RECIPE_SECTIONS else {}
+        kwargs = {"recipes": recipes if name in RECIPE_SECTIONS else None, "overrides": overrides}
+        kwargs = kwargs if name in SET_SECTIONS else {}
         results[name] = importlib.import_module(SECTIONS[name]).run(report, quick=args.quick, **kwargs)
         print(f"[lab] {name} done in {time.perf_counter() - t:.0f}s", flush=True)
     results["report"] = report.write()
