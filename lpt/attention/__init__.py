@@ -3,7 +3,8 @@
 ``dot_product_attention(q, k, v, *, causal=True, stable=True, beta=7.0, impl="xla", ...)`` computes
 ``softmax(scale · q kᵀ) v`` over [batch, seq, heads, head_dim] inputs with grouped-query attention, causal,
 padding (``kv_mask``) and packing (``segment_ids``) masks. ``impl="xla"`` runs the blockwise XLA twin of the
-flash kernel, ``impl="pallas"`` the Pallas kernel, ``impl="softmax"`` plain f32 softmax attention (the truth).
+flash kernel, ``impl="pallas"`` the Pallas kernel, ``impl="mosaic_gpu"`` the Hopper (CUDA) kernels,
+``impl="softmax"`` plain f32 softmax attention (the truth).
 :class:`AttentionPolicy` says how the block loop rounds (shift rule, where ℓ comes from, P̃V dtype, accumulator,
 the O kept for the backward); ``stable=True`` picks the bias-free :func:`default_policy`, ``stable=False`` the
 :func:`standard_policy` of FA2. Diagnostics: :func:`repeated_max_fraction`, :func:`delta_error`,

@@ -9,11 +9,17 @@ The forward runs the online-softmax block loop of :mod:`lpt.kernels.flash_attent
 kernel); the backward is FA2's, with δ = rowsum(dO ∘ O_residual) where the residual O is chosen by the policy
 (the quantity Qiu & Yao trace the loss explosions to).
 
-With ``impl="pallas"`` under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) each kernel call runs per shard
-(:func:`lpt.kernels.dispatch.shard_map`): q, dO, O [B, H, T, D] split as P(batch, heads, None, None), k, v, dk, dv
-[B, Hkv, T, D] as P(batch, kv_heads, None, None), segments [B, T] as P(batch, None), lse and δ [B, H, T] as
-P(batch, heads, None), the logical names resolved by :func:`lpt.sharding.kernel_spec`. Attention is independent
-per (batch row, head), so no shard talks to another and nothing is all-gathered.
+With ``impl="pallas"`` or ``"mosaic_gpu"`` under a multi-device mesh (``mesh=`` or ``jax.set_mesh``) each kernel
+call runs per shard (:func:`lpt.kernels.dispatch.shard_map`): q, dO, O [B, H, T, D] split as P(batch, heads, None,
+None), k, v, dk, dv [B, Hkv, T, D] as P(batch, kv_heads, None, None), segments [B, T] as P(batch, None), lse and δ
+[B, H, T] as P(batch, heads, None), the logical names resolved by :func:`lpt.sharding.kernel_spec`. Attention is
+independent per (batch row, head), so no shard talks to another and nothing is all-gathered.
+
+``impl="mosaic_gpu"`` runs the Hopper kernels of :mod:`lpt.kernels.flash_attention.mosaic_gpu` (block_q = 64 query
+rows per CTA, block_k of :func:`mosaic_gpu_block_k`). They compile for CUDA only and cannot be chosen per platform
+(``lax.platform_dependent``), so ``interpret`` is explicit there: None or False compiles them (lowering for another
+platform is a ValueError saying to pass ``interpret=True``), True runs the Mosaic GPU interpreter. They get segment
+ids only when some are needed (given segments, a kv mask, or padding): the kernels are cheaper without.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from lpt import sharding
 from lpt.kernels import dispatch
 from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention import mosaic_gpu as mg
 from lpt.kernels.flash_attention import reference as fr
 
-_IMPLS = ("xla", "pallas", "softmax")
+_IMPLS = ("xla", "pallas", "softmax", "mosaic_gpu")
+_KERNELS = ("pallas", "mosaic_gpu")  # the impls that run kernels per shard under a mesh
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -66,12 +74,12 @@ class _Config:
     block_q: int
     block_k: int
     impl: str
-    interpret: bool | None
+    interpret: bool | None  # "mosaic_gpu": True or False (None compiles)
     mesh: object = None  # the kernels' mesh (None: whole arrays)
     specs: tuple | None = None  # PartitionSpecs (q, kv, segments, lse) on ``mesh``
 
 
-def _kernel_specs(q, k, v, mesh) -> tuple | None:
+def _kernel_specs(q, k, v, mesh, impl: str) -> tuple | None:
     """PartitionSpecs ``(q, kv, segments, lse)`` of the kernel operands (``[B, H, T, D]`` layout) on ``mesh``, from
     ``q, k, v`` ``[B, T, H, D]`` (:func:`lpt.sharding.operand_spec`: their own shardings on Explicit mesh axes, the
     rules on Auto ones); None without a multi-device mesh.
@@ -81,7 +89,7 @@ def _kernel_specs(q, k, v, mesh) -> tuple | None:
     over different axes (each shard must hold whole GQA groups)."""
     if mesh is None or mesh.size == 1:
         return None
-    what = "dot_product_attention(impl='pallas')"
+    what = f"dot_product_attention(impl={impl!r})"
     qs = sharding.operand_spec(q, ("batch", None, "heads", None), mesh, what)
     ks = sharding.operand_spec(k, ("batch", None, "kv_heads", None), mesh, what)
     vs = sharding.operand_spec(v, ("batch", None, "kv_heads", None), mesh, what)
@@ -106,10 +114,39 @@ def _kernel_specs(q, k, v, mesh) -> tuple | None:
     return P(qs[0], qs[2], None, None), P(ks[0], ks[2], None, None), P(qs[0], None), P(qs[0], qs[2], None)
 
 
+_NOT_CUDA = (
+    "dot_product_attention(impl='mosaic_gpu') compiles the Hopper kernels for CUDA only, but this program is lowered "
+    "for {platform}: pass interpret=True (the Mosaic GPU interpreter) or run it on a Hopper GPU"
+)
+
+
+def _mosaic_gpu(fn, cfg: _Config, args, in_specs, out_specs):
+    """``fn`` (a Mosaic GPU kernel entry) on ``args``, per shard under ``cfg``'s mesh; compiled (``args`` checked to
+    be lowered for CUDA) unless ``cfg.interpret``. Segment operands that are None (none needed) are left out."""
+    kept = [i for i, x in enumerate(args) if x is not None]
+    xs = tuple(args[i] for i in kept)
+    if not cfg.interpret:
+        xs = dispatch.require_platform(("cuda",), _NOT_CUDA, *xs)
+
+    def call(*xs):  # the kept operands, the left-out ones None again
+        full = [None] * len(args)
+        for i, x in zip(kept, xs, strict=True):
+            full[i] = x
+        return fn(*full, interpret=cfg.interpret)
+
+    if cfg.specs is not None:
+        call = dispatch.shard_map(call, cfg.mesh, [in_specs[i] for i in kept], out_specs)
+    return call(*xs)
+
+
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
-    """(f32 O, lse) of the canonical operands by ``cfg.impl``: the flash kernel (per shard under a mesh) or the XLA
+    """(f32 O, lse) of the canonical operands by ``cfg.impl``: a flash kernel (per shard under a mesh) or the XLA
     twin."""
     kw = dict(policy=cfg.policy, causal=cfg.causal, window=cfg.window, scale=cfg.scale, block_k=cfg.block_k)
+    if cfg.impl == "mosaic_gpu":
+        qs, kvs, segs, lses = cfg.specs or (None,) * 4
+        run = functools.partial(mg.forward, block_q=cfg.block_q, **kw)
+        return _mosaic_gpu(run, cfg, (q, k, v, q_seg, kv_seg), (qs, kvs, kvs, segs, segs), (qs, lses))
     if cfg.impl == "pallas":
         run = functools.partial(fk.forward, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
         if cfg.specs is not None:
@@ -121,6 +158,11 @@ def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
 
 def _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg: _Config):
     kw = dict(causal=cfg.causal, window=cfg.window, scale=cfg.scale)
+    if cfg.impl == "mosaic_gpu":
+        qs, kvs, segs, lses = cfg.specs or (None,) * 4
+        run = functools.partial(mg.backward, block_q=cfg.block_q, block_k=cfg.block_k, **kw)
+        args = (q, k, v, q_seg, kv_seg, lse, do, delta)
+        return _mosaic_gpu(run, cfg, args, (qs, kvs, kvs, segs, segs, lses, qs, lses), (qs, kvs, kvs))
     if cfg.impl == "pallas":
         run = functools.partial(fk.backward, block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret, **kw)
         if cfg.specs is not None:
@@ -169,6 +211,18 @@ def _default_block(t: int) -> int:
     interpreter; the compiled kernels grow or split it per platform (:func:`lpt.kernels.flash_attention.tiles.tiles`:
     512 on TPU, 64 or 128 on GPU)."""
     return min(128, 1 << max(4, (t - 1).bit_length()))
+
+
+def mosaic_gpu_block_k(d: int, tq: int, tk: int) -> int:
+    """The Mosaic GPU kernels' block_k for head dim ``d``: 128 where the backward's registers allow it (D · 128 <=
+    :data:`lpt.kernels.flash_attention.mosaic_gpu.BACKWARD_TILE_LIMIT`, i.e. D = 64) and it pads Tq and Tk no
+    further than 64 does; else 64 (D = 128: the backward spills with 128; D = 192, 256: the forward's shared memory
+    and the backward's registers)."""
+    big, small = mg.BLOCK_KS[-1], mg.BLOCK_KS[0]
+    padded = lambda t, b: -(-t // b) * b
+    if d * big <= mg.BACKWARD_TILE_LIMIT and all(padded(t, big) == padded(t, small) for t in (tq, tk)):
+        return big
+    return small
 
 
 def _pad_to(x, length: int, axis: int, value):
@@ -220,9 +274,22 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
             raise ValueError(f"kv_mask must be bool [B, Tk] = {(b, tk)}, got {kv_mask.dtype}{kv_mask.shape}")
         kv_seg = jnp.where(kv_mask, kv_seg, -1)
 
-    bq = opts.block_q or _default_block(tq)
-    bk = opts.block_k or _default_block(tk)
-    tq_pad, tk_pad = -(-tq // bq) * bq, -(-tk // bk) * bk
+    interpret = opts.interpret
+    if opts.impl == "mosaic_gpu":  # Hopper: 64 query rows per CTA; both kernels' blocks divide Tq and Tk
+        if interpret not in (None, False, True):
+            raise ValueError(
+                f"interpret={interpret!r}: impl='mosaic_gpu' takes None or False (compile for CUDA) or True (the "
+                "Mosaic GPU interpreter)"
+            )
+        interpret = bool(interpret)
+        bq = opts.block_q or mg.BLOCK_Q
+        bk = opts.block_k or mosaic_gpu_block_k(d, tq, tk)
+        unit = math.lcm(bq, bk)  # the dK/dV kernel takes key blocks of bq rows and query steps of bk
+        tq_pad, tk_pad = -(-tq // unit) * unit, -(-tk // unit) * unit
+    else:
+        bq = opts.block_q or _default_block(tq)
+        bk = opts.block_k or _default_block(tk)
+        tq_pad, tk_pad = -(-tq // bq) * bq, -(-tk // bk) * bk
     if opts.causal:  # keep query and key positions aligned
         tq_pad = tk_pad = max(tq_pad, tk_pad, -(-tq // math.lcm(bq, bk)) * math.lcm(bq, bk))
     q_t = _pad_to(q, tq_pad, 1, 0).transpose(0, 2, 1, 3)  # [B, H, Tq, D]
@@ -230,13 +297,16 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
     v_t = _pad_to(v, tk_pad, 1, 0).transpose(0, 2, 1, 3)
     q_seg = _pad_to(q_seg, tq_pad, 1, -2)  # padded queries match no key
     kv_seg = _pad_to(kv_seg, tk_pad, 1, -1)  # padded keys match no query
+    masked = segment_ids is not None or kv_mask is not None or (tq_pad, tk_pad) != (tq, tk)
+    if opts.impl == "mosaic_gpu" and not masked:  # one segment, nothing padded: the kernels without segment ids
+        q_seg = kv_seg = None
 
-    mesh = dispatch.kernel_mesh(opts.mesh) if opts.impl == "pallas" else None
-    specs = _kernel_specs(q, k, v, mesh)
-    if specs is not None and sharding.explicit(mesh):  # typed shardings: the segments (made here) follow q's batch
-        q_seg, kv_seg = (jax.sharding.reshard(s, specs[2]) for s in (q_seg, kv_seg))
+    mesh = dispatch.kernel_mesh(opts.mesh) if opts.impl in _KERNELS else None
+    specs = _kernel_specs(q, k, v, mesh, opts.impl)
+    if specs is not None and sharding.explicit(mesh) and q_seg is not None:  # typed shardings: the segments (made
+        q_seg, kv_seg = (jax.sharding.reshard(s, specs[2]) for s in (q_seg, kv_seg))  # here) follow q's batch
     cfg = _Config(
-        policy, bool(opts.causal), window, scale, bq, bk, opts.impl, opts.interpret, mesh if specs else None, specs
+        policy, bool(opts.causal), window, scale, bq, bk, opts.impl, interpret, mesh if specs else None, specs
     )
     return q_t, k_t, v_t, q_seg, kv_seg, cfg
 
@@ -272,8 +342,9 @@ def dot_product_attention(
         f32 O residual for δ); False the standard FA2 kernel (row-max shift, ℓ from f32 P̄, O residual in the
         input dtype). Ignored when ``policy`` is given.
       beta: β of the Qiu & Yao shift rule (used when ``stable`` and no ``policy``).
-      impl: "xla" (blockwise XLA twin of the kernel), "pallas" (the flash kernel), "softmax" (plain f32 softmax
-        attention with autodiff gradients: the truth for tests; ignores the policy).
+      impl: "xla" (blockwise XLA twin of the kernel), "pallas" (the flash kernel), "mosaic_gpu" (the Hopper
+        flash kernels, CUDA only: bf16 / f16, D in 64, 128 (forward also 192, 256); see the module doc),
+        "softmax" (plain f32 softmax attention with autodiff gradients: the truth for tests; ignores the policy).
       kv_mask: optional bool [B, Tk]; False marks padding keys that nobody attends.
       segment_ids: optional int [B, T] (needs Tq == Tk), values >= 0; a query attends only keys of its segment
         (packed sequences).
@@ -283,10 +354,12 @@ def dot_product_attention(
       block_q, block_k: block sizes (default min(128, pow2 >= T)); T is padded up to a multiple internally. The
         XLA twin and the interpreted kernel use them as given; the compiled kernels use a per-platform tile derived
         from them (:func:`lpt.kernels.flash_attention.tiles.tiles`: on TPU a multiple, up to 512; on GPU a
-        power-of-two divisor, up to 128).
-      interpret: Pallas only. None: interpret on CPU, compiled kernel on cuda/tpu (``lax.platform_dependent``);
-        True: always interpret.
-      mesh: Pallas only: the mesh the kernels run on, one shard per device (see the module doc). None: the mesh of
+        power-of-two divisor, up to 128). "mosaic_gpu": block_q 64 and block_k 64 or 128 (default
+        :func:`mosaic_gpu_block_k`), used as given; Tq and Tk are padded to a multiple of both.
+      interpret: the kernels only. "pallas": None interprets on CPU and compiles on cuda/tpu
+        (``lax.platform_dependent``), True always interprets. "mosaic_gpu": None or False compiles for CUDA
+        (ValueError when lowered for another platform), True runs the Mosaic GPU interpreter.
+      mesh: the kernels only: the mesh they run on, one shard per device (see the module doc). None: the mesh of
         ``jax.set_mesh`` if one is set, else the kernels see whole arrays.
     """
     opts = _Options(

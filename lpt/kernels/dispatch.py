@@ -17,10 +17,17 @@ all-gathered), so a kernel wrapper that runs under a multi-device mesh wraps its
 ``jax.set_mesh`` (``jax.sharding.get_abstract_mesh()``), else none, and then the kernel runs unwrapped.
 :func:`as_axes`, :func:`mesh_axis_size` and :func:`check_divisible` help the wrappers validate their specs;
 :func:`mesh_platform` says which devices a mesh holds, for a wrapper that must refuse a platform at trace time.
+
+A kernel that compiles for one platform only and cannot be chosen by ``lax.platform_dependent`` (the Mosaic GPU
+kernels: their interpreter, the only CPU branch there could be, carries IO effects that a cond over platforms cannot
+lower for CUDA) passes its operands through :func:`require_platform`: they come back unchanged (no HLO op), and
+lowering them for another platform raises a one-line ValueError that the caller words, instead of the kernel's own
+lowering error.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -28,6 +35,8 @@ import jax
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 MODES = ("interpret", "triton", "mosaic")
 
@@ -112,3 +121,36 @@ def shard_map(fn: Callable, mesh, in_specs: Sequence, out_specs):
     if mesh is None or mesh.size == 1:
         return fn
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
+
+
+_require_platform_p = Primitive("lpt_require_platform")
+_require_platform_p.multiple_results = True
+_require_platform_p.def_abstract_eval(lambda *avals, **_: avals)
+
+
+@functools.partial(jax.jit, static_argnames=("platforms", "message"))
+def _require_platform_jit(*args, platforms, message):  # an eager call: lowered (and so checked) for its device
+    return _require_platform_p.bind(*args, platforms=platforms, message=message)
+
+
+_require_platform_p.def_impl(_require_platform_jit)
+
+
+def _require_platform_lowering(ctx, *args, platforms, message):
+    lowering = tuple(ctx.platforms or ctx.module_context.platforms)
+    if any(p not in platforms for p in lowering):
+        raise ValueError(message.format(platform=",".join(lowering)))
+    return args
+
+
+mlir.register_lowering(_require_platform_p, _require_platform_lowering)
+ad.primitive_jvps[_require_platform_p] = lambda xs, ts, **kw: (_require_platform_p.bind(*xs, **kw), ts)
+batching.primitive_batchers[_require_platform_p] = lambda xs, dims, **kw: (_require_platform_p.bind(*xs, **kw), dims)
+
+
+def require_platform(platforms: Sequence[str], message: str, *args):
+    """``args`` unchanged (a tuple); lowering them for a platform not in ``platforms`` ("cuda", "rocm", "cpu",
+    "tpu") raises ``ValueError(message)``, ``{platform}`` in it replaced by the platform lowered for. The check runs
+    where the platform is known, at lowering (``jit``, ``.lower(...)``, an eager call), never by looking at
+    ``jax.default_backend()``; nothing is added to the program."""
+    return tuple(_require_platform_p.bind(*args, platforms=tuple(platforms), message=message))

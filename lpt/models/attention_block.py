@@ -5,9 +5,9 @@ RoPE; Qwen3), ``head_dim`` (heads of any even width, ``H · head_dim`` need not 
 ``sliding_window`` (query i attends keys i − w < j ≤ i; Mistral), in the forward and in the KV-cache path alike.
 
 ``precision.attention.impl`` ("xla": blockwise XLA twin of the flash kernel, "pallas": the flash kernel,
-"softmax": plain f32 softmax attention), ``stable`` and ``beta`` (Qiu & Yao's fix) go to
-``lpt.attention.dot_product_attention``. ``Attention.decode`` is the KV-cache path (:mod:`lpt.models.decode`): plain
-masked float32 softmax over the cached keys, whatever the recipe's attention impl.
+"mosaic_gpu": the Hopper flash kernels, CUDA only, "softmax": plain f32 softmax attention), ``stable`` and ``beta``
+(Qiu & Yao's fix) go to ``lpt.attention.dot_product_attention``. ``Attention.decode`` is the KV-cache path
+(:mod:`lpt.models.decode`): plain masked float32 softmax over the cached keys, whatever the recipe's attention impl.
 """
 
 from __future__ import annotations

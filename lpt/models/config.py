@@ -35,7 +35,7 @@ BLOCK_KINDS = LAYER_KINDS[:4]  # the matmuls inside a transformer block (precisi
 MATMULS = ("bf16", "fp8", "mxfp8", "nvfp4")
 LOW_PRECISION = MATMULS[1:]
 FP8_IMPLS = ("xla", "pallas", "mosaic_gpu")  # lpt.fp8.blockwise.IMPLS (lpt.fp8 is not imported here: it loads kernels)
-ATTENTION_IMPLS = ("xla", "pallas", "softmax")
+ATTENTION_IMPLS = ("xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -161,7 +161,12 @@ class Matmul:
 class Attention:
     """``precision.attention``: the attention implementation and its numerics."""
 
-    impl: str = option("xla", '"xla" reference, "pallas" flash kernel, or "softmax" (plain)', ATTENTION_IMPLS)
+    impl: str = option(
+        "xla",
+        '"xla" reference, "pallas" flash kernel, "softmax" (plain), or "mosaic_gpu" (Hopper flash kernels, CUDA '
+        "only: needs compute_dtype bfloat16 and a head width of 64 or 128)",
+        ATTENTION_IMPLS,
+    )
     stable: bool = option(True, "Qiu & Yao's fix for repeated row maxima in low-precision softmax")
     beta: float = option(7.0, "the fix's beta (rows with a repeated max use beta*m or 0 as offset)", bounds=above(1))
 
@@ -303,6 +308,27 @@ def check_matmul_blocks(spec: ModelSpec, numerics: Numerics) -> None:
                     f"precision.matmul.{kind}={kinds[kind]!r} needs K and N multiples of {block}, but the model's "
                     f"{kind} weight is {k}x{n}; change the model's widths or use another matmul for {kind}"
                 )
+
+
+def check_attention(spec: ModelSpec, numerics: Numerics) -> None:
+    """Raise ValueError, naming the key, when ``precision.attention.impl="mosaic_gpu"`` cannot train this model: the
+    Hopper kernels take 16-bit q, k, v (``compute_dtype="bfloat16"``) and, for the backward, a head width in
+    :data:`lpt.kernels.flash_attention.mosaic_gpu.BACKWARD_HEAD_DIMS`."""
+    if numerics.attention.impl != "mosaic_gpu":
+        return
+    from lpt.kernels.flash_attention.mosaic_gpu import BACKWARD_HEAD_DIMS  # in-function: loads Pallas
+
+    if numerics.compute_dtype != "bfloat16":
+        raise ValueError(
+            f"config key precision.attention.impl='mosaic_gpu' takes 16-bit q, k, v (wgmma), but "
+            f"precision.compute_dtype={numerics.compute_dtype!r}; set precision.compute_dtype=bfloat16 or use 'xla'"
+        )
+    if spec.head_width not in BACKWARD_HEAD_DIMS:
+        raise ValueError(
+            f"config key precision.attention.impl='mosaic_gpu' trains head widths {BACKWARD_HEAD_DIMS} only, but the "
+            f"model's head width is {spec.head_width} (model.d_model / n_heads or model.head_dim); use 'xla' or "
+            "'pallas'"
+        )
 
 
 def model_spec(model_cfg=None) -> ModelSpec:

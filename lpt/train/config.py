@@ -31,7 +31,7 @@ import lpt.configs
 from lpt import options
 from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
-from lpt.models.config import LAYER_KINDS, SHAPE_KEYS, ModelSpec, check_matmul_blocks
+from lpt.models.config import LAYER_KINDS, SHAPE_KEYS, ModelSpec, check_attention, check_matmul_blocks
 from lpt.models.hf_config import read_config as read_hf_config
 from lpt.options import SEED, Range, above, at_least, option, section
 from lpt.train.guard import BAD_STEPS
@@ -217,6 +217,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"init_from.hf={i.hf!r} and init_from.workdir={i.workdir!r} are both set; start from one of them"
         )
     check_matmul_blocks(typed.model, p)
+    check_attention(typed.model, p)
     noisy = [k for k in LAYER_KINDS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
     if o.fp8_gather == "step" and noisy:
         raise ValueError(

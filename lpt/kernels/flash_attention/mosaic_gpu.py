@@ -81,8 +81,8 @@ Not in this slice: warp specialization (a TMA producer warpgroup and two consume
 FlashAttention-3 and jax's ``attention_mgpu.py``; the jax 0.10.2 interpreter cannot run it, ``run_state``), which
 would also give the dK/dV kernel a second warpgroup's registers (D = 256, bk = 128); an unmasked fast path for the
 blocks below the diagonal, and skipping blocks that segment ids mask entirely; a ``pv_dtype`` other than the input
-dtype (wgmma reads V from SMEM as stored: ValueError); the wiring into ``kernel.py`` and ``lpt.attention``'s impl
-choice. Not run on GPU hardware.
+dtype (wgmma reads V from SMEM as stored: ValueError); the wiring into ``kernel.py``. ``lpt.attention`` runs these
+kernels as ``dot_product_attention(impl="mosaic_gpu")``. Not run on GPU hardware.
 """
 
 from __future__ import annotations
