@@ -27,7 +27,7 @@ flax.__version__, 'optax', optax.__version__, 'ml_dtypes', ml_dtypes.__version__
 } >"$LOGDIR/machine.log" 2>&1
 
 part kernels 240 $PY -m pytest -q -s -p no:cacheprovider tests/kernels/test_kernels_on_gpu.py
-part attention 120 $PY benchmarks/attention_gpu.py --batch 2 --seq 2048 8192 --heads 16 --kv-heads 4 --head-dim 128
+part attention 180 $PY benchmarks/attention_gpu.py --batch 2 --seq 2048 8192 --heads 16 --kv-heads 4 --head-dim 128
 part fp8 150 $PY benchmarks/fp8_gpu.py --sizes 4096 8192
 part optim 180 $PY benchmarks/optim_step.py --params 200e6 --rounds 5 \
   --rows base,fused:stochastic,fused8:stochastic,pallas:stochastic,pallas8:stochastic
