@@ -1,7 +1,7 @@
-"""Every Pallas kernel compiled for a real GPU (Triton; Mosaic GPU for the Hopper FP8 variant) against its XLA twin
-on the same GPU, at sizes where each kernel runs many programs. Skipped on a machine without a CUDA device: the
-interpreted tests beside this file prove the numbers on any CPU; these prove that the compiled kernel computes the
-same function.
+"""Every Pallas kernel compiled for a real GPU (Triton; Mosaic GPU for the Hopper FP8 and attention variants) against
+its XLA twin on the same GPU, at sizes where each kernel runs many programs. Skipped on a machine without a CUDA
+device: the interpreted tests beside this file prove the numbers on any CPU; these prove that the compiled kernel
+computes the same function.
 
 Tolerances. The two programs multiply the same rounded operands and add the products in another order, on other
 units: the kernels' dots run on tensor cores, XLA:GPU's through cuBLAS or its own emitters. Each comparison says
@@ -122,6 +122,61 @@ def test_attention_api_pallas_equals_xla_with_grads():
         x, r = np.asarray(a, np.float32), np.asarray(b, np.float32)
         err = np.max(np.abs(x - r)) / np.max(np.abs(r))
         print(f"api {what}: max|pallas-xla|/max|xla| = {err:.2e}")
+        assert err <= 2.0**-7, what
+        assert np.linalg.norm(x - r) / np.linalg.norm(r) < 4e-3, what
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(True, 0), (False, 0), (True, 256)], ids=["causal", "full", "window"])
+@pytest.mark.parametrize("name", ["default", "standard"])
+def test_flash_attention_mosaic_gpu_equals_twin(d, causal, window, name):
+    """The Mosaic GPU (Hopper, wgmma) forward, dQ and dK/dV kernels vs the blockwise XLA twin with the kernel's
+    key-block size, GQA 4:1, T = 1024, with packed sequences and a padded key; the tolerances of the Triton test."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    from lpt.kernels.flash_attention import mosaic_gpu as mg
+
+    policy = fm.default_policy() if name == "default" else fm.standard_policy()
+    q, k, v, do, q_seg, kv_seg = _attention_inputs(2, 8, 2, 1024, d)
+    kw = dict(causal=causal, scale=d**-0.5, window=window)
+    bk = mg.BLOCK_KS[0]
+    o, lse = jax.jit(lambda: mg.forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
+    if o.dtype == jnp.float32:
+        _close(o, o_r, f"mgpu o d={d} {name} causal={causal} window={window}")
+    else:  # the standard policy rounds O to bf16 in the kernel: the f32 differences plus one bf16 rounding
+        err = np.abs(np.asarray(o, np.float64) - np.asarray(o_r, np.float64))
+        bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
+        print(f"mgpu o d={d} {name}: max |o - twin| / bound = {np.max(err / bound):.2f}")
+        assert np.all(err <= bound)
+    np.testing.assert_allclose(lse, lse_r, rtol=2.0**-16, atol=0)
+    delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
+    grads = jax.jit(lambda: mg.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
+    refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
+    for what, g, g_r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
+        _close(g, g_r, f"mgpu {what} d={d} {name} causal={causal} window={window}")
+
+
+def test_attention_api_mosaic_gpu_equals_xla_with_grads():
+    """``dot_product_attention(impl="mosaic_gpu")`` vs ``impl="xla"`` on a Hopper GPU, forward and the three gradients,
+    [B, T, H, D] layout, T = 2048: the tolerance of the Pallas API test."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    ks = jax.random.split(jax.random.PRNGKey(2), 4)
+    q = jax.random.normal(ks[0], (2, 2048, 8, 128), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (2, 2048, 2, 128), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (2, 2048, 2, 128), jnp.bfloat16)
+    do = jax.random.normal(ks[3], (2, 2048, 8, 128), jnp.bfloat16)
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def run(q, k, v, impl):
+        o, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, impl=impl, causal=True), q, k, v)
+        return (o, *vjp(do))
+
+    for what, a, b in zip(("o", "dq", "dk", "dv"), run(q, k, v, "mosaic_gpu"), run(q, k, v, "xla"), strict=True):
+        x, r = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        err = np.max(np.abs(x - r)) / np.max(np.abs(r))
+        print(f"api {what}: max|mosaic_gpu-xla|/max|xla| = {err:.2e}")
         assert err <= 2.0**-7, what
         assert np.linalg.norm(x - r) / np.linalg.norm(r) < 4e-3, what
 
