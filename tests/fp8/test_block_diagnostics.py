@@ -90,14 +90,21 @@ def test_layouts_match_block_scaled_dot(recipe):
     rng = np.random.default_rng(4)
     x = rng.normal(size=(48, 64)).astype(np.float32)
     w = rng.normal(size=(64, 32)).astype(np.float32)
-    xq = quantize_dequantize(x, recipe, **operand_layout(recipe, "x"))
-    wq = quantize_dequantize(w, recipe, **operand_layout(recipe, "w"))
-    y = np.asarray(block_scaled_dot(x, w, recipe, impl="xla"), np.float64)
+
+    @jax.jit  # one program (the planted-block tests above run these functions eagerly)
+    def layouts(x, w):
+        xq = quantize_dequantize(x, recipe, **operand_layout(recipe, "x"))
+        wq = quantize_dequantize(w, recipe, **operand_layout(recipe, "w"))
+        hx, hw = gemm_block_health(x.reshape(6, 8, 64), w, recipe)
+        return xq, wq, block_scaled_dot(x, w, recipe, impl="xla"), hx.blocks, hw.blocks
+
+    xq, wq, y, hx_blocks, hw_blocks = layouts(x, w)
+    y = np.asarray(y, np.float64)
     ref = np.asarray(xq, np.float64) @ np.asarray(wq, np.float64)
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.max(np.abs(ref)))
     assert np.max(np.abs(np.asarray(xq) - x)) > 0  # quantized, not passed through
-    hx, hw = gemm_block_health(x.reshape(6, 8, 64), w, recipe)
-    assert (hx.blocks, hw.blocks) == ((48 * 64 // 32, 64 * 32 // 32) if recipe == "mxfp8" else (48 * 4, 8))
+    want = (48 * 64 // 32, 64 * 32 // 32) if recipe == "mxfp8" else (48 * 4, 8)
+    assert (int(hx_blocks), int(hw_blocks)) == want
 
 
 def test_errors():

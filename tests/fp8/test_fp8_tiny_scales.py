@@ -147,15 +147,21 @@ def _tiny_case():
     return x, w, g
 
 
+@functools.partial(jax.jit, static_argnames=("fwd", "grad", "sf"))
+def _dequantized_operands(x, w, g, fwd, grad, sf):
+    """The quantized-then-dequantized f32 operands of each GEMM of blockwise_dot (one program, not one per op)."""
+    pad = lambda a: jnp.pad(a, ((0, 128 - a.shape[0]), (0, 0)))  # noqa: E731 - dW pads tokens to the block
+    xq = dequantize_tiles(*quantize_tiles(x, fwd, scale_format=sf))
+    wq = dequantize_blocks(*quantize_blocks(w, fwd, scale_format=sf))
+    gq = dequantize_tiles(*quantize_tiles(g, grad, scale_format=sf))
+    xt = dequantize_tiles(*quantize_tiles(pad(x), fwd, axis=0, scale_format=sf), axis=0)
+    gt = dequantize_tiles(*quantize_tiles(pad(g), grad, axis=0, scale_format=sf), axis=0)
+    return xq, wq, gq, xt, gt
+
+
 def _dequant_refs(x, w, g, fwd, grad, sf):
     """dequantize-then-matmul in f64 with the same quantized operands as each GEMM of blockwise_dot."""
-    f64 = functools.partial(np.asarray, dtype=np.float64)
-    xq = f64(dequantize_tiles(*quantize_tiles(x, fwd, scale_format=sf)))
-    wq = f64(dequantize_blocks(*quantize_blocks(w, fwd, scale_format=sf)))
-    gq = f64(dequantize_tiles(*quantize_tiles(g, grad, scale_format=sf)))
-    pad = lambda a: np.pad(a, ((0, 128 - a.shape[0]), (0, 0)))  # noqa: E731 - dW pads tokens to the block
-    xt = f64(dequantize_tiles(*quantize_tiles(pad(x), fwd, axis=0, scale_format=sf), axis=0))
-    gt = f64(dequantize_tiles(*quantize_tiles(pad(g), grad, axis=0, scale_format=sf), axis=0))
+    xq, wq, gq, xt, gt = (np.asarray(a, np.float64) for a in _dequantized_operands(x, w, g, fwd, grad, sf))
     return xq @ wq, gq @ wq.T, xt.T @ gt
 
 
