@@ -63,9 +63,10 @@ _ATTENTION = textwrap.dedent(
 
     ref = jax.jit(f)(q, k, v, seg, do)
     with jax.set_mesh(mesh):  # batch over "data", heads and kv heads over "tensor" (lpt.sharding.RULES)
-        text = jax.jit(f).lower(q, k, v, seg, do).as_text()
-        assert "sdy.manual_computation" in text, "no shard_map around the attention kernels"
-        out = jax.jit(f)(put(q, P("data")), put(k, P("data")), put(v, P("data")), put(seg, P("data")), do)
+        args = (put(q, P("data")), put(k, P("data")), put(v, P("data")), put(seg, P("data")), do)
+        lowered = jax.jit(f).lower(*args)  # the program that runs below
+        assert "sdy.manual_computation" in lowered.as_text(), "no shard_map around the attention kernels"
+        out = lowered.compile()(*args)
     same(out, ref, "attention o, dq, dk, dv")
     # the user's own Explicit mesh: batch over "dp", heads over "tp" (read from the operands' types)
     user = jax.make_mesh((2, 2), ("dp", "tp"))
@@ -94,10 +95,15 @@ _FP8 = textwrap.dedent(
     g = jnp.asarray(rng.standard_normal((2, 128, 256)), jnp.float32)
     f64 = lambda a: np.asarray(a, np.float64)
     x2, g2, e5m2 = x.reshape(256, 256), g.reshape(256, 256), jnp.float8_e5m2
-    xq, wq = f64(dequantize_tiles(*quantize_tiles(x2))), f64(dequantize_blocks(*quantize_blocks(w)))
-    gq = f64(dequantize_tiles(*quantize_tiles(g2, e5m2)))
-    xt = f64(dequantize_tiles(*quantize_tiles(x2, axis=0), axis=0))
-    gt = f64(dequantize_tiles(*quantize_tiles(g2, e5m2, axis=0), axis=0))
+
+    def tiles(a, dtype=jnp.float8_e4m3fn, axis=-1):
+        return dequantize_tiles(*quantize_tiles(a, dtype, axis=axis), axis=axis)
+
+    @jax.jit  # the dequantized FP8 operands of the three GEMMs, in one program
+    def operands(x2, w, g2):
+        return tiles(x2), dequantize_blocks(*quantize_blocks(w)), tiles(g2, e5m2), tiles(x2, axis=0), tiles(g2, e5m2, 0)
+
+    xq, wq, gq, xt, gt = (f64(a) for a in operands(x2, w, g2))
     gamma = lambda n: n * 2.0**-24 / (1 - n * 2.0**-24)
     part = lambda a, b: np.abs(a @ b) + gamma(127) * (np.abs(a) @ np.abs(b))  # one 128-chunk's f32 partial
     halves = (slice(0, 128), slice(128, 256))
@@ -124,8 +130,10 @@ _FP8 = textwrap.dedent(
 
         ref = jax.jit(f)(x, w, g)
         with jax.set_mesh(mesh), axis_rules(mesh, rules or lpt.sharding.RULES):
-            assert "sdy.manual_computation" in jax.jit(f).lower(x, w, g).as_text(), "no shard_map around the GEMMs"
-            out = jax.jit(f)(put(x, P("data")), put(w, w_spec), put(g, P("data")))
+            args = (put(x, P("data")), put(w, w_spec), put(g, P("data")))
+            lowered = jax.jit(f).lower(*args)  # the program that runs below
+            assert "sdy.manual_computation" in lowered.as_text(), "no shard_map around the GEMMs"
+            out = lowered.compile()(*args)
         if rules:
             assert out[2].sharding.spec == w_spec, out[2].sharding
         for name, a, b, psum in zip(("y", "dx", "dw"), out, ref, summed, strict=True):
@@ -160,10 +168,11 @@ _KAHAN = textwrap.dedent(
     sh = lambda t: {k: put(v, specs[k][1]) for k, v in t.items()}
     st_s = st._replace(moments=sh(st.moments), compensation=sh(st.compensation))
     with jax.set_mesh(mesh):
-        hlo = upd.lower(sh(g), st_s, sh(w)).compile().as_text()
+        compiled = upd.lower(sh(g), st_s, sh(w)).compile()  # the program both steps run
+        hlo = compiled.as_text()
         assert hlo.count("all-gather") == 0 and hlo.count("all-reduce") == 0, "the update gathers the params"
-        out = upd(sh(g), st_s, sh(w))
-        out = upd(sh(g), out[1], sh(w))
+        out = compiled(sh(g), st_s, sh(w))
+        out = compiled(sh(g), out[1], sh(w))
     assert out[1].moments["b"].sharding.spec == P(None, "tensor", "data"), out[1].moments["b"].sharding
     same(out, ref, "kahan_adamw pallas, 2 steps")
     # the trainer's path: the param specs given, the kernel in a shard_map
@@ -171,10 +180,11 @@ _KAHAN = textwrap.dedent(
                        param_specs={k: s for k, (_, s) in specs.items()})
     upd = jax.jit(tx.update)
     with jax.set_mesh(mesh):
-        hlo = upd.lower(sh(g), st_s, sh(w)).compile().as_text()
+        compiled = upd.lower(sh(g), st_s, sh(w)).compile()  # the program both steps run
+        hlo = compiled.as_text()
         assert hlo.count("all-gather") == 0 and hlo.count("all-reduce") == 0, "the update gathers the params"
-        out = upd(sh(g), st_s, sh(w))
-        out = upd(sh(g), out[1], sh(w))
+        out = compiled(sh(g), st_s, sh(w))
+        out = compiled(sh(g), out[1], sh(w))
     same(out, ref, "kahan_adamw pallas with param_specs, 2 steps")
     """
 )
