@@ -22,14 +22,20 @@ TOKENS = np.array([[3, 17, 200, 5, 9, 9, 1, 0], [255, 4, 8, 15, 16, 23, 42, 7]],
 
 
 def _run(prec: dict, scan: bool, grads: bool = False):
-    """(logits, grads of the logits' sum or None) of the model with ``prec``, the same weights for every ``prec``."""
+    """(logits, grads of the logits' sum or None) of the model with ``prec``, the same weights for every ``prec``;
+    with ``grads`` both come from one program (the backward pass runs the forward anyway)."""
     model = M.build_model({**CFG, "scan_layers": scan}, prec, rngs=nnx.Rngs(0))
     g, st = nnx.split(model)
     f = lambda s: nnx.merge(g, s)(TOKENS).astype(jnp.float32)
-    logits = np.asarray(jax.jit(f)(st))
     if not grads:
-        return logits, None
-    return logits, [np.asarray(x) for x in jax.tree.leaves(jax.jit(jax.grad(lambda s: f(s).sum()))(st))]
+        return np.asarray(jax.jit(f)(st)), None
+
+    def loss(s):
+        y = f(s)
+        return y.sum(), y
+
+    (_, logits), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(st)
+    return np.asarray(logits), [np.asarray(x) for x in jax.tree.leaves(grad)]
 
 
 def _rel(a, b) -> float:
