@@ -41,7 +41,9 @@ def _loss(p):
     return sum(jnp.sum((x.astype(jnp.float32) - 3.0) ** 2) for x in jax.tree.leaves(p))  # param dtype -> f32
 
 
-def _train(tx, dtype, steps=40, plateau=False):
+def _train(tx, dtype, steps=40, plateau=False, update_dtypes=None):
+    """(params, state) after ``steps`` jitted steps of ``tx`` on :func:`_loss`; the dtypes of the updates ``tx``
+    emits are added to the set ``update_dtypes`` when one is given."""
     p = _params(dtype)
     st = tx.init(p)
 
@@ -50,6 +52,8 @@ def _train(tx, dtype, steps=40, plateau=False):
         g = jax.grad(_loss)(p)  # in the params' dtype
         kw = {"value": _loss(p)} if plateau else {}
         u, st = tx.update(g, st, p, **kw)
+        if update_dtypes is not None:
+            update_dtypes.update(x.dtype for x in jax.tree.leaves(u))  # at trace time: the updates' avals
         return O.apply_updates(p, u), st
 
     for _ in range(steps):
@@ -68,30 +72,50 @@ def _close(a, b) -> bool:
     return abs(float(_loss(a)) - float(_loss(b))) <= 0.01 * float(_loss(b))
 
 
+# wrappers that are transparent on a good step: name -> wrapped optimizer from the optimizer's factory
+WRAPPERS = {
+    "inject_hyperparams": lambda make: optax.inject_hyperparams(make, hyperparam_dtype=jnp.float32)(learning_rate=1e-2),
+    "masked": lambda make: optax.masked(make(), {"w": True, "b": True}),
+    "multi_transform": lambda make: optax.multi_transform({"lpt": make()}, {"w": "lpt", "b": "lpt"}),
+    "apply_if_finite": lambda make: optax.apply_if_finite(make(), 3),
+}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """``trained(name, wrapper, dtype)``: (params, state, the optimizer, the dtypes of its updates) after 40 steps of
+    TRANSFORMS[name], plain (``wrapper=None``) or under WRAPPERS[wrapper]. Each run is trained once per module:
+    several tests read the same run (each run is a program of its own to compile)."""
+    runs = {}
+
+    def get(name, wrapper, dtype):
+        key = (name, wrapper, jnp.dtype(dtype).name)
+        if key not in runs:
+            make = TRANSFORMS[name]
+            tx = make() if wrapper is None else WRAPPERS[wrapper](make)
+            update_dtypes = set()
+            runs[key] = (*_train(tx, dtype, update_dtypes=update_dtypes), tx, update_dtypes)
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", TRANSFORMS)
-def test_transparent_wrappers_reach_the_plain_loss(name, dtype):
-    make = TRANSFORMS[name]
-    plain, _ = _train(make(), dtype)
+def test_transparent_wrappers_reach_the_plain_loss(trained, name, dtype):
+    plain = trained(name, None, dtype)[0]
     assert float(_loss(plain)) < 0.8 * float(_loss(_params(dtype)))  # it optimizes
-    wrapped = {
-        "inject_hyperparams": optax.inject_hyperparams(make, hyperparam_dtype=jnp.float32)(learning_rate=1e-2),
-        "masked": optax.masked(make(), {"w": True, "b": True}),
-        "multi_transform": optax.multi_transform({"lpt": make()}, {"w": "lpt", "b": "lpt"}),
-        "apply_if_finite": optax.apply_if_finite(make(), 3),
-    }
-    for wname, tx in wrapped.items():
-        got, _ = _train(tx, dtype)
+    for wname in WRAPPERS:
+        got = trained(name, wname, dtype)[0]
         assert _close(got, plain), wname
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", TRANSFORMS)
-def test_updates_have_the_gradients_dtype(name, dtype):
-    tx = TRANSFORMS[name]()
-    p = _params(dtype)
-    u, _ = jax.jit(tx.update)(jax.grad(_loss)(p), tx.init(p), p)
-    assert {x.dtype for x in jax.tree.leaves(u)} == {jnp.dtype(dtype)}
+def test_updates_have_the_gradients_dtype(trained, name, dtype):
+    """The updates the plain optimizer emits inside the jitted train step, where the gradients come from jax.grad
+    in the params' dtype."""
+    assert trained(name, None, dtype)[3] == {jnp.dtype(dtype)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -119,9 +143,8 @@ def test_inject_hyperparams_in_the_params_dtype_is_an_error_naming_hyperparam_dt
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", TRANSFORMS)
-def test_apply_if_finite_skips_a_nan_step_without_changing_the_state(name, dtype):
-    tx = optax.apply_if_finite(TRANSFORMS[name](), 3)
-    p, st = _train(tx, dtype, steps=5)
+def test_apply_if_finite_skips_a_nan_step_without_changing_the_state(trained, name, dtype):
+    p, st, tx, _ = trained(name, "apply_if_finite", dtype)  # 40 good steps
     nan = jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), p)  # gradients in the params' dtype
     u, st2 = jax.jit(tx.update)(nan, st, p)
     assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(u))  # optax's zeros_like: exact
