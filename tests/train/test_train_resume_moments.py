@@ -51,8 +51,9 @@ def test_a_run_resumes_with_8_bit_moments_and_back(tmp_path):
     assert _bits(O.find_compensation(converted.opt_state)) == _bits(O.find_compensation(saved.opt_state))
     # the 8-bit moments read back in f32 (exact widening) are the saved bf16 ones rounded once: e4m3 keeps 3 mantissa
     # bits (relative error <= 2^-4 per element above its block's subnormal range; sqrt(v) stored: v's <= ~2^-3)
-    wide = O.convert_moments(converted.opt_state, E4M3, "float32")
-    ref = O.convert_moments(saved.opt_state, "bfloat16", "float32")
+    widen = jax.jit(O.convert_moments, static_argnums=(1, 2))  # one program per state, not one per eager op
+    wide = widen(converted.opt_state, E4M3, "float32")
+    ref = widen(saved.opt_state, "bfloat16", "float32")
     for a, b in zip(jax.tree.leaves(wide), jax.tree.leaves(ref), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if b.size > 1 and np.any(b):
