@@ -109,7 +109,9 @@ def _check_batch(global_batch: int, process_index: int, process_count: int) -> i
 
 def _to_example(rows: list[np.ndarray]) -> dict[str, np.ndarray]:
     w = np.stack(rows).astype(np.int32)  # uint8 / uint16 / uint32 token ids -> int32
-    return {"inputs": w[:, :-1], "targets": w[:, 1:]}
+    # contiguous copies, not views of w: grain's workers pass contiguous arrays through shared memory and pickle the
+    # rest through a pipe, where a batch larger than the pipe keeps a stopping worker alive until it is killed
+    return {"inputs": np.ascontiguousarray(w[:, :-1]), "targets": np.ascontiguousarray(w[:, 1:])}
 
 
 class ProcessBatches(grain.MapDataset):

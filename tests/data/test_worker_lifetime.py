@@ -176,3 +176,23 @@ def test_outside_a_worker_the_watcher_is_a_no_op():
     before = threading.active_count()
     exit_with_parent(0, 1)  # the test process has no multiprocessing parent
     assert threading.active_count() == before
+
+
+@linux_only
+def test_closing_the_iterator_stops_its_workers_without_killing_them():
+    """A batch of 16 x 1024 int32 ids (two 64 KiB arrays) is larger than a pipe's buffer. The batch arrays must be
+    contiguous, so grain's workers hand them over in shared memory: a view was pickled through the pipe instead, and
+    a worker told to stop then waited at exit on a send nobody read until grain killed it (SIGKILL after 25 s, one
+    worker after the other: about 100 s at the end of every run with 4 workers)."""
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    it = D.make_train_iterator({"worker_count": 2}, seq_len=1024, global_batch=16, seed=0)
+    try:
+        batches = _take(it, 3)
+        workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    finally:
+        it.close()
+    assert all(b[k].flags.c_contiguous for b in batches for k in ("inputs", "targets"))
+    assert len(workers) == 2, workers
+    assert [w.exitcode for w in workers] == [0, 0], "a worker did not exit when the iterator closed (killed: -9)"
