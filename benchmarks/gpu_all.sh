@@ -2,18 +2,23 @@
 # Every GPU check of lpt in one go, on a machine with one CUDA GPU: the kernels compiled (Triton, Mosaic GPU) against
 # their XLA twins, then the GPU benchmarks. Each part has its own time limit, so one that hangs leaves the others'
 # numbers; the logs go to LOGDIR (default gpu_logs/), one file per part, and a summary prints last. About 12 minutes
-# on an H200, most of it compiling.
+# on an H200, most of it compiling. PARTS names the parts to run (default: all of them, in this order), and
+# KERNELS_K a pytest -k filter for the kernel tests and ATTENTION_SEQ the attention lengths, e.g. PARTS="kernels attention" KERNELS_K=mosaic_gpu.
 #
 #     bash benchmarks/gpu_all.sh [LOGDIR]
 set -u
 LOGDIR=${1:-gpu_logs}
 mkdir -p "$LOGDIR"
 PY=${PYTHON:-python3}
+PARTS=${PARTS:-kernels attention fp8 optim train_step}
+KERNELS_K=${KERNELS_K:-}
+ATTENTION_SEQ=${ATTENTION_SEQ:-2048 8192}
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 
 part() {  # part NAME SECONDS COMMAND...: run, log, and record its exit status
   local name=$1 limit=$2
   shift 2
+  case " $PARTS " in *" $name "*) ;; *) return ;; esac
   local start=$SECONDS
   timeout "$limit" "$@" >"$LOGDIR/$name.log" 2>&1
   local rc=$?
@@ -26,8 +31,8 @@ part() {  # part NAME SECONDS COMMAND...: run, log, and record its exit status
 flax.__version__, 'optax', optax.__version__, 'ml_dtypes', ml_dtypes.__version__); print(jax.devices())"
 } >"$LOGDIR/machine.log" 2>&1
 
-part kernels 240 $PY -m pytest -q -s -p no:cacheprovider tests/kernels/test_kernels_on_gpu.py
-part attention 180 $PY benchmarks/attention_gpu.py --batch 2 --seq 2048 8192 --heads 16 --kv-heads 4 --head-dim 128
+part kernels 240 $PY -m pytest -q -s -p no:cacheprovider tests/kernels/test_kernels_on_gpu.py ${KERNELS_K:+-k "$KERNELS_K"}
+part attention 180 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ --heads 16 --kv-heads 4 --head-dim 128
 part fp8 150 $PY benchmarks/fp8_gpu.py --sizes 4096 8192
 part optim 180 $PY benchmarks/optim_step.py --params 200e6 --rounds 5 \
   --rows base,fused:stochastic,fused8:stochastic,pallas:stochastic,pallas8:stochastic
@@ -35,7 +40,7 @@ part train_step 150 $PY benchmarks/train_step.py --config configs/gpt2_124m.py -
   --config.data.source=embedded --config.train.global_batch=16
 
 cat "$LOGDIR/machine.log"
-for f in kernels attention fp8 optim train_step; do
+for f in $PARTS; do
   echo "===== $f"
   grep -vE "^\s*$" "$LOGDIR/$f.log" | tail -n 40
 done

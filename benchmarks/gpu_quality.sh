@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The headline run on one GPU: every precision recipe trains a GPT-2-small model (configs/gpt2_124m.py with a BPE of
-# 8192 ids) on a corpus built on the machine from this Python's own sources and docs, the same batches for the same
-# 5.9M tokens each, and the table (loss vs f32, goal met or missed, bytes per parameter, tokens/s and speed-up) and
+# 24576 ids, 104.7M parameters) on a corpus built on the machine from this Python's own sources and docs, the same
+# batches for the same 5.9M tokens each, and the table (loss vs f32, goal met or missed, bytes per parameter, tokens/s and speed-up) and
 # the loss plot go to OUT/REPORT.md and OUT/headline_loss.png (python -m lpt.lab headline; docs/lab.md). Sized to
 # finish in about 8 minutes on one H100 with the data preparation and six compiles; a rerun with the same OUT
 # re-reads finished runs. Extra arguments go to the lab, e.g. --set train.steps=200.

@@ -1,7 +1,7 @@
 """Section ``headline``: the low-precision recipes against float32 on a GPT-2-small model, one GPU, one table.
 
-Every recipe trains ``configs/gpt2_124m.py`` (12 layers, d 768, 12 heads: 85M parameters plus the embedding of a
-BPE of :data:`VOCAB` ids, >= 100M in all) from the same init on the same batches in the same order for the same
+Every recipe trains ``configs/gpt2_124m.py`` (12 layers, d 768, 12 heads: 85.8M parameters plus the tied embedding
+of a BPE of :data:`VOCAB` ids, 104.7M in all) from the same init on the same batches in the same order for the same
 number of tokens, with only ``precision`` changed (:data:`RECIPES`); the table gives each one's final validation loss
 against the float32 reference, its goal, the bytes of training state per parameter and its speed. The data needs no
 download (:func:`build_corpus`): the Python sources and documentation of this interpreter's standard library and
@@ -60,7 +60,7 @@ RECIPES: dict[str, tuple[dict[str, str], str, float | None]] = {
     "fp8": ({**_BF16, **_FP8, "precision.update_rule": "kahan"}, "blockwise FP8 matmuls, bf16 + Kahan", 0.01),
 }
 
-VOCAB = 8192  # BPE ids of the GPU run
+VOCAB = 24576  # BPE ids of the GPU run: 18.9M embedding parameters, >= 100M in all
 FULL = {  # one H100: 16 x 1024 tokens per step, 360 steps = 5.9M tokens per recipe
     "train.steps": "360",
     "train.global_batch": "16",

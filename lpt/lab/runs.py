@@ -65,6 +65,11 @@ def trained(cfg, run_dir: Path) -> dict:
     """Train ``cfg`` into ``run_dir`` (a finished run is only re-read, an interrupted one resumes); returns
     ``{"eval_loss", "unigram", "train", "eval", "dir"}`` with the series of :func:`read_metrics`."""
     summary = loop.train(cfg, run_dir)
+    if "preempted_at" in summary:  # a SIGTERM or Ctrl-C: the checkpoint is saved, the same command resumes
+        raise SystemExit(
+            f"error: the run in {run_dir} was stopped at step {summary['preempted_at']} (checkpoint saved); "
+            "run the same command again to resume it"
+        )
     tr, ev = read_metrics(run_dir / "metrics.jsonl")
     return {
         "eval_loss": summary["eval_loss"],
