@@ -36,7 +36,6 @@ def get_config():
     c.precision.param_dtype = "bfloat16"  # params stored in bf16
     c.precision.compute_dtype = "bfloat16"  # matmul inputs / activations in bf16
     c.precision.update_rule = "kahan"  # Kahan-compensated bf16 updates (no f32 master copy)
-    c.precision.attention.impl = "pallas"  # the flash kernel (GPU/TPU; interpreted, and slow, on a CPU)
 
     c.data.source = "text"  # UTF-8 text files, bytes as tokens
     c.data.paths = "/data/openwebtext/*.txt"  # glob of the corpus files (override on the command line)

@@ -44,7 +44,6 @@ def get_config():
     c.precision.matmul.out = "fp8"  # attention output projection
     c.precision.matmul.up = "fp8"  # MLP up/gate
     c.precision.matmul.down = "fp8"  # MLP down
-    c.precision.attention.impl = "pallas"  # flash attention kernel
 
     c.data.source = "arrayrecord"  # ArrayRecord files of byte documents
     c.data.paths = "/data/corpus/*.array_record"  # glob (override on the command line)

@@ -38,7 +38,7 @@ from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import mosaic_gpu as mg
 from lpt.kernels.flash_attention import reference as fr
 
-_IMPLS = ("xla", "pallas", "softmax", "mosaic_gpu")
+_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")
 _KERNELS = ("pallas", "mosaic_gpu")  # the impls that run kernels per shard under a mesh
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -54,7 +54,7 @@ class _Options:
     stable: bool = True
     beta: float = 7.0
     policy: fm.AttentionPolicy | None = None  # overrides stable and beta
-    impl: str = "xla"
+    impl: str = "auto"
     scale: float | None = None
     block_q: int | None = None
     block_k: int | None = None
@@ -234,6 +234,23 @@ def _pad_to(x, length: int, axis: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def auto_impl(dtype, head_dim: int, mesh=None) -> str:
+    """The implementation ``impl="auto"`` runs for q, k, v of ``dtype`` and head width ``head_dim``, lowered for
+    :func:`lpt.kernels.dispatch.target_device` of ``mesh``: on a Hopper GPU the Mosaic GPU kernels where they train
+    (16-bit inputs, D in :data:`lpt.kernels.flash_attention.mosaic_gpu.BACKWARD_HEAD_DIMS`), on another GPU or
+    for other inputs the Pallas (Triton) kernel, on a TPU the Pallas (Mosaic TPU) kernel, elsewhere (CPU) the XLA
+    twin."""
+    device = dispatch.target_device(mesh)
+    if device.platform == "tpu":
+        return "pallas"
+    if device.platform != "gpu":
+        return "xla"
+    sixteen = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if dispatch.hopper(device) and sixteen and head_dim in mg.BACKWARD_HEAD_DIMS:
+        return "mosaic_gpu"
+    return "pallas"
+
+
 def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
     """Validate a public call's arrays and options; return padded [B, H, T, D] tensors, segments and the static
     config."""
@@ -241,6 +258,13 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
         raise ValueError(f"impl={opts.impl!r} is not allowed; choose one of {_IMPLS}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
+    if opts.impl == "auto":
+        if opts.interpret is not None:
+            raise ValueError(
+                f"interpret={opts.interpret!r}: impl='auto' compiles what the platform runs best; name the kernel "
+                "to interpret (impl='pallas' or 'mosaic_gpu')"
+            )
+        opts = dataclasses.replace(opts, impl=auto_impl(q.dtype, q.shape[3], opts.mesh))
     b, tq, h, d = q.shape
     _, tk, hkv, _ = k.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
@@ -320,7 +344,7 @@ def dot_product_attention(
     sliding_window: int = 0,
     stable: bool = True,
     beta: float = 7.0,
-    impl: str = "xla",
+    impl: str = "auto",
     kv_mask=None,
     segment_ids=None,
     scale: float | None = None,
@@ -342,7 +366,9 @@ def dot_product_attention(
         f32 O residual for δ); False the standard FA2 kernel (row-max shift, ℓ from f32 P̄, O residual in the
         input dtype). Ignored when ``policy`` is given.
       beta: β of the Qiu & Yao shift rule (used when ``stable`` and no ``policy``).
-      impl: "xla" (blockwise XLA twin of the kernel), "pallas" (the flash kernel), "mosaic_gpu" (the Hopper
+      impl: "auto" (the default: per the device the program is lowered for, :func:`auto_impl`: the Mosaic GPU
+        kernels on Hopper, the Pallas kernel on another GPU or a TPU, the XLA twin on CPU; all compute the same
+        function), "xla" (blockwise XLA twin of the kernel), "pallas" (the flash kernel), "mosaic_gpu" (the Hopper
         flash kernels, CUDA only: bf16 / f16, D in 64, 128 (forward also 192, 256); see the module doc),
         "softmax" (plain f32 softmax attention with autodiff gradients: the truth for tests; ignores the policy).
       kv_mask: optional bool [B, Tk]; False marks padding keys that nobody attends.
@@ -356,7 +382,7 @@ def dot_product_attention(
         from them (:func:`lpt.kernels.flash_attention.tiles.tiles`: on TPU a multiple, up to 512; on GPU a
         power-of-two divisor, up to 128). "mosaic_gpu": block_q 64 and block_k 64 or 128 (default
         :func:`mosaic_gpu_block_k`), used as given; Tq and Tk are padded to a multiple of both.
-      interpret: the kernels only. "pallas": None interprets on CPU and compiles on cuda/tpu
+      interpret: the kernels only (None with "auto"). "pallas": None interprets on CPU and compiles on cuda/tpu
         (``lax.platform_dependent``), True always interprets. "mosaic_gpu": None or False compiles for CUDA
         (ValueError when lowered for another platform), True runs the Mosaic GPU interpreter.
       mesh: the kernels only: the mesh they run on, one shard per device (see the module doc). None: the mesh of

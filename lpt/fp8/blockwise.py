@@ -57,9 +57,9 @@ from lpt.kernels import dispatch
 from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
 
-__all__ = ["IMPLS", "BlockwiseConfig", "GemmWeight", "blockwise_dot", "gemm_weight", "scaled_matmul"]
+__all__ = ["IMPLS", "BlockwiseConfig", "GemmWeight", "auto_impl", "blockwise_dot", "gemm_weight", "scaled_matmul"]
 
-IMPLS = ("xla", "pallas", "mosaic_gpu")
+IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")
 _STATIC_OPTIONS = ("impl", "block", "fwd_dtype", "grad_dtype", "scale_format", "interpret")  # of blockwise_dot
 
 
@@ -254,17 +254,38 @@ def gemm_weight(
     return GemmWeight(w, *dispatch.shard_map(gathered, cfg.mesh, [stored], (kernel, kernel))(w))
 
 
+def auto_impl(fwd_dtype=jnp.float8_e4m3fn, grad_dtype=jnp.float8_e5m2, mesh=None) -> str:
+    """The GEMMs ``impl="auto"`` runs, by the device the program is lowered for
+    (:func:`lpt.kernels.dispatch.target_device` of ``mesh``): the Hopper wgmma kernel (``"mosaic_gpu"``) on a Hopper
+    GPU when the forward and gradient formats are one (wgmma cannot mix them), the Pallas kernel (Mosaic) on a TPU,
+    the XLA twin elsewhere (a CPU, another GPU, a Hopper GPU with e5m2 gradients)."""
+    device = dispatch.target_device(mesh)
+    if device.platform == "tpu":
+        return "pallas"
+    if dispatch.hopper(device) and jnp.dtype(fwd_dtype) == jnp.dtype(grad_dtype):
+        return "mosaic_gpu"
+    return "xla"
+
+
 def blockwise_config(**options) -> BlockwiseConfig:
     """The static options of :func:`blockwise_dot` (its arguments of the same names), checked: a ValueError naming
     the option and what it allows for an unknown impl, a non-FP8 dtype, an unknown scale format, an interpret other
     than None / True, or ``impl="mosaic_gpu"`` with two FP8 formats (wgmma cannot mix them). Options not given
-    take :class:`BlockwiseConfig`'s defaults."""
+    take :class:`BlockwiseConfig`'s defaults; ``impl="auto"`` is resolved by :func:`auto_impl` for the
+    ``jax.set_mesh`` mesh or the default device."""
     unknown = sorted(set(options) - set(_STATIC_OPTIONS))
     if unknown:
         raise ValueError(f"unknown blockwise_dot option(s) {unknown}; the options are {list(_STATIC_OPTIONS)}")
     cfg = BlockwiseConfig()._replace(**options)
     if cfg.impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {cfg.impl!r}")
+    if cfg.impl == "auto":
+        if cfg.interpret is not None:
+            raise ValueError(
+                f"interpret={cfg.interpret!r}: impl='auto' compiles what the platform runs best; name the kernel to "
+                "interpret (impl='pallas' or 'mosaic_gpu')"
+            )
+        cfg = cfg._replace(impl=auto_impl(cfg.fwd_dtype, cfg.grad_dtype))
     check_scale_format(cfg.scale_format)
     cfg = cfg._replace(
         block=int(cfg.block),
@@ -300,8 +321,9 @@ def blockwise_dot(
       x: activations ``[..., K]`` (any float dtype; the output has this dtype).
       w: weight ``[K, N]`` (any float dtype; ``dw`` has this dtype), or a :class:`GemmWeight` of one (from
         :func:`gemm_weight` with the same options): its codes are multiplied as they are, ``dw`` goes to its ``w``.
-      impl: ``"xla"`` (scan over K-chunks), ``"pallas"`` (portable Pallas kernel; interpreted on CPU) or
-        ``"mosaic_gpu"`` (Hopper wgmma kernel; CUDA only, or ``interpret=True``; needs grad_dtype == fwd_dtype).
+      impl: ``"xla"`` (scan over K-chunks), ``"pallas"`` (portable Pallas kernel; interpreted on CPU),
+        ``"mosaic_gpu"`` (Hopper wgmma kernel; CUDA only, or ``interpret=True``; needs grad_dtype == fwd_dtype) or
+        ``"auto"`` (by the device the program is lowered for, :func:`auto_impl`; ``interpret`` must be None).
       block: tile / block edge B and promotion interval (128 as in DeepSeek-V3). K and N must be multiples of it.
       fwd_dtype: FP8 format of x and w (float8_e4m3fn by default).
       grad_dtype: FP8 format of the output gradient in both backward GEMMs (float8_e5m2 by default; pass
@@ -318,6 +340,8 @@ def blockwise_dot(
         under a mesh: rows not divisible by the batch axes, or a shard of K or N not a multiple of ``block``.
     """
     prepared = w if isinstance(w, GemmWeight) else None
+    if impl == "auto" and interpret is None:  # by the devices of the mesh it runs on
+        impl = auto_impl(fwd_dtype, grad_dtype, dispatch.kernel_mesh(mesh))
     options = dict(impl=impl, block=block, fwd_dtype=fwd_dtype, grad_dtype=grad_dtype, scale_format=scale_format)
     cfg = blockwise_config(interpret=interpret, **options)
     x, w = check_dense_operands(x, w if prepared is None else prepared.w)

@@ -16,7 +16,9 @@ all-gathered), so a kernel wrapper that runs under a multi-device mesh wraps its
 :func:`shard_map`. :func:`kernel_mesh` names that mesh: an explicit ``mesh=`` argument, else the mesh of
 ``jax.set_mesh`` (``jax.sharding.get_abstract_mesh()``), else none, and then the kernel runs unwrapped.
 :func:`as_axes`, :func:`mesh_axis_size` and :func:`check_divisible` help the wrappers validate their specs;
-:func:`mesh_platform` says which devices a mesh holds, for a wrapper that must refuse a platform at trace time.
+:func:`mesh_platform` says which devices a mesh holds, for a wrapper that must refuse a platform at trace time;
+:func:`target_device` and :func:`hopper` say which device a program is lowered for, for a wrapper that picks an
+implementation by it (``impl="auto"``).
 
 A kernel that compiles for one platform only and cannot be chosen by ``lax.platform_dependent`` (the Mosaic GPU
 kernels: their interpreter, the only CPU branch there could be, carries IO effects that a cond over platforms cannot
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Sequence
 
 import jax
@@ -88,6 +91,32 @@ def mesh_platform(mesh) -> str | None:
         return mesh.devices.flat[0].platform
     device = mesh.abstract_device
     return None if device is None else device.platform
+
+
+def target_device(mesh=None):
+    """The device a program is lowered for, as a kernel wrapper sees it at trace time: the first device of ``mesh``
+    (or, when None, of the ``jax.set_mesh`` mesh: an abstract mesh's abstract device), else ``jax.devices()[0]``.
+    It has ``platform`` ("cpu", "gpu", "tpu") and ``device_kind``."""
+    mesh = kernel_mesh(mesh)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0]
+    if mesh is not None and mesh.abstract_device is not None:
+        return mesh.abstract_device
+    return jax.devices()[0]
+
+
+_HOPPER_KINDS = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")
+
+
+def hopper(device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.0: wgmma, TMA), by its compute capability where the
+    device has one, else by its kind (an abstract device, a compile-only target)."""
+    if getattr(device, "platform", None) != "gpu":
+        return False
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None:
+        return str(cc) == "9.0"
+    return bool(_HOPPER_KINDS.search(str(device.device_kind)))
 
 
 def as_axes(axes) -> tuple[str, ...]:

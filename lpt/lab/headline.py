@@ -24,7 +24,6 @@ import os
 import sysconfig
 from pathlib import Path
 
-import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -84,7 +83,6 @@ QUICK = {  # 2 CPU cores: about 10 s per recipe, most of it compiling
     "model.remat": "false",
     "data.seq_len": "64",
     "data.worker_count": "0",
-    "precision.attention.impl": "xla",
     "train.steps": "100",
     "optim.lr": "1e-3",  # as the recipes section: late updates fall below half an ulp of the bf16 weights
     "optim.warmup_steps": "10",
@@ -157,9 +155,10 @@ def _source_files():
 
 def configs(quick: bool, recipes=None, overrides=None, data_dir: Path | None = None) -> dict:
     """``{recipe: config}``: configs/gpt2_124m.py with the corpus in ``data_dir``, the budget, the recipe's precision
-    and then ``overrides`` (ValueError naming the key for a bad one); the FP8 GEMMs run the Hopper wgmma kernel on a
-    compute capability 9.0 GPU. ``data_dir=None``: the same configs on byte tokens, which ``python -m lpt.lab``
-    checks before it writes anything (the corpus and its tokenizer do not exist yet)."""
+    and then ``overrides`` (ValueError naming the key for a bad one); attention and the FP8 GEMMs run what
+    ``impl="auto"`` picks (on a Hopper GPU the Mosaic GPU kernels). ``data_dir=None``: the same configs on byte
+    tokens, which ``python -m lpt.lab`` checks before it writes anything (the corpus and its tokenizer do not exist
+    yet)."""
     where = data_dir or Path("headline_data")
     data = {
         "data.source": "jsonl",
@@ -169,19 +168,12 @@ def configs(quick: bool, recipes=None, overrides=None, data_dir: Path | None = N
         "data.cache_dir": str(where / "cache"),
         "model.vocab_size": "0",
     }
-    fp8_impl = {"precision.fp8_impl": "mosaic_gpu"} if _hopper() else {}
     budget = QUICK if quick else FULL
     out = {}
     for name in recipes or RECIPES:
-        extra = {**RECIPES[name][0], **(fp8_impl if name == "fp8" else {})}
         cfg = config_lib.load_config_file("gpt2_124m")
-        out[name] = config_lib.apply_overrides(cfg, {**data, **budget, **extra, **(overrides or {})})
+        out[name] = config_lib.apply_overrides(cfg, {**data, **budget, **RECIPES[name][0], **(overrides or {})})
     return out
-
-
-def _hopper() -> bool:
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
 def run(report, quick: bool, recipes=None, overrides=None) -> dict:

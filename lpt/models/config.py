@@ -34,8 +34,8 @@ LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
 BLOCK_KINDS = LAYER_KINDS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
 MATMULS = ("bf16", "fp8", "mxfp8", "nvfp4")
 LOW_PRECISION = MATMULS[1:]
-FP8_IMPLS = ("xla", "pallas", "mosaic_gpu")  # lpt.fp8.blockwise.IMPLS (lpt.fp8 is not imported here: it loads kernels)
-ATTENTION_IMPLS = ("xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
+FP8_IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")  # lpt.fp8.blockwise.IMPLS (lpt.fp8 loads kernels: not imported)
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -162,9 +162,10 @@ class Attention:
     """``precision.attention``: the attention implementation and its numerics."""
 
     impl: str = option(
-        "xla",
-        '"xla" reference, "pallas" flash kernel, "softmax" (plain), or "mosaic_gpu" (Hopper flash kernels, CUDA '
-        "only: needs compute_dtype bfloat16 and a head width of 64 or 128)",
+        "auto",
+        '"auto" (by the mesh\'s devices: Mosaic GPU kernels on Hopper where they train, else the Pallas kernel on a '
+        'GPU or TPU, the XLA twin on CPU), "xla" reference, "pallas" flash kernel, "softmax" (plain), or '
+        '"mosaic_gpu" (Hopper flash kernels, CUDA only: needs compute_dtype bfloat16 and a head width of 64 or 128)',
         ATTENTION_IMPLS,
     )
     stable: bool = option(True, "Qiu & Yao's fix for repeated row maxima in low-precision softmax")
@@ -204,8 +205,9 @@ class Numerics:
     nvfp4_hadamard: bool = option(True, '"nvfp4" matmuls: random Hadamard transform of the dW GEMM\'s inputs')
     nvfp4_stochastic_grads: bool = option(True, '"nvfp4" matmuls: stochastic rounding of the output gradient')
     fp8_impl: str = option(
-        "xla",
-        '"fp8" matmuls\' GEMMs: "xla" (any platform), "pallas" (Triton / Mosaic TPU kernel) or "mosaic_gpu" (Hopper '
+        "auto",
+        '"fp8" matmuls\' GEMMs: "auto" (by the mesh\'s devices: "mosaic_gpu" on a Hopper GPU, "pallas" on a TPU, '
+        '"xla" elsewhere), "xla" (any platform), "pallas" (Triton / Mosaic TPU kernel) or "mosaic_gpu" (Hopper '
         "wgmma kernel, CUDA only; gradients in e4m3 as DeepSeek-V3's)",
         FP8_IMPLS,
     )
@@ -231,10 +233,16 @@ class Numerics:
         return self.pqt.method if layer_kind in self.pqt.layers else "none"
 
     def fp8_options(self) -> dict:
-        """``lpt.fp8.blockwise_dot``'s options for this recipe's "fp8" matmuls: the GEMM implementation and, for the
-        wgmma kernel (which cannot mix FP8 formats), e4m3 output gradients."""
-        grads = {"grad_dtype": jnp.float8_e4m3fn} if self.fp8_impl == "mosaic_gpu" else {}
-        return {"impl": self.fp8_impl, **grads}
+        """``lpt.fp8.blockwise_dot``'s options for this recipe's "fp8" matmuls: the GEMM implementation ("auto"
+        resolved for the device being traced for: :func:`lpt.fp8.blockwise.auto_impl` with e4m3 gradients) and, for
+        the wgmma kernel (which cannot mix FP8 formats), e4m3 output gradients."""
+        impl = self.fp8_impl
+        if impl == "auto":
+            from lpt.fp8.blockwise import auto_impl  # in-function: loads Pallas
+
+            impl = auto_impl(jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+        grads = {"grad_dtype": jnp.float8_e4m3fn} if impl == "mosaic_gpu" else {}
+        return {"impl": impl, **grads}
 
     def bf16_blocks(self, n_layers: int) -> tuple[int, ...]:
         """The sorted block indices in ``[0, n_layers)`` of :attr:`bf16_layers` (negative ones counted from the end);

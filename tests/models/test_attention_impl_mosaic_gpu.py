@@ -2,7 +2,7 @@
 every attention forward and backward as the Hopper kernels (``mosaic_gpu_v2`` custom calls: per layer one forward, one
 dQ and one dK/dV) and none as Triton, on one device and batch-sharded over eight (per shard, nothing gathered); a mesh
 of another platform refuses the key in one line, and a recipe the kernels cannot train is refused by the config's
-validation. ~6 s per compile on 2 CPU cores."""
+validation; "auto", the default, picks the same kernels for an H100. ~6 s per compile on 2 CPU cores."""
 
 import re
 
@@ -30,13 +30,13 @@ LAYERS = 2
 KERNELS = ("lpt_flash_attention_fwd_mgpu", "lpt_flash_attention_dq_mgpu", "lpt_flash_attention_dkdv_mgpu")
 
 
-def _compiled_step(topology: str) -> str:
-    """The HLO text of configs/tiny_cpu.py's train step with :data:`MOSAIC`, compiled for ``topology``."""
+def _compiled_step(topology: str, overrides=MOSAIC) -> str:
+    """The HLO text of configs/tiny_cpu.py's train step with ``overrides``, compiled for ``topology``."""
     try:
         devices = targets.devices(topology)
     except ValueError as e:  # jax's CUDA plugin is not installed: no compile-only GPU target
         pytest.skip(f"no compile-only H100 target: {e}")
-    cfg = config_lib.apply_overrides(config_lib.load_config_file("tiny_cpu"), MOSAIC)
+    cfg = config_lib.apply_overrides(config_lib.load_config_file("tiny_cpu"), overrides)
     mesh = loop.make_mesh(cfg, devices)  # check_platform: "gpu"
     prog = loop.program(cfg, mesh)
     state = state_lib.with_shardings(prog.abstract, prog.shardings)
@@ -91,7 +91,11 @@ def test_validation_refuses_what_the_kernels_cannot_train(overrides, needle):
     assert str(e.value).startswith("config key precision.attention.impl='mosaic_gpu'")
 
 
-def test_the_key_is_a_choice_and_not_the_default():
-    from lpt.models.config import ATTENTION_IMPLS, Attention
+def test_the_default_trains_with_the_hopper_kernels_on_an_h100():
+    """``precision.attention.impl`` defaults to "auto", which picks the Hopper kernels for an H100 mesh."""
+    from lpt.models.config import Attention
 
-    assert "mosaic_gpu" in ATTENTION_IMPLS and Attention().impl == "xla"
+    assert Attention().impl == "auto"
+    default = {k: v for k, v in MOSAIC.items() if k != "precision.attention.impl"}
+    found = hlo.kernels(_compiled_step("h100:1x1x1", default))
+    assert found.get("mosaic_gpu_v2") == 3 * LAYERS and "__gpu$xla.gpu.triton" not in found, found

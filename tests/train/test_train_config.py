@@ -129,7 +129,7 @@ def test_help_lists_every_config_key(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     missing = [k for k in SCHEMA if k not in out]
-    assert not missing and "data.cache_dir" in SCHEMA and "one of: xla, pallas, softmax" in out
+    assert not missing and "data.cache_dir" in SCHEMA and "one of: auto, xla, pallas, softmax" in out
 
 
 def test_softmax_attention_and_cache_dir_are_config_keys(tmp_path):
