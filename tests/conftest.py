@@ -4,7 +4,9 @@ worker.
 
 The environment is set before jax initializes a backend; xdist workers and subprocess tests inherit it. The cache
 (a fresh temporary directory per run, removed at exit) lets the many tests that train the same tiny model compile
-each step once; a cached executable is the one the compiler produced, so results are unchanged.
+each step once; a cached executable is the one the compiler produced, so results are unchanged. Every program is
+cached, however fast it compiled: the tiny models' programs compile in well under a second each, but the workers
+and the subprocess runs compile them again and again.
 """
 
 import atexit
@@ -20,7 +22,7 @@ import pytest
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: workers inherit its directory
     _cache = tempfile.mkdtemp(prefix="lpt-tests-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 from lpt import targets  # noqa: E402  (jax reads the cache settings at import)
