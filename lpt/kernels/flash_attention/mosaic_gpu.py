@@ -64,18 +64,17 @@ The dK/dV kernel's tiles have keys as rows, so it broadcasts lse and δ to full 
 Segment ids are [64] / [bk] int32 vectors in the layouts of the tile's rows and columns (:func:`segment_mask`).
 
 ``interpret=True`` runs the Mosaic GPU interpreter on CPU (jax 0.10.2). Differences, none numeric: the interpreter
-cannot apply ``transpose_ref`` inside wgmma nor take a wgmma operand from registers nor run ``run_state``, so there the
-operands read transposed come stored transposed (forward: Kᵀ [B, Hkv, D, Tk]; dQ: Kᵀ, Vᵀ beside K; dK/dV: Qᵀ, dOᵀ
-beside Q, dO), a wgmma operand from registers (P̃, round(dS), round(Pᵀ), round(dSᵀ)) is stored to an SMEM tile first,
-and the backward's wgmma accumulates into a fresh accumulator added to dq / dk / dv (the twin adds per block the same
-way; on the GPU the tensor core adds into the accumulator in its own order); layout casts are skipped (they only
-annotate layouts); roundings use lpt.numerics' bit-exact rounding (``native=False``: XLA may drop an
+cannot apply a transposed reference (``ref.transpose``) inside wgmma nor take a wgmma operand from registers nor run
+``run_state``, so there the operands read transposed come stored transposed (forward: Kᵀ [B, Hkv, D, Tk]; dQ: Kᵀ, Vᵀ
+beside K; dK/dV: Qᵀ, dOᵀ beside Q, dO), a wgmma operand from registers (P̃, round(dS), round(Pᵀ), round(dSᵀ)) is stored
+to an SMEM tile first, and the backward's wgmma accumulates into a fresh accumulator added to dq / dk / dv (the twin
+adds per block the same way; on the GPU the tensor core adds into the accumulator in its own order); layout casts are
+skipped (they only annotate layouts); roundings use lpt.numerics' bit-exact rounding (``native=False``: XLA may drop an
 f32 -> bf16 -> f32 pair) where the compiled kernels use the hardware's RNE convert. Everything else (grids, block
-ranges, pipelines, wgmma, per-block rules, epilogues) is the code that runs on the GPU. ``interpret=False`` lowers
-for CUDA only (custom call ``mosaic_gpu_v2``). It cannot be chosen by ``lax.platform_dependent``: with the
-interpreter as the cpu branch, lowering for CUDA fails ("Lowering rule for `cond` returns incorrect set of output
-tokens": the interpreter's ordered IO effect), as for lpt's FP8 wgmma kernel; pass ``interpret=True`` explicitly on
-CPU.
+ranges, pipelines, wgmma, per-block rules, epilogues) is the code that runs on the GPU. ``interpret=False`` lowers for
+CUDA only (custom call ``mosaic_gpu_v2``). It cannot be chosen by ``lax.platform_dependent``: with the interpreter as
+the cpu branch, lowering for CUDA fails ("Lowering rule for `cond` returns incorrect set of output tokens": the
+interpreter's ordered IO effect), as for lpt's FP8 wgmma kernel; pass ``interpret=True`` explicitly on CPU.
 
 Not in this slice: warp specialization (a TMA producer warpgroup and two consumer warpgroups taking turns, as
 FlashAttention-3 and jax's ``attention_mgpu.py``; the jax 0.10.2 interpreter cannot run it, ``run_state``), which
@@ -95,6 +94,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from lpt.kernels import compat
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention.tiles import check, key_blocks, query_blocks
 
@@ -201,7 +201,7 @@ def _vector(ref, dim: int, interpret: bool):
     ``dim``: dim 1 gives a vector along the tile's rows, dim 0 along its columns (interpreter: a plain read)."""
     if interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(dim))
+    return compat.mgpu_load(ref, layout=plgpu.Layout.WGMMA.reduce(dim))
 
 
 def _copy_in(pairs, bars):
@@ -280,7 +280,7 @@ def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments
         def step(idx, k_s, v_s, *rest):
             *kvseg_s, carry = rest
             j = first + idx[0]
-            s = _mma(q_s, k_s if interpret else plgpu.transpose_ref(k_s, (1, 0)), (bq, bk)) * jnp.float32(scale)
+            s = _mma(q_s, k_s if interpret else k_s.transpose((1, 0)), (bq, bk)) * jnp.float32(scale)
             kv_seg = _vector(kvseg_s[0], 0, interpret) if segments else None  # [bk] int32 columns
             valid = block_mask(i * bq, j * bk, s.shape, causal, window, interpret)
             valid = segment_mask(valid, q_seg, kv_seg, s.shape)
@@ -478,7 +478,7 @@ def _dq_kernel(*refs, causal, window, scale, nq, nk, g, d, bq, bk, segments, int
                 kt_s, vt_s, k_s, *kvseg_s = blocks
             else:
                 k_s, v_s, *kvseg_s = blocks
-                kt_s, vt_s = plgpu.transpose_ref(k_s, (1, 0)), plgpu.transpose_ref(v_s, (1, 0))
+                kt_s, vt_s = k_s.transpose((1, 0)), v_s.transpose((1, 0))
             j = first + idx[0]
             s = _mma(q_s, kt_s, (bq, bk)) * jnp.float32(scale)
             dp = _mma(do_s, vt_s, (bq, bk))
@@ -569,7 +569,7 @@ def _dkdv_kernel(*refs, causal, window, scale, tq, g, d, bq, bk, segments, inter
                 q_s, do_s, lse_s, delta_s, qt_s, dot_s, *qseg_s = blocks
             else:
                 q_s, do_s, lse_s, delta_s, *qseg_s = blocks
-                qt_s, dot_s = plgpu.transpose_ref(q_s, (1, 0)), plgpu.transpose_ref(do_s, (1, 0))
+                qt_s, dot_s = q_s.transpose((1, 0)), do_s.transpose((1, 0))
             i = lo + lax.rem(idx[0], n_i)
             st = _mma(k_s, qt_s, (bk, bq)) * jnp.float32(scale)  # Sᵀ [bk, bq] f32
             dpt = _mma(v_s, dot_s, (bk, bq))  # dPᵀ [bk, bq] f32

@@ -9,12 +9,12 @@ Computes the same sum as :mod:`lpt.kernels.fp8_blockwise_matmul.kernel` (XLA twi
         acc = acc + partial * sa[:, c] * sb[c, :]          # promotion + scales on the CUDA cores, in f32
 
 Each CTA (one warpgroup) owns a ``block_m x block_n`` output tile. 8-bit wgmma needs both operands K-major in SMEM,
-so the wrapper passes ``b`` transposed (``[N, K]``) and the kernel views it through ``transpose_ref``; both operands
+so the wrapper passes ``b`` transposed (``[N, K]``) and the kernel views it through ``ref.transpose``; both operands
 must have the same FP8 format (e4m3 x e5m2 is not a Hopper wgmma), otherwise ValueError. The per-chunk scales
 travel as ``sa.T[c]`` (a row of M values) and ``sb[c]``, so every TMA copy is contiguous.
 
 ``interpret=True`` runs the Mosaic GPU interpreter on CPU. Two differences, neither numeric: the interpreter cannot
-apply ``transpose_ref`` inside wgmma, so there ``b`` is staged ``[K, N]`` as-is; and register layout casts are
+apply ``ref.transpose`` inside wgmma, so there ``b`` is staged ``[K, N]`` as-is; and register layout casts are
 skipped (they only annotate layouts). Everything else (pipeline, wgmma, scale broadcast, promotion, epilogue) is the
 code that runs on the GPU. ``interpret=False`` lowers for CUDA only (custom call ``mosaic_gpu_v2``).
 """
@@ -49,7 +49,7 @@ def _kernel(a_g, sa_g, b_g, sb_g, o_g, *, chunk, nk, bm, bn, interpret):
 
     def body(_, a_s, b_s, sa_s, sb_s, acc):
         def mma(acc_ref):
-            rhs = b_s if interpret else plgpu.transpose_ref(b_s, (1, 0))  # [Nb, Nc] K-major -> logical [Nc, Nb]
+            rhs = b_s if interpret else b_s.transpose((1, 0))  # [Nb, Nc] K-major -> logical [Nc, Nb]
             plgpu.wgmma(acc_ref, a_s, rhs)
             return acc_ref[...]
 
