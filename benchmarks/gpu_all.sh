@@ -14,7 +14,16 @@ PY=${PYTHON:-python3}
 PARTS=${PARTS:-kernels attention fp8 optim train_step}
 KERNELS_K=${KERNELS_K:-}
 ATTENTION_SEQ=${ATTENTION_SEQ:-8192}
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+if ! $PY -c "import jax" >/dev/null 2>&1; then
+  echo "error: $PY cannot import jax; set PYTHON to the interpreter lpt is installed in" >&2
+  exit 2
+fi
+if ! $PY -c "import jax; jax.devices('gpu')" >/dev/null 2>&1; then  # one line per part, then done
+  for name in $PARTS; do echo "$name: skipped, no GPU here (jax finds no CUDA device)" | tee -a "$LOGDIR/summary.txt"; done
+  exit 0
+fi
+export JAX_PLATFORMS=cuda  # the test session would otherwise run on the CPU
 
 part() {  # part NAME SECONDS COMMAND...: run, log, and record its exit status
   local name=$1 limit=$2
