@@ -45,7 +45,7 @@ part kernels 150 $PY -m pytest -q -s -p no:cacheprovider tests/kernels/test_kern
 part attention 60 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ --heads 16 --kv-heads 4 --head-dim 128
 part fp8 60 $PY benchmarks/fp8_gpu.py --sizes 8192
 part optim 90 $PY benchmarks/optim_step.py --params 200e6 --rounds 3 \
-  --rows base,fused:stochastic,fused8:stochastic,pallas:stochastic,pallas8:stochastic
+  --rows base,copy,fused:stochastic,fused8:stochastic,pallas:stochastic,pallas8:stochastic
 part train_step 90 $PY benchmarks/train_step.py --config configs/gpt2_124m.py --steps 8 \
   --config.data.source=embedded --config.train.global_batch=16
 

@@ -18,6 +18,12 @@ Rows (all jitted with the params and optimizer state donated; without donation t
   numbers.
 * ``optax_kahan``: ``optax.chain(optax.adamw(...), lpt.optim.kahan_summation())``, the chain a user would build from
   optax parts (optax's bf16 moments, rounded to nearest).
+* ``copy``: no optimizer: a donated uint32 buffer of 12 bytes per parameter read and written once (its bits
+  inverted), 24 bytes per parameter, the traffic of the Pallas kernel's step: what the memory system gives a
+  one-pass elementwise program here, the ceiling of a memory-bound optimizer step.
+
+For the rows whose traffic is known (:data:`TRAFFIC`) it also prints the bytes per second that traffic implies and
+its ratio to ``copy``'s when ``copy`` ran.
 
 The rows run interleaved (round robin) so that load from other processes hits them alike; it prints medians of wall
 and process CPU time (on a shared machine the CPU time is the steadier number), ratios against ``base``, bytes per
@@ -66,6 +72,13 @@ def structure(jitted, *args, n_leaves: int) -> str:
 
 def build(row: str, n_params: float):
     """(step, params, state, resident bytes) of one row; the step maps (params, state, grads) -> (params, state)."""
+    if row == "copy":  # 12 bytes per parameter, read and written once
+
+        def step(params, state, grads):
+            return jax.tree.map(jnp.invert, params), state
+
+        words = jax.tree.map(lambda g: jnp.zeros((3, *g.shape), jnp.uint32), make_tree(n_params, jnp.bfloat16))
+        return step, words, (), nbytes(words)
     if row in ("base", "base_nocopy", "base_copy_donated"):
         tx = optax.adamw(LR, weight_decay=WD)
 
@@ -117,6 +130,10 @@ ANALYTIC = {
 }
 
 
+# Bytes per parameter that one step of a row reads plus writes, where known (:data:`ANALYTIC`).
+TRAFFIC = {"base": 28, "copy": 24, "pallas:nearest": 24, "pallas:stochastic": 24}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=50e6)
@@ -164,6 +181,10 @@ def main():
             f"{r['shape']}"
         )
     print(f"(ratios against {rows[0]}; medians of {args.rounds} interleaved rounds; load after: {load()})")
+    rate = {row: TRAFFIC[row] * n / np.median(runs[row]["wall"]) for row in rows if row in TRAFFIC}
+    for row, bps in rate.items():
+        vs = f" = {bps / rate['copy']:.2f}x copy" if "copy" in rate else ""
+        print(f"{row}: {TRAFFIC[row]} B/param moved at {bps / 1e9:.0f} GB/s{vs}")
     print("analytic traffic per parameter, one fused pass (GPU/TPU):")
     for k, v in ANALYTIC.items():
         print(f"  {k}: {v}")
