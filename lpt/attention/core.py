@@ -328,7 +328,8 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
     mesh = dispatch.kernel_mesh(opts.mesh) if opts.impl in _KERNELS else None
     specs = _kernel_specs(q, k, v, mesh, opts.impl)
     if specs is not None and sharding.explicit(mesh) and q_seg is not None:  # typed shardings: the segments (made
-        q_seg, kv_seg = (jax.sharding.reshard(s, specs[2]) for s in (q_seg, kv_seg))  # here) follow q's batch
+        seg_sharding = jax.sharding.NamedSharding(mesh, specs[2])  # on the mesh given, set or not
+        q_seg, kv_seg = (jax.sharding.reshard(s, seg_sharding) for s in (q_seg, kv_seg))  # here) follow q's batch
     cfg = _Config(
         policy, bool(opts.causal), window, scale, bq, bk, opts.impl, interpret, mesh if specs else None, specs
     )
