@@ -78,11 +78,12 @@ def reference_forward(
 
         return fm.forward_step(carry, s, valid, matmul, policy, pv_dtype), None
 
-    col = jnp.zeros((b, hkv, g, tq, 1), jnp.float32)
-    init = (col - jnp.inf, col, col, col, jnp.zeros((b, hkv, g, tq, d), jnp.float32))
+    # zeros_like: the carries take q's sharding, as the step's outputs do under an Explicit mesh
+    col = jnp.zeros_like(qg[..., :1], jnp.float32)
+    init = (col - jnp.inf, col, col, col, jnp.zeros_like(qg, jnp.float32))
     (_, _, c, l, acc), _ = lax.scan(step, init, xs)
     o, lse = fm.finalize(acc, l, c)
-    return o.reshape(b, h, tq, d), lse.reshape(b, h, tq)
+    return o.reshape(b, h, tq, d), lse[..., 0].reshape(b, h, tq)  # [B, Hkv, G, Tq, 1] -> [B, H, Tq]
 
 
 def reference_backward(
@@ -100,8 +101,8 @@ def reference_backward(
     in_dtype = q.dtype
     qg = q.reshape(b, hkv, g, tq, d)
     dog = do.reshape(b, hkv, g, tq, d)
-    lse_g = lse.reshape(b, hkv, g, tq, 1)
-    delta_g = delta.reshape(b, hkv, g, tq, 1)
+    lse_g = lse.reshape(b, hkv, g, tq)[..., None]  # split heads, then a unit dim: reshapes an Explicit mesh takes
+    delta_g = delta.reshape(b, hkv, g, tq)[..., None]
 
     def step(dq, xs):
         j, k_blk, v_blk, seg_blk = xs
@@ -113,7 +114,7 @@ def reference_backward(
         dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds_in, k_blk, preferred_element_type=jnp.float32)
         return dq, (dk_blk, dv_blk)
 
-    dq, (dk_blocks, dv_blocks) = lax.scan(step, jnp.zeros((b, hkv, g, tq, d), jnp.float32), xs)
+    dq, (dk_blocks, dv_blocks) = lax.scan(step, jnp.zeros_like(qg, jnp.float32), xs)  # q's sharding (forward)
     dq = dq * jnp.float32(scale)
 
     def unblock(x):  # [nk, B, Hkv, bk, D] -> [B, Hkv, Tk, D]
