@@ -259,11 +259,7 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
     if opts.impl == "auto":
-        if opts.interpret is not None:
-            raise ValueError(
-                f"interpret={opts.interpret!r}: impl='auto' compiles what the platform runs best; name the kernel "
-                "to interpret (impl='pallas' or 'mosaic_gpu')"
-            )
+        dispatch.check_auto_interpret(opts.interpret)
         opts = dataclasses.replace(opts, impl=auto_impl(q.dtype, q.shape[3], opts.mesh))
     b, tq, h, d = q.shape
     _, tk, hkv, _ = k.shape

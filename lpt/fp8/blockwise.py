@@ -280,11 +280,7 @@ def blockwise_config(**options) -> BlockwiseConfig:
     if cfg.impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {cfg.impl!r}")
     if cfg.impl == "auto":
-        if cfg.interpret is not None:
-            raise ValueError(
-                f"interpret={cfg.interpret!r}: impl='auto' compiles what the platform runs best; name the kernel to "
-                "interpret (impl='pallas' or 'mosaic_gpu')"
-            )
+        dispatch.check_auto_interpret(cfg.interpret)
         cfg = cfg._replace(impl=auto_impl(cfg.fwd_dtype, cfg.grad_dtype))
     check_scale_format(cfg.scale_format)
     cfg = cfg._replace(

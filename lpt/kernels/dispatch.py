@@ -44,6 +44,16 @@ from jax.interpreters import ad, batching, mlir
 MODES = ("interpret", "triton", "mosaic")
 
 
+def check_auto_interpret(interpret) -> None:
+    """Raise ValueError unless ``interpret`` is None: ``impl="auto"`` compiles what the platform runs best, and a
+    kernel to interpret must be named."""
+    if interpret is not None:
+        raise ValueError(
+            f"interpret={interpret!r}: impl='auto' compiles what the platform runs best; name the kernel to "
+            "interpret (impl='pallas' or 'mosaic_gpu')"
+        )
+
+
 def check_interpret(interpret) -> None:
     """Raise ValueError unless ``interpret`` is None (choose per platform) or True (always interpret)."""
     if interpret not in (None, True):
