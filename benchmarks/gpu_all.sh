@@ -41,12 +41,12 @@ part() {  # part NAME SECONDS COMMAND...: run, log, and record its exit status
 flax.__version__, 'optax', optax.__version__, 'ml_dtypes', ml_dtypes.__version__); print(jax.devices())"
 } >"$LOGDIR/machine.log" 2>&1
 
-part kernels 150 $PY -m pytest -q -s -p no:cacheprovider tests/kernels/test_kernels_on_gpu.py ${KERNELS_K:+-k "$KERNELS_K"}
-part attention 60 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ --heads 16 --kv-heads 4 --head-dim 128
-part fp8 60 $PY benchmarks/fp8_gpu.py --sizes 8192
-part optim 90 $PY benchmarks/optim_step.py --params 200e6 --rounds 3 \
+part kernels 220 $PY -m pytest -q -s -p no:cacheprovider --durations=25 tests/kernels/test_kernels_on_gpu.py ${KERNELS_K:+-k "$KERNELS_K"}
+part attention 55 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ --heads 16 --kv-heads 4 --head-dim 128
+part fp8 45 $PY benchmarks/fp8_gpu.py --sizes 8192
+part optim 60 $PY benchmarks/optim_step.py --params 200e6 --rounds 3 \
   --rows base,copy,fused:stochastic,fused8:stochastic,pallas:stochastic,pallas8:stochastic
-part train_step 90 $PY benchmarks/train_step.py --config configs/gpt2_124m.py --steps 8 \
+part train_step 70 $PY benchmarks/train_step.py --config configs/gpt2_124m.py --steps 8 \
   --config.data.source=embedded --config.train.global_batch=16
 
 cat "$LOGDIR/machine.log"

@@ -10,7 +10,7 @@ which error it allows:
 * flash attention: O, dQ, dK, dV within 2^-10 of the largest |reference| and a relative Frobenius error under 1e-4
   (the f32 sums differ in order; P̃ is rounded to bf16 in both, and an f32 difference of one ulp in a logit flips
   about one in 2^15 of those roundings, each moving O by at most 2^-8·P·|v|). A wrong mask, block index or
-  rescaling is O(1).
+  rescaling is O(1). lse: :func:`_lse_close`.
 * FP8 GEMM: within 2·γ_n(u)·Σ|terms| with n = 128 + K/128 + 2 and u = 2^-13, not f32's 2^-24: Hopper's FP8
   tensor cores keep about 14 bits while they accumulate inside one K-chunk (DeepSeek-AI, "DeepSeek-V3 Technical
   Report", §3.3.2), which is why the kernel promotes every 128 terms. The measured error is printed.
@@ -64,6 +64,28 @@ def _close(x, ref, what):
     assert rel < 1e-4, what
 
 
+def _lse_close(lse, lse_r, policy, what):
+    """lse of a kernel vs its twin's. Where ℓ sums f32 weights under the max shift (the standard policy) lse is a
+    smooth function of the logits: every row within 2^-16 relative. Under the stable policy ℓ sums the bf16-rounded
+    weights P̃ = round(exp(s − c)) and the shift c depends on a count of near-maximal logits, so where the kernel's
+    logits differ from the twin's by f32 round-off a weight can round to the neighbouring bf16 value, or a row count
+    one more near-tie. Each P̃ is still within a bf16 unit roundoff u = 2^-8 of the same exact weight in both, so
+    ℓ·e^c differs by at most a factor (1 + u)/(1 − u) and lse by at most 2u/(1 − u) < 2^-7 + 2^-14: every row within
+    that, and at least 99% of the rows within 2^-16 relative (a wrong mask, shift or block moves most rows; the
+    flips are rare: 28 of 16,384 rows beyond 1e-5 in the Mosaic GPU interpreter at D = 128, one of them 1.8e-3)."""
+    lse, lse_r = np.asarray(lse, np.float64), np.asarray(lse_r, np.float64)
+    seen = np.isfinite(lse_r)
+    assert (lse[~seen] == lse_r[~seen]).all(), what  # rows without a key: −inf in both
+    lse, lse_r = lse[seen], lse_r[seen]
+    tight = np.abs(lse - lse_r) <= 2.0**-16 * np.abs(lse_r)
+    print(f"{what} lse: max |Δ| = {np.max(np.abs(lse - lse_r)):.2e}, {np.sum(~tight)} of {lse.size} rows beyond 2^-16")
+    if policy.denominator == "f32" and policy.shift == "max":
+        assert tight.all(), what
+    else:
+        assert np.all(np.abs(lse - lse_r) <= 2.0**-7 + 2.0**-14 + 2.0**-16 * np.abs(lse_r)), what
+        assert np.mean(tight) >= 0.99, what
+
+
 def _attention_inputs(b, h, hkv, t, d, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     q = jax.random.normal(ks[0], (b, h, t, d)).astype(jnp.bfloat16)  # f32 -> bf16
@@ -95,7 +117,7 @@ def test_flash_attention_triton_equals_twin(d, causal, window, name):
         bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
         print(f"o d={d} {name}: max |o - twin| / bound = {np.max(err / bound):.2f}")
         assert np.all(err <= bound)
-    np.testing.assert_allclose(lse, lse_r, rtol=2.0**-16, atol=0)
+    _lse_close(lse, lse_r, policy, f"o d={d} {name} causal={causal} window={window}")
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
     grads = jax.jit(lambda: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **blocks, **kw))()
     refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
@@ -149,7 +171,7 @@ def test_flash_attention_mosaic_gpu_equals_twin(d, causal, window, name):
         bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
         print(f"mgpu o d={d} {name}: max |o - twin| / bound = {np.max(err / bound):.2f}")
         assert np.all(err <= bound)
-    np.testing.assert_allclose(lse, lse_r, rtol=2.0**-16, atol=0)
+    _lse_close(lse, lse_r, policy, f"mgpu d={d} {name} causal={causal} window={window}")
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
     grads = jax.jit(lambda: mg.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
     refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
