@@ -4,7 +4,9 @@
 # batches for the same 5.9M tokens each, and the table (loss vs f32, goal met or missed, bytes per parameter, tokens/s and speed-up) and
 # the loss plot go to OUT/REPORT.md and OUT/headline_loss.png (python -m lpt.lab headline; docs/lab.md). Sized to
 # finish in about 8 minutes on one H100 with the data preparation and six compiles; a rerun with the same OUT
-# re-reads finished runs. Extra arguments go to the lab, e.g. --set train.steps=200.
+# re-reads finished runs. Extra arguments go to the lab, e.g. --set train.steps=200. XLA's GPU reductions run
+# deterministically (--xla_gpu_deterministic_ops): without it the same recipe ends 0.06-0.24% apart from run to run
+# on an H200, with it bit for bit the same, at about 7% of the step's speed (docs/results.md).
 #
 #     bash benchmarks/gpu_quality.sh [OUT] [--set KEY=VALUE ...]
 set -eu
@@ -12,6 +14,7 @@ OUT=${1:-gpu_quality}
 shift || true
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true"
 mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "no nvidia-smi"

@@ -46,11 +46,17 @@ def load() -> str:
 
 
 def describe() -> str:
-    """E.g. ``"AMD EPYC (x86_64; avx2 fma avx512f avx512_bf16), 2 cores, load 0.6/0.2, jax 0.10.2 on cpu"``."""
+    """E.g. ``"AMD EPYC (x86_64; avx2 fma avx512f avx512_bf16), 2 cores, load 0.6/0.2, jax 0.10.2 on cpu"``; on an
+    accelerator the backend names the device and the XLA flags that change results, e.g. ``"... jax 0.11.2 on gpu
+    (NVIDIA H200; --xla_gpu_deterministic_ops=true)"``."""
     model, isa = _cpuinfo()
     model = model or platform.processor() or "unknown CPU"
     isa_text = f"; {' '.join(isa)}" if isa else ""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        deterministic = [f for f in os.environ.get("XLA_FLAGS", "").split() if "deterministic" in f]
+        backend += f" ({'; '.join([jax.devices()[0].device_kind, *deterministic])})"
     return (
         f"{model} ({platform.machine()}{isa_text}), {os.cpu_count()} cores, load {load()} (1/5 min), "
-        f"jax {jax.__version__} on {jax.default_backend()}"
+        f"jax {jax.__version__} on {backend}"
     )

@@ -32,3 +32,15 @@ def test_parse_cpuinfo_arm_features_and_missing_model():
 def test_describe_names_cores_load_and_backend():
     line = machine.describe()
     assert f"{os.cpu_count()} cores" in line and "load " in line and " on cpu" in line
+
+
+def test_describe_on_an_accelerator_names_the_device_and_the_deterministic_flag(monkeypatch):
+    class Device:
+        device_kind = "NVIDIA H200"
+
+    monkeypatch.setattr(machine.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(machine.jax, "devices", lambda: [Device()])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_gpu_deterministic_ops=true")
+    assert machine.describe().endswith(" on gpu (NVIDIA H200; --xla_gpu_deterministic_ops=true)")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert machine.describe().endswith(" on gpu (NVIDIA H200)")
