@@ -231,15 +231,32 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
         f"{out['unigram']:.4f}. Speed: the median tokens/s of the logged intervals. Machine: {describe()}."
     )
     report.table(["recipe", "what", "bytes/param", "val loss", "vs f32", "goal", "tokens/s", "speed vs f32"], rows)
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
-        tr, ev = r["train"], r["eval"]
-        ax.plot(tr["step"] * tokens_per_step / 1e6, tr["loss"], lw=1, alpha=0.8, label=name)
-        ax2.plot(ev["step"] * tokens_per_step / 1e6, ev["eval_loss"], marker="o", ms=3, label=name)
-    for a, what in ((ax, "train loss"), (ax2, "validation loss")):
-        a.set_xlabel("tokens (M)")
-        a.set_ylabel(f"{what} (nats/token)")
-        a.legend(fontsize=7)
-    ax2.axhline(out["unigram"], color="gray", ls=":", lw=1)
-    report.figure(fig, "headline_loss", "Train and validation loss against tokens, one line per recipe")
+    fig = plot({n: (r["train"], r["eval"]) for n, r in results.items()}, tokens_per_step, out["unigram"])
+    report.figure(
+        fig, "headline_loss", "Train loss, validation loss, and validation loss relative to f32 against tokens"
+    )
     return out
+
+
+def plot(series: dict, tokens_per_step: int, unigram: float):
+    """The headline figure from ``{recipe: (train series, eval series)}`` (:func:`lpt.lab.runs.read_metrics`): train
+    loss, validation loss (the unigram baseline dotted) and each recipe's validation loss relative to the
+    :data:`BASELINE`'s at the same step, in percent, against tokens (millions)."""
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    base = series[BASELINE][1]
+    for name, (tr, ev) in series.items():
+        ax.plot(tr["step"] * tokens_per_step / 1e6, tr["loss"], lw=1, alpha=0.8, label=name)
+        tokens = ev["step"] * tokens_per_step / 1e6
+        ax2.plot(tokens, ev["eval_loss"], marker="o", ms=3, label=name)
+        at = {s: v for s, v in zip(base["step"], base["eval_loss"], strict=True)}
+        rel = [100 * (v / at[s] - 1) if s in at else np.nan for s, v in zip(ev["step"], ev["eval_loss"], strict=True)]
+        ax3.plot(tokens, rel, marker="o", ms=3, label=name)
+    labels = ("train loss (nats/token)", "validation loss (nats/token)", "validation vs f32 (%)")
+    for a, what in zip((ax, ax2, ax3), labels, strict=True):
+        a.set_xlabel("tokens (M)")
+        a.set_ylabel(what)
+        a.legend(fontsize=7)
+    ax2.axhline(unigram, color="gray", ls=":", lw=1)
+    ax3.axhline(0, color="gray", ls=":", lw=1)
+    fig.tight_layout()
+    return fig
