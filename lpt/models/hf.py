@@ -176,7 +176,7 @@ def _flatten(tree, prefix: str = "") -> dict:
 
 
 def _nest(flat: dict) -> dict:
-    """The nested dict of ``{"a/b/c": leaf}``; block indices become int keys (as in ``State.to_pure_dict()``)."""
+    """The nested dict of ``{"a/b/c": leaf}``; block indices become int keys (as in ``nnx.to_pure_dict``)."""
     out: dict = {}
     for path, leaf in flat.items():
         node = out
@@ -222,7 +222,7 @@ def _gpt2_name(name: str) -> str:
 
 def load_params(path: str | Path, model_cfg) -> dict:
     """The weights of a Hugging Face model directory as lpt parameters for ``model_cfg``: a nested dict of float32
-    numpy arrays shaped like ``nnx.split(model, nnx.Param, ...)``'s params ``.to_pure_dict()`` for that config
+    numpy arrays shaped like ``nnx.to_pure_dict`` of ``nnx.split(model, nnx.Param, ...)``'s params for that config
     (block indices as int keys; with ``scan_layers`` the blocks stacked on a leading axis). No PQT bitwidths.
 
     The file's dtypes (F32, F16, BF16, ...) are widened to float32 exactly. The directory's config.json must name

@@ -1,7 +1,7 @@
 """Train state: the model split into a static graph and plain-dict arrays, plus the optimizer state.
 
 ``nnx.split(model, nnx.Param, ...)`` gives ``(graphdef, params, rest)``. The state keeps ``params`` and ``rest`` as
-plain nested dicts of arrays (``State.to_pure_dict()``): they checkpoint as ordinary pytrees, restore onto any mesh,
+plain nested dicts of arrays (``nnx.to_pure_dict``): they checkpoint as ordinary pytrees, restore onto any mesh,
 and optax runs on them directly. ``ModelDef.merge(params, rest)`` rebuilds the module inside a jitted function.
 
 Shardings come from the logical axis names on each ``nnx.Param`` (metadata ``out_sharding``) through the mesh rules;
@@ -71,7 +71,7 @@ def _build(cfg, seed) -> nnx.Module:
 def make_model_def(cfg) -> ModelDef:
     abstract_model = nnx.eval_shape(lambda: _build(cfg, cfg.train.seed))
     graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
-    logical = jax.tree.map(logical_axes_of, params, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+    logical = nnx.to_pure_dict(jax.tree.map(logical_axes_of, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     return ModelDef(graphdef, params, rest, logical)
 
 
@@ -101,7 +101,7 @@ def _fitted(param_sharding: NamedSharding, leaf) -> NamedSharding:
 
 def param_shardings(model_def: ModelDef, mesh: Mesh):
     """NamedShardings of the params (a pure dict like ``TrainState.params``) on ``mesh``, from their logical axes."""
-    return mesh_lib.tree_shardings(model_def.logical_params, model_def.abstract_params.to_pure_dict(), mesh)
+    return mesh_lib.tree_shardings(model_def.logical_params, nnx.to_pure_dict(model_def.abstract_params), mesh)
 
 
 def state_shardings(abstract_state: TrainState, model_def: ModelDef, mesh: Mesh) -> TrainState:
@@ -131,7 +131,7 @@ def init_fn(cfg, tx: optax.GradientTransformation):
     def init() -> TrainState:
         model = _build(cfg, cfg.train.seed)
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        params, rest = params.to_pure_dict(), rest.to_pure_dict()
+        params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
         opt_state = tx.init(params)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=opt_state, guard=guard_lib.init()

@@ -150,7 +150,7 @@ def make_train_step(
                 (g_sum, ce_sum, aux_sum), _ = jax.lax.scan(body, (zeros, z, z), micro)
                 grads = jax.tree.map(lambda g, p: (g / m).astype(p.dtype), g_sum, view)  # f32 -> grad dtype
                 ce, aux = ce_sum / m, aux_sum / m
-            grad_norm = optax.global_norm(grads).astype(jnp.float32)
+            grad_norm = optax.tree.norm(grads).astype(jnp.float32)
             good, guard = guard_lib.judge(state.guard, ce, grad_norm, cfg.train.spike_sigmas)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = lpt.optim.apply_updates(state.params, updates)  # f32 add, cast back to each param's dtype
