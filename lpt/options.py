@@ -17,7 +17,8 @@ once:
 Leaf types are ``bool``, ``int``, ``float``, ``str`` and ``tuple[str, ...]`` (written ``a,b`` on the command line);
 a field whose type is another section class nests it. An int or float key states its allowed numbers with a
 :class:`Range` (``at_least(1)``, ``above(0)``, ``Range(0, 1, high_open=True)``); a float key refuses NaN and ±inf
-(``finite=False`` allows ±inf), with or without a range.
+(``finite=False`` allows ±inf), with or without a range. A key's allowed values are a tuple, or a
+:class:`LiveChoices` read from a registry each time (values that other modules register later are allowed).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import difflib
 import functools
 import math
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 _TUPLE = tuple[str, ...]
@@ -119,11 +120,37 @@ def above(low, **kwargs) -> Range:
 SEED = Range(0, 2**63, high_open=True, what="a seed")  # what jax, numpy and grain all take
 
 
-def option(default: Any, doc: str, choices: tuple | None = None, bounds: Range | None = None) -> Any:
+class LiveChoices(Sequence):
+    """Allowed values read from a registry each time they are asked for: ``names()`` returns them in order. For a key
+    whose values other modules may add at run time (``precision.matmul.<kind>``: the registered matmul formats)."""
+
+    def __init__(self, names: Callable[[], tuple[str, ...]]):
+        self._names = names
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, value) -> bool:
+        return value in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+def option(default: Any, doc: str, choices: Sequence | None = None, bounds: Range | None = None) -> Any:
     """A dataclass field with its ``default``, a one-line ``doc`` and, optionally, the allowed values ``choices``
-    (for a tuple field: the values its entries are drawn from) or, for an int or float field, the :class:`Range`
-    ``bounds`` of its allowed numbers (a float field without one allows every finite number)."""
-    metadata = {"doc": doc, "choices": None if choices is None else tuple(choices), "bounds": bounds}
+    (for a tuple field: the values its entries are drawn from; a :class:`LiveChoices` stays live, anything else is
+    copied to a tuple) or, for an int or float field, the :class:`Range` ``bounds`` of its allowed numbers (a float
+    field without one allows every finite number)."""
+    if choices is not None and not isinstance(choices, LiveChoices):
+        choices = tuple(choices)
+    metadata = {"doc": doc, "choices": choices, "bounds": bounds}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -131,7 +158,7 @@ class Leaf(NamedTuple):
     key: str  # the full dotted path, "model.d_model"
     type: Any  # bool, int, float, str or tuple[str, ...]
     default: Any
-    choices: tuple | None
+    choices: Sequence | None  # a tuple, or a LiveChoices
     doc: str
     bounds: Range | None = None  # an int or float key's allowed numbers (a float key without one: finite ones)
 
@@ -166,7 +193,7 @@ def leaves(cls: type, path: str | None = None) -> Iterator[Leaf]:
             yield Leaf(key, typ, f.default, meta.get("choices"), meta.get("doc", ""), meta.get("bounds"))
 
 
-def _coerce(key: str, value: Any, typ: Any, choices: tuple | None, bounds: Range | None = None) -> Any:
+def _coerce(key: str, value: Any, typ: Any, choices: Sequence | None, bounds: Range | None = None) -> Any:
     """``value`` checked against ``typ``, ``choices`` and ``bounds`` (an int is taken as a float; a list as a
     tuple)."""
     if typ == _TUPLE:

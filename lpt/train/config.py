@@ -21,7 +21,7 @@ import argparse
 import importlib.util
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +135,7 @@ class Config:
 
 LEAVES: dict[str, options.Leaf] = {leaf.key: leaf for leaf in options.leaves(Config)}
 # key path -> (type, allowed values or None); tuple values are written "a,b" on the command line
-SCHEMA: dict[str, tuple[Any, tuple | None]] = {k: (leaf.type, leaf.choices) for k, leaf in LEAVES.items()}
+SCHEMA: dict[str, tuple[Any, Sequence | None]] = {k: (leaf.type, leaf.choices) for k, leaf in LEAVES.items()}
 
 # On resume, these keys must equal the checkpoint's: the model and the precision recipe define the train state and its
 # numerics; the data keys and the batch define what the saved data position means; the seed defines every step's
