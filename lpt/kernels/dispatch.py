@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -69,9 +67,16 @@ def mode_kwargs(mode: str, *, grid_rank: int = 0, semantics: tuple[str, ...] | N
     """
     if mode == "interpret":
         return {"interpret": True}
+    # each compiler's Pallas module is imported by the mode that compiles for it, so importing lpt, and every path
+    # that traces no such kernel (the XLA twins, the Mosaic GPU kernels), never loads Pallas' deprecated Triton
+    # backend (jax >= 0.11)
     if mode == "triton":
+        from jax.experimental.pallas import triton as pltriton
+
         return {"compiler_params": pltriton.CompilerParams(**triton)}
     if mode == "mosaic":
+        from jax.experimental.pallas import tpu as pltpu
+
         sem = tuple(semantics) if semantics is not None else ("parallel",) * grid_rank
         return {"compiler_params": pltpu.CompilerParams(dimension_semantics=sem)}
     raise ValueError(f"mode={mode!r} is not one of {MODES}")

@@ -48,3 +48,22 @@ def test_shard_map_is_the_function_itself_without_a_multi_device_mesh():
     assert dispatch.check_divisible("batch", 8, mesh, ("data", "tensor")) == 2
     with pytest.raises(ValueError, match=r"batch=6 is not divisible by mesh axes \('data', 'tensor'\) of size 4"):
         dispatch.check_divisible("batch", 6, mesh, ("data", "tensor"))
+
+
+def test_training_on_a_cpu_never_imports_the_triton_backend(tmp_path):
+    """Pallas' Triton backend (deprecated since jax 0.11) is imported only by a trace of a Triton kernel: importing
+    lpt and training ``tiny_cpu`` (XLA attention and update on a CPU) leave it unloaded. It would be loaded at once if
+    dispatch imported it at its top."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from lpt.train import config, loop; "
+        "cfg = config.apply_overrides(config.load_config_file('tiny_cpu'), {'train.steps': '2', "
+        "'train.eval_every': '2'}); loop.train(cfg, sys.argv[1]); "
+        "print(sorted(m for m in sys.modules if m.startswith('jax.experimental.pallas.triton')))"
+    )
+    cmd = [sys.executable, "-c", script, str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
