@@ -30,6 +30,13 @@ from lpt import targets  # noqa: E402  (jax reads the cache settings at import)
 targets.compile_only_environment()
 
 
+@pytest.fixture
+def torch():
+    """The torch module, for the tests that compare with transformers' PyTorch models; they skip where torch is not
+    installed (its CPU build is pinned for Python 3.11 only: pyproject's dev extras)."""
+    return pytest.importorskip("torch", reason="torch is not installed (its CPU build is pinned for Python 3.11 only)")
+
+
 @functools.cache
 def _float16_compiles() -> bool:
     """Whether XLA:CPU can compile an f32 <-> f16 conversion here. Without F16C (a CPU before 2012, or

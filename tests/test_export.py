@@ -10,7 +10,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 from tiny_run import train_tiny
@@ -56,7 +55,7 @@ def _lpt_logits(cfg, params, tokens):
     return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
 
 
-def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path):
+def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path, torch):
     workdir, tokenizer = run
     assert export.main(["--workdir", str(workdir), "--out", str(tmp_path / "hf")]) == 0
     out = tmp_path / "hf"
@@ -84,7 +83,7 @@ def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path):
     assert np.abs(ref).max() > 0.5 and diff <= 1e-4
 
 
-def test_export_check_compares_with_the_run_and_fails_on_a_wrong_tensor(run, tmp_path, capsys):
+def test_export_check_compares_with_the_run_and_fails_on_a_wrong_tensor(run, tmp_path, capsys, torch):
     """``--check`` prints the max |diff| of the run's lpt logits and the export's transformers logits; an export whose
     final norm is off by 1% no longer passes (exit 1), while lpt's own reading of the same file would still agree
     with transformers."""
