@@ -40,7 +40,7 @@ def quantize_operands(x, w, *, block: int = 128, fwd_dtype=jnp.float8_e4m3fn, sc
     """``(x2_f32, w_f32, x_tiles, w_blocks)``: the operands of ``x[..., K] @ w[K, N]`` as f32 (``x`` flattened to
     ``[M, K]``) and quantized exactly as :func:`lpt.fp8.blockwise_dot`'s forward does (``x`` in 1×block tiles along
     K, ``w`` in block×block blocks), each as ``(codes, scales, QuantStats)``. Shared by
-    :func:`fp8_gemm_diagnostics` and the trainer's diagnostics pass (:mod:`lpt.models.probes`)."""
+    :func:`fp8_gemm_diagnostics` and the "fp8" matmul format's probe (:mod:`lpt.models.matmul_formats`)."""
     w_f32 = jnp.asarray(w).astype(jnp.float32)  # w dtype -> f32 (exact for bf16 / f32)
     x2_f32 = jnp.asarray(x).reshape(-1, w_f32.shape[0]).astype(jnp.float32)  # x dtype -> f32 (exact for bf16 / f32)
     qx, sx = quantize_tiles(x2_f32, fwd_dtype, axis=-1, block=block, scale_format=scale_format)

@@ -19,13 +19,16 @@ Public API
     ``params/fp8_saturated_frac``, ``params/fp8_zero_frac``. Empty dict otherwise.
 ``activation_diagnostics(model, tokens_BT, *, key=None) -> dict[str, f32 scalar]``
     Jittable forward pass with the layers' probes on (:mod:`lpt.models.probes`): ``attn/repeated_max_frac``,
-    ``attn/repeated_max_frac_max`` and, per layer kind with an "fp8" matmul, ``fp8/<kind>/x_underflow_frac``,
-    ``x_subnormal_frac``, ``w_underflow_frac``, ``w_subnormal_frac``, ``x_scale_range_log2``, ``snr_db``. The
-    trainer runs it every ``train.diagnostics_every`` steps; without it the layers add no operation.
+    ``attn/repeated_max_frac_max`` and, per layer kind, what its matmul format's probe records
+    (:mod:`lpt.models.matmul_formats`; an "fp8" matmul: ``fp8/<kind>/x_underflow_frac``, ``x_subnormal_frac``,
+    ``w_underflow_frac``, ``w_subnormal_frac``, ``x_scale_range_log2``, ``snr_db``). The trainer runs it every
+    ``train.diagnostics_every`` steps; without it the layers add no operation.
 ``flops_per_token(model_cfg, seq_len) -> float``, ``param_count(model_cfg)``, ``matmul_params(model_cfg)``
 ``partitioning``: ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``,
     ``place(model, mesh)``: the NNX side of sharding; the rules table, ``axis_rules`` and ``constrain`` are in
     :mod:`lpt.sharding`.
+``matmul_formats``: the registry of matmul formats (``get``, ``register``, ``names``): each format's GEMM, shape
+    check, diagnostics probe and lab view in one object.
 ``ModelSpec`` / ``PrecisionSpec``: the typed ``model`` section and the model's precision (dtypes, storage,
     per-layer matmuls, attention, PQT; type, default, allowed values and doc of every key); ``model_spec(cfg)`` /
     ``precision_spec(cfg)`` build them from a ConfigDict or a partial mapping (ValueError naming a bad key). The
@@ -45,7 +48,7 @@ Public API
 See docs/models_and_data.md for the precision recipe.
 """
 
-from lpt.models import partitioning, probes
+from lpt.models import matmul_formats, partitioning, probes
 from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
 from lpt.models.decode import KVCache, decode_step, init_cache, prefill
 from lpt.models.diagnostics import activation_diagnostics, diagnostics
@@ -65,6 +68,7 @@ __all__ = [
     "flops_per_token",
     "from_pretrained",
     "init_cache",
+    "matmul_formats",
     "matmul_params",
     "model_spec",
     "param_count",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from lpt.models import matmul_formats
 from lpt.options import above, at_least, build, option, section
 
 PARAM_DTYPES = {
@@ -32,8 +33,6 @@ STORAGES = ("float32", "param_dtype")  # float32 masters viewed through param_dt
 KINDS = ("llama", "gpt2")
 LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
 BLOCK_KINDS = LAYER_KINDS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
-MATMULS = ("bf16", "fp8", "mxfp8", "nvfp4")
-LOW_PRECISION = MATMULS[1:]
 FP8_IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")  # lpt.fp8.blockwise.IMPLS (lpt.fp8 loads kernels: not imported)
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
 PQT_METHODS = ("none", "gaussws", "diffq")
@@ -143,18 +142,18 @@ class ModelSpec:
 
 @section("precision.matmul")
 class Matmul:
-    """``precision.matmul``: the matmul of each layer kind."""
+    """``precision.matmul``: the matmul format of each layer kind (:mod:`lpt.models.matmul_formats`)."""
 
     qkv: str = option(
         "bf16",
         '"bf16": matmul in compute_dtype; "fp8": blockwise FP8 (lpt.fp8); "mxfp8" | "nvfp4": block-scaled GEMMs '
-        "(lpt.fp8.block_scaled_dot, emulated)",
-        MATMULS,
+        "(lpt.fp8.block_scaled_dot, emulated); or a format registered with lpt.models.matmul_formats.register",
+        matmul_formats.NAMES,
     )
-    out: str = option("bf16", "attention output projection", MATMULS)
-    up: str = option("bf16", "MLP up (and gate) projection", MATMULS)
-    down: str = option("bf16", "MLP down projection", MATMULS)
-    lm_head: str = option("bf16", "output projection to the vocabulary", MATMULS)
+    out: str = option("bf16", "attention output projection", matmul_formats.NAMES)
+    up: str = option("bf16", "MLP up (and gate) projection", matmul_formats.NAMES)
+    down: str = option("bf16", "MLP down projection", matmul_formats.NAMES)
+    lm_head: str = option("bf16", "output projection to the vocabulary", matmul_formats.NAMES)
 
 
 @section("precision.attention")
@@ -212,7 +211,9 @@ class Numerics:
         FP8_IMPLS,
     )
     bf16_layers: tuple[str, ...] = option(
-        (), 'blocks whose "fp8"/"mxfp8"/"nvfp4" matmuls run as "bf16": indices, negative from the end ("-2,-1")'
+        (),
+        'blocks whose low-precision ("fp8", "mxfp8", "nvfp4", ...) matmuls run as "bf16": indices, negative from the '
+        'end ("-2,-1")',
     )
     attention: Attention = option(Attention(), "attention")
     pqt: Pqt = option(Pqt(), "pseudo-quantization training")
@@ -289,33 +290,22 @@ def matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
 
 
 def check_matmul_blocks(spec: ModelSpec, numerics: Numerics) -> None:
-    """Raise ValueError for a layer kind whose low-precision matmul has a K or N that is not a multiple of its block
-    ("fp8": the 128x128 weight blocks of :func:`lpt.fp8.blockwise_dot`; "mxfp8", "nvfp4": the recipe's block of
-    :data:`lpt.fp8.block_scaled.BLOCKS`), naming the key and the layer, and for ``bf16_layers`` that are not block
-    indices or that name blocks without a low-precision matmul."""
-    kinds = {k: numerics.matmul_for(k) for k in LAYER_KINDS}
+    """Raise ValueError for a layer kind whose matmul format refuses the shape of one of its weights (a K or N that
+    is not a multiple of the format's block: :meth:`lpt.models.matmul_formats.MatmulFormat.check_shape`), naming
+    the key and the layer, and for ``bf16_layers`` that are not block indices or that name blocks without a
+    low-precision matmul."""
+    formats = {k: matmul_formats.get(numerics.matmul_for(k)) for k in LAYER_KINDS}
     numerics.bf16_blocks(spec.n_layers)
-    if numerics.bf16_layers and not any(kinds[k] in LOW_PRECISION for k in BLOCK_KINDS):
+    if numerics.bf16_layers and not any(formats[k].low_precision for k in BLOCK_KINDS):
+        low = tuple(n for n in matmul_formats.names() if matmul_formats.get(n).low_precision)
         raise ValueError(
             f"precision.bf16_layers={','.join(numerics.bf16_layers)} keeps blocks in bf16, but no block matmul is "
             f"low-precision (precision.matmul.{{{','.join(BLOCK_KINDS)}}} are all bf16); set one to one of "
-            f"{LOW_PRECISION} or leave bf16_layers empty"
+            f"{low} or leave bf16_layers empty"
         )
-    if not any(m in LOW_PRECISION for m in kinds.values()):
-        return
-    # in-function: lpt.fp8 loads the Pallas kernels
-    from lpt.fp8.block_scaled import BLOCKS
-    from lpt.fp8.blockwise import blockwise_config
-
-    blocks = {**BLOCKS, "fp8": blockwise_config(**numerics.fp8_options()).block}
     for kind, shapes in matmul_shapes(spec).items():
-        block = blocks.get(kinds[kind], 1)  # 1: a matmul without blocks
         for k, n in shapes:
-            if k % block or n % block:
-                raise ValueError(
-                    f"precision.matmul.{kind}={kinds[kind]!r} needs K and N multiples of {block}, but the model's "
-                    f"{kind} weight is {k}x{n}; change the model's widths or use another matmul for {kind}"
-                )
+            formats[kind].check_shape(kind, k, n, numerics)
 
 
 def check_attention(spec: ModelSpec, numerics: Numerics) -> None:

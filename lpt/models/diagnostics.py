@@ -12,10 +12,12 @@ Empty dict for a plain f32/bf16 model.
 
 ``activation_diagnostics(model, tokens_BT, *, key=None)`` runs one forward pass with the layers' probes on
 (:mod:`lpt.models.probes`) and returns the activation statistics: ``attn/repeated_max_frac``,
-``attn/repeated_max_frac_max`` always, and for every layer kind whose matmul is "fp8"
-``fp8/<kind>/{x,w}_{underflow,subnormal}_frac``, ``fp8/<kind>/x_scale_range_log2`` and ``fp8/<kind>/snr_db``.
-Jittable; costs about one forward pass plus, per attention layer, the logits of a few sequences and, per FP8 matmul,
-one extra quantization and a reference GEMM: call it on logging steps only.
+``attn/repeated_max_frac_max`` always, and for every layer kind the statistics its matmul format's probe records
+(:mod:`lpt.models.matmul_formats`; "fp8": ``fp8/<kind>/{x,w}_{underflow,subnormal}_frac``,
+``fp8/<kind>/x_scale_range_log2`` and ``fp8/<kind>/snr_db``; "mxfp8", "nvfp4": their block-scale health and
+``fp8/<kind>/snr_db``). Jittable; costs about one forward pass plus, per attention layer, the logits of a few
+sequences and, per FP8 or block-scaled matmul, one extra quantization and a reference GEMM: call it on logging steps
+only.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lpt import numerics
-from lpt.models import pqt_wiring, probes
-from lpt.models.config import MATMULS, ModelSpec, PrecisionSpec
-from lpt.pqt.keys import layer_key
+from lpt.models import matmul_formats, pqt_wiring, probes
+from lpt.models.config import ModelSpec, PrecisionSpec
 
 
 def make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtype, *, const: float | None = None):
@@ -144,29 +143,22 @@ def matmul(
     path: str = "",
     prec: PrecisionSpec | None = None,
 ) -> jax.Array:
-    """``x[..., K] @ w[K, N]`` with the layer kind's matmul, accumulated in float32, returned in ``out_dtype``.
+    """``x[..., K] @ w[K, N]`` with the matmul format ``kind`` (:func:`lpt.models.matmul_formats.get`): its GEMM's
+    float32 accumulator, rounded once to ``out_dtype``.
 
     In a block of ``prec.bf16_layers`` (:func:`in_block`) a low-precision ``kind`` runs as "bf16": decided at trace
     time for a Python index, by ``lax.cond`` on a scanned one (only the chosen branch runs); a diagnostics pass
     computes both and selects, so that the low-precision statistics are recorded outside the cond.
 
-    "bf16": compute-dtype operands (bf16, or f32 when compute_dtype is float32), ``preferred_element_type=f32``.
-    "fp8": :func:`lpt.fp8.blockwise_dot` (e4m3 operands with 1×128 / 128×128 scales, f32 promotion every 128 of K,
-    e5m2 output gradients; the GEMMs and gradient format of ``prec.fp8_options()``); K and N must be multiples of
-    128.
-    "mxfp8" / "nvfp4": :func:`lpt.fp8.block_scaled_dot` (forward and both backward GEMMs in the format, emulated);
-    K and N must be multiples of 32 / 16. Their stochastic rounding and Hadamard signs use ``layer_key(key, path)``
-    (:func:`lpt.pqt.layer_key`: the step key ``key`` with the layer ``path`` folded in; ``key=None`` in evaluation)
-    and ``prec`` gives NVFP4's switches (``nvfp4_hadamard``, ``nvfp4_stochastic_grads``; None: the recipe's
-    defaults).
-
-    ``w_axes`` (the weight's logical axes) tells the FP8 kernels how to split ``w`` under a mesh.
-    ``name`` (the layer kind, e.g. "qkv") labels the FP8 and block-format statistics recorded in a diagnostics pass
-    (:mod:`lpt.models.probes`); outside one nothing is recorded and no operation is added.
+    ``w_axes`` (the weight's logical axes) tells the FP8 kernels how to split ``w`` under a mesh; ``key`` (the step
+    key, None in evaluation), ``path`` (the layer path) and ``prec`` go to the format's GEMM
+    (:meth:`lpt.models.matmul_formats.MatmulFormat.gemm`). ``name`` (the layer kind, e.g. "qkv") labels the
+    statistics the format records in a diagnostics pass (:mod:`lpt.models.probes`); outside one nothing is recorded
+    and no operation is added.
     """
     kw = dict(name=name, w_axes=w_axes, key=key, path=path, prec=prec)
     block = getattr(_BLOCK, "value", None)
-    if kind == "bf16" or prec is None or not prec.bf16_layers or block is None:
+    if not matmul_formats.get(kind).low_precision or prec is None or not prec.bf16_layers or block is None:
         return _matmul(x, w, kind, out_dtype, **kw)
     index, n_layers = block
     chosen = prec.bf16_blocks(n_layers)
@@ -181,31 +173,13 @@ def matmul(
 
 
 def _matmul(x, w, kind: str, out_dtype, *, name, w_axes, key, path, prec) -> jax.Array:
-    if kind == "bf16":
-        y_f32 = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-        return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype (RNE)
-    if kind == "fp8":
-        # in-function: lpt.fp8 loads the Mosaic GPU Pallas kernels, which only models with "fp8" matmuls use
-        from lpt.fp8 import blockwise_dot
-
-        # blockwise_dot returns x's dtype: hand it f32 (exact widening; it quantizes to e4m3 anyway) to get the
-        # f32 accumulator back, then round once to out_dtype like the bf16 path.
-        options = {} if prec is None else prec.fp8_options()
-        y_f32 = blockwise_dot(x.astype(jnp.float32), w, w_axes=w_axes, **options)  # compute -> f32 (exact)
-        if probes.active():  # diagnostics pass only (trace-time switch)
-            probes.record_fp8(name, x, getattr(w, "w", w), y_f32)  # a GemmWeight's weight, or w
-        return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
-    if kind in ("mxfp8", "nvfp4"):
-        from lpt.fp8 import block_scaled_dot
-
-        nv = kind == "nvfp4" and prec is not None
-        switches = dict(hadamard=prec.nvfp4_hadamard, stochastic_grads=prec.nvfp4_stochastic_grads) if nv else {}
-        key = None if key is None else layer_key(key, path)
-        y_f32 = block_scaled_dot(x.astype(jnp.float32), w, kind, key=key, **switches)  # compute -> f32 (exact)
-        if probes.active():  # diagnostics pass only (trace-time switch)
-            probes.record_block_scaled(name, kind, x, w, y_f32)
-        return y_f32.astype(out_dtype)  # f32 -> out dtype (RNE)
-    raise ValueError(f"matmul kind {kind!r} is not supported; allowed: {list(MATMULS)}")
+    fmt = matmul_formats.get(kind)
+    y_f32 = fmt.gemm(x, w, w_axes=w_axes, key=key, path=path, prec=prec)
+    if y_f32.dtype != jnp.float32:
+        raise TypeError(f"matmul format {kind!r} returned {y_f32.dtype}; a format's gemm returns the f32 accumulator")
+    if probes.active():  # diagnostics pass only (trace-time switch)
+        fmt.probe(name, x, w, y_f32)
+    return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype (RNE)
 
 
 class Linear(nnx.Module):

@@ -14,27 +14,10 @@ scan outputs; :meth:`Collector.add_stacked` reduces them over the layer axis (no
 
 What the layers record (names without the trainer's ``model/`` prefix):
 
-* every "fp8" matmul of layer kind ``<kind>`` (:func:`record_fp8`), quantized exactly as ``lpt.fp8.blockwise_dot``
-  does (e4m3, 1×128 tiles of x along K, 128×128 blocks of w, f32 amax scales):
-  ``fp8/<kind>/x_underflow_frac`` (nonzero entries flushed to 0 / all entries), ``fp8/<kind>/x_subnormal_frac``
-  (nonzero entries whose scaled value ``|x / s|`` lands below e4m3's smallest normal 2⁻⁶, flushed ones included,
-  / all entries: they keep fewer than 3 mantissa bits), ``fp8/<kind>/w_underflow_frac``,
-  ``fp8/<kind>/w_subnormal_frac`` (same for the weight), ``fp8/<kind>/x_scale_range_log2`` (max over the layers
-  of ``log2(max tile scale / min nonzero tile scale)``: the dynamic range that per-tile scaling absorbs and one
-  per-tensor scale would not) and
-  ``fp8/<kind>/snr_db`` (``10 log10(Σ y_ref² / Σ (y_fp8 − y_ref)²)`` with ``y_ref`` the same GEMM on the
-  compute-dtype operands with f32 accumulation, i.e. what the "bf16" matmul computes).
-  Saturation is not reported: with amax scaling the largest entry of every tile maps to ±448 exactly, so clipping
-  cannot happen (only f32 round-off of ``amax / (amax / 448)``, which rounds back to 448).
-* every "mxfp8" or "nvfp4" matmul of layer kind ``<kind>`` (:func:`record_block_scaled`), its operands blocked as
-  ``lpt.fp8.block_scaled_dot``'s forward GEMM blocks them (:func:`lpt.fp8.block_diagnostics.gemm_block_health`),
-  with ``<recipe>`` the matmul's format: ``<recipe>/<kind>/x_scale_saturated_frac`` (blocks whose scale lies above
-  the scale format's largest: e8m0 for MXFP8, e4m3 after the f32 tensor scale for NVFP4; inf / NaN blocks
-  included), ``<recipe>/<kind>/x_scale_underflow_frac`` (non-zero blocks whose scale falls below the scale
-  format's smallest normal: clamped at 2^-127, or an e4m3 subnormal or zero), ``<recipe>/<kind>/x_clipped_frac``
-  (blocks whose maximum saturates at the element format's max: MXFP8's floor rule clips about one block in seven),
-  the same three for ``w``, each over all blocks of the kind; and ``fp8/<kind>/snr_db`` against the compute-dtype
-  GEMM as for "fp8".
+* every matmul whose format records statistics: its :meth:`~lpt.models.matmul_formats.MatmulFormat.probe`, called
+  by :func:`lpt.models.layers.matmul` with the layer kind as the name ("fp8": ``fp8/<kind>/*``, "mxfp8" and
+  "nvfp4": ``<format>/<kind>/*`` and ``fp8/<kind>/snr_db``; each format's docstring in
+  :mod:`lpt.models.matmul_formats` lists its statistics);
 * every attention layer (:func:`record_attention`): ``attn/repeated_max_frac`` (mean over layers) and
   ``attn/repeated_max_frac_max`` (max over layers) of :func:`lpt.attention.repeated_max_fraction` — the fraction of
   causal query rows whose scaled logits hold ≥ 2 entries within 2⁻⁹ of the row max, where a bf16 ``exp(s − m)``
@@ -122,44 +105,6 @@ def current() -> Collector:
     if not active():
         raise RuntimeError("no statistics collector is active; use `with lpt.models.probes.collecting():`")
     return _stack()[-1]
-
-
-def record_fp8(name: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
-    """Record the statistics of one FP8 GEMM ``y_f32 = blockwise_dot(x, w)`` of layer kind ``name``: the operands
-    quantized as the GEMM does (:func:`lpt.fp8.diagnostics.quantize_operands`), their underflow and subnormal
-    fractions, the range of the x tile scales, and the SNR against the compute-dtype GEMM."""
-    # in-function: lpt.fp8 loads the Mosaic GPU Pallas kernels, which only models with "fp8" matmuls use
-    from lpt.fp8 import BlockwiseConfig
-    from lpt.fp8.diagnostics import quantize_operands
-
-    c, cfg = current(), BlockwiseConfig()
-    x_f32, _, (_, sx, xs), (_, _, ws) = quantize_operands(
-        x, w, block=cfg.block, fwd_dtype=cfg.fwd_dtype, scale_format=cfg.scale_format
-    )
-    for operand, st in (("x", xs), ("w", ws)):  # int32 counts (Collector.add takes them to f32)
-        c.add(f"fp8/{name}/{operand}_underflow_frac", RATIO, st.underflowed, st.total)
-        c.add(f"fp8/{name}/{operand}_subnormal_frac", RATIO, st.subnormal, st.total)
-    amax_pos = jnp.max(jnp.abs(x_f32).reshape(sx.shape + (cfg.block,)), axis=-1) > 0
-    lo = jnp.min(jnp.where(amax_pos, sx, jnp.inf))
-    hi = jnp.max(jnp.where(amax_pos, sx, 0.0))
-    c.add(f"fp8/{name}/x_scale_range_log2", MAX, jnp.where(hi > 0, jnp.log2(hi / lo), 0.0))
-    y_ref = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-    c.add(f"fp8/{name}/snr_db", DB, jnp.sum(y_ref * y_ref), jnp.sum(jnp.square(y_f32 - y_ref)))
-
-
-def record_block_scaled(name: str, recipe: str, x: jax.Array, w: jax.Array, y_f32: jax.Array) -> None:
-    """Record the statistics of one block-scaled GEMM ``y_f32 = block_scaled_dot(x, w, recipe)`` of layer kind
-    ``name``: the block-scale health of x and w as its forward GEMM blocks them, and the SNR against the
-    compute-dtype GEMM."""
-    from lpt.fp8.block_diagnostics import gemm_block_health  # in-function: as record_fp8
-
-    c = current()
-    for operand, h in zip(("x", "w"), gemm_block_health(x, w, recipe), strict=True):  # int32 counts of h.blocks
-        c.add(f"{recipe}/{name}/{operand}_scale_saturated_frac", RATIO, h.saturated, h.blocks)
-        c.add(f"{recipe}/{name}/{operand}_scale_underflow_frac", RATIO, h.underflow, h.blocks)
-        c.add(f"{recipe}/{name}/{operand}_clipped_frac", RATIO, h.clipped, h.blocks)
-    y_ref = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-    c.add(f"fp8/{name}/snr_db", DB, jnp.sum(y_ref * y_ref), jnp.sum(jnp.square(y_f32 - y_ref)))
 
 
 def record_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, sliding_window: int = 0) -> None:

@@ -1,6 +1,7 @@
 """Block-scale health (lpt.fp8.block_diagnostics) on planted blocks: exact saturated / underflow / clipped counts for
 MXFP8 and NVFP4, the tie rule of the clip, the share of clipped MX blocks on log-uniform maxima, the operand layouts
-against block_scaled_dot's forward GEMM, and the probe of the diagnostics pass (lpt.models.probes)."""
+against block_scaled_dot's forward GEMM, and the block formats' probe of the diagnostics pass
+(lpt.models.matmul_formats)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 
 from lpt.fp8 import block_scaled_dot, mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
 from lpt.fp8.block_diagnostics import block_scale_health, gemm_block_health, operand_layout, quantize_dequantize
-from lpt.models import probes
+from lpt.models import matmul_formats, probes
 
 
 def _blocks(amaxes, size: int, rng) -> np.ndarray:
@@ -128,7 +129,7 @@ def test_probe_pools_block_health_and_snr():
         with probes.collecting() as c:
             for recipe, kind in (("mxfp8", "up"), ("mxfp8", "up"), ("nvfp4", "down")):
                 y = block_scaled_dot(x, w, recipe, impl="xla")
-                probes.record_block_scaled(kind, recipe, x, w, y)
+                matmul_formats.get(recipe).probe(kind, x, w, y)
         return c.summary(), y
 
     stats, y = run(x, w)

@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lpt.models import probes
+from lpt.models import matmul_formats, probes
 from lpt.train import config as config_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train import metrics, optimizer
@@ -81,8 +81,8 @@ def test_train_step_jaxpr_has_no_probes(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a probe ran in the train step")
 
-    monkeypatch.setattr(probes, "record_fp8", boom)
-    monkeypatch.setattr(probes, "record_block_scaled", boom)
+    for name in matmul_formats.names():  # every format's probe (the class attribute: a method)
+        monkeypatch.setattr(type(matmul_formats.get(name)), "probe", boom)
     monkeypatch.setattr(probes, "record_attention", boom)
     assert str(step.trace(abstract, batch).jaxpr) == before
 
