@@ -34,13 +34,11 @@ import numpy as np
 from tqdm import tqdm
 
 from lpt import data as data_lib
-from lpt.fp8 import blockwise_dot, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
-from lpt.fp8.block_diagnostics import block_scale_health, gemm_block_health, operand_layout, quantize_dequantize
-from lpt.fp8.block_scaled import block_scaled_dot
 from lpt.inference import load_model
 from lpt.lab import runs
 from lpt.lab.recipes import QUICK
-from lpt.models import layers
+from lpt.models import layers, matmul_formats
+from lpt.models.config import Numerics
 from lpt.train import config as config_lib
 from lpt.train.machine import describe
 from lpt.train.step import cross_entropy
@@ -64,20 +62,19 @@ FULL = {"train.diagnostics_every": "0"}  # tiny_cpu's own budget: 600 steps of 3
 # q, k, v and out share one shape (fewer GEMMs to compile); two runs
 QUICK_BUDGET = {**QUICK, "model.n_kv_heads": "4"}
 QUICK_RUNS = ("bf16", "nvfp4")
-# the per-GEMM formats: name -> (recipe, Hadamard transform of dW's inputs, SR of dY); "fp8" is blockwise_dot
+# the per-GEMM formats: name -> (registered matmul format, its precision switches: lpt.models.config.Numerics keys)
 GEMM_FORMATS = {
-    "fp8": ("fp8", False, False),
-    "mxfp8": ("mxfp8", False, False),
-    "nvfp4": ("nvfp4", True, True),
-    "nvfp4_hadamard": ("nvfp4", True, False),
-    "nvfp4_sr": ("nvfp4", False, True),
-    "nvfp4_neither": ("nvfp4", False, False),
+    "fp8": ("fp8", {}),
+    "mxfp8": ("mxfp8", {}),
+    "nvfp4": ("nvfp4", {}),  # Hadamard transform of dW's inputs and SR of dY: NVFP4's defaults
+    "nvfp4_hadamard": ("nvfp4", {"nvfp4_stochastic_grads": False}),
+    "nvfp4_sr": ("nvfp4", {"nvfp4_hadamard": False}),
+    "nvfp4_neither": ("nvfp4", {"nvfp4_hadamard": False, "nvfp4_stochastic_grads": False}),
 }
 QUICK_GEMM_FORMATS = ("mxfp8", "nvfp4", "nvfp4_neither")
 KINDS = ("qkv", "out", "up", "down")
 QUANTITIES = ("x", "w", "dy", "y", "dx", "dw")
 HEALTH = ("saturated", "underflow", "clipped")
-_FP8_BLOCK = 128
 
 
 def run_config(name: str, seed: int, quick: bool):
@@ -151,23 +148,6 @@ def _pad_to(a: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
     return jnp.pad(a, [(0, (-n) % m) for n, m in zip(a.shape, multiples, strict=True)])
 
 
-def _fp8_dot(x, w):
-    """``blockwise_dot`` (DeepSeek-V3's FP8 GEMMs) on K and N zero-padded to its 128-blocks."""
-    n, b = w.shape[1], _FP8_BLOCK
-    return blockwise_dot(_pad_to(x, (1, b)), _pad_to(w, (b, b)), impl="xla")[:, :n]
-
-
-def _fp8_operands(x, w, g):
-    """x (e4m3, 1x128 along K), w (e4m3, 128x128) and g (e5m2, 1x128 along N) quantized and dequantized as
-    ``blockwise_dot`` quantizes them, f32."""
-    b = _FP8_BLOCK
-    tiles = lambda a, dtype: dequantize_tiles(*quantize_tiles(_pad_to(a, (1, b)), dtype), dtype=jnp.float32)
-    xq = tiles(x, jnp.float8_e4m3fn)[:, : x.shape[1]]
-    wq = dequantize_blocks(*quantize_blocks(_pad_to(w, (b, b))), dtype=jnp.float32)[: w.shape[0], : w.shape[1]]
-    gq = tiles(g, jnp.float8_e5m2)[:, : g.shape[1]]
-    return xq, wq, gq
-
-
 def _energies(ref, approx) -> jax.Array:
     """f32 ``[Σ ref², Σ (approx − ref)²]``."""
     return jnp.stack([jnp.sum(ref * ref), jnp.sum(jnp.square(approx - ref))])
@@ -175,27 +155,23 @@ def _energies(ref, approx) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="fmt")
 def gemm_errors(x, w, g, key, fmt: str) -> dict[str, jax.Array]:
-    """One matmul ``y = x w`` (f32 operands holding compute-dtype values; g = dL/dy) in format ``fmt``:
-    ``{quantity: [signal, noise]}`` energies for the operands x, w, dy and the GEMM results y, dx, dw against the
-    f32-accumulated GEMMs of the unquantized operands, and for the block formats ``{"health/<operand>":
-    [saturated, underflow, clipped, blocks]}`` (int32) of x, w and dy."""
-    recipe, hadamard, sr = GEMM_FORMATS[fmt]
+    """One matmul ``y = x w`` (f32 operands holding compute-dtype values; g = dL/dy) in the GEMM format ``fmt``
+    (:data:`GEMM_FORMATS`): ``{quantity: [signal, noise]}`` energies for the operands x, w, dy and the GEMM results
+    y, dx, dw against the f32-accumulated GEMMs of the unquantized operands, and for a format with block scales
+    ``{"health/<operand>": [saturated, underflow, clipped, blocks]}`` (int32) of x, w and dy. The matmul format
+    (:mod:`lpt.models.matmul_formats`) quantizes and multiplies, with K and N zero-padded to its block (zeros raise
+    no block amax: exact for the blocks; a no-op where they are multiples already)."""
+    format_name, switches = GEMM_FORMATS[fmt]
+    f, prec = matmul_formats.get(format_name), Numerics(**switches)
+    b, n = f.block(prec), w.shape[1]
+    xq, wq, gq = f.quantized_operands(_pad_to(x, (1, b)), _pad_to(w, (b, b)), _pad_to(g, (1, b)), key=key, prec=prec)
+    xq, wq, gq = xq[:, : x.shape[1]], wq[: w.shape[0], :n], gq[:, :n]
     out = {}
-    if recipe == "fp8":
-        xq, wq, gq = _fp8_operands(x, w, g)
-        dot = _fp8_dot
-    else:
-        sr_g = dict(rounding="stochastic", key=jax.random.fold_in(key, 1)) if sr else {}
-        xq = quantize_dequantize(x, recipe, **operand_layout(recipe, "x"))
-        wq = quantize_dequantize(w, recipe, **operand_layout(recipe, "w"))
-        gq = quantize_dequantize(g, recipe, **operand_layout(recipe, "g"), **sr_g)
-        hx, hw = gemm_block_health(x, w, recipe)
-        hg = block_scale_health(g, recipe, **operand_layout(recipe, "g"))
-        for name, h in (("x", hx), ("w", hw), ("dy", hg)):
-            out[f"health/{name}"] = jnp.stack([h.saturated, h.underflow, h.clipped, jnp.int32(h.blocks)])
-        dot = functools.partial(
-            block_scaled_dot, recipe=recipe, key=key, hadamard=hadamard, stochastic_grads=sr, impl="xla"
-        )
+    health = f.block_health(x, w, g)
+    if health is not None:
+        for op, h in zip(("x", "w", "dy"), health, strict=True):
+            out[f"health/{op}"] = jnp.stack([h.saturated, h.underflow, h.clipped, jnp.int32(h.blocks)])
+    dot = lambda x, w: f.emulated_gemm(_pad_to(x, (1, b)), _pad_to(w, (b, b)), key=key, prec=prec)[:, :n]
     y, pullback = jax.vjp(dot, x, w)
     dx, dw = pullback(g)
     hi = jax.lax.Precision.HIGHEST
