@@ -110,13 +110,15 @@ def mesh_platform(mesh) -> str | None:
 
 def target_device(mesh=None):
     """The device a program is lowered for, as a kernel wrapper sees it at trace time: the first device of ``mesh``
-    (or, when None, of the ``jax.set_mesh`` mesh: an abstract mesh's abstract device), else ``jax.devices()[0]``.
-    It has ``platform`` ("cpu", "gpu", "tpu") and ``device_kind``."""
+    (or, when None, of the ``jax.set_mesh`` mesh: an abstract mesh's abstract device, also that of an empty abstract
+    mesh that names one, as :func:`lpt.targets.lowering_for` sets), else ``jax.devices()[0]``. It has ``platform``
+    ("cpu", "gpu", "tpu") and ``device_kind``."""
     mesh = kernel_mesh(mesh)
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh.devices.flat[0]
-    if mesh is not None and mesh.abstract_device is not None:
-        return mesh.abstract_device
+    abstract = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if abstract.abstract_device is not None:
+        return abstract.abstract_device
     return jax.devices()[0]
 
 

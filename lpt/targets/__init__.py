@@ -16,6 +16,7 @@ GPU memory from the target config's ``device_memory_size``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -124,6 +125,26 @@ def mesh(topology: str, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> 
     if math.prod(shape) != len(devs):
         raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices; topology {topology} has {len(devs)}")
     return jax.sharding.Mesh(np.asarray(devs, dtype=object).reshape(shape), axis_names)
+
+
+@contextlib.contextmanager
+def lowering_for(target):
+    """A context in which programs that name no mesh lower for ``target``, a topology name (its first device) or a
+    device (compile-only or real): an empty abstract mesh
+    whose abstract device is that device (``jax.sharding.use_abstract_mesh``). jax >= 0.12's Pallas Triton lowering
+    reads the GPU to compile for from it (without it, on a machine without that GPU: "No supported GPU devices
+    found"), and ``impl="auto"`` picks its kernels by it (:func:`lpt.kernels.dispatch.target_device`); the mesh is
+    empty, so the kernels run unsharded. A program jitted over a :func:`mesh` lowers under ``jax.set_mesh`` instead.
+
+        with targets.lowering_for("h100:1x1x1"):
+            jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+    """
+    import numpy as np
+
+    one = devices(target)[:1] if isinstance(target, str) else [target]
+    device = jax.sharding.Mesh(np.asarray(one, dtype=object), ("_",)).abstract_mesh.abstract_device
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        yield
 
 
 def device_facts(topology: str) -> DeviceFacts:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from lowering import lowering
 
 import lpt.optim as O
 from lpt.kernels.adamw_kahan.kernel import adamw_kahan
@@ -73,7 +74,8 @@ def test_lowers_to_the_kernel(platform, marker):
     g, p, c, mv = _leaf((40, 300), seed=2)
     scalars, words = jnp.ones(4, jnp.float32), jnp.arange(2, dtype=jnp.uint32)
     f = functools.partial(adamw_kahan, **HP, stochastic=True)  # interpret=None: platform_dependent
-    text = jax.jit(f).trace(g, p, c, mv, scalars, words).lower(lowering_platforms=(platform,)).as_text()
+    with lowering(platform):
+        text = jax.jit(f).trace(g, p, c, mv, scalars, words).lower(lowering_platforms=(platform,)).as_text()
     assert marker in text
 
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from lowering import lowering
 
 from lpt.kernels import dispatch
 
@@ -23,8 +24,9 @@ def test_interpret_true_runs_the_interpreter_and_none_picks_per_platform():
     np.testing.assert_array_equal(dispatch.platform_call(_double, x, interpret=True), 2 * x)
     np.testing.assert_array_equal(jax.jit(lambda x: dispatch.platform_call(_double, x, interpret=None))(x), 2 * x)
     # None lowers all three branches and picks at lowering time: the cuda and tpu lowerings hold their kernels
-    cuda = jax.jit(lambda x: dispatch.platform_call(_double, x, interpret=None)).trace(x)
-    assert "__gpu$xla.gpu.triton" in cuda.lower(lowering_platforms=("cuda",)).as_text()
+    with lowering("cuda"):  # the trace keeps the abstract mesh it ran under: the GPU the Triton lowering targets
+        cuda = jax.jit(lambda x: dispatch.platform_call(_double, x, interpret=None)).trace(x)
+        assert "__gpu$xla.gpu.triton" in cuda.lower(lowering_platforms=("cuda",)).as_text()
     assert "tpu_custom_call" in cuda.lower(lowering_platforms=("tpu",)).as_text()
 
 

@@ -27,7 +27,8 @@ def _grad_compiled(target: str, t: int, impl: str, sliding_window: int = 0, dtyp
         o = dot_product_attention(q, k, v, impl=impl, sliding_window=sliding_window)
         return jnp.sum(o.astype(jnp.float32))  # bf16 -> f32
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    with targets.lowering_for(TARGETS[target]):
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -79,7 +80,8 @@ def test_pallas_cross_attention_with_padding_compiles(target):
         o = dot_product_attention(q, k, v, causal=False, kv_mask=kv_mask, impl="pallas")
         return jnp.sum(o.astype(jnp.float32))  # bf16 -> f32
 
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, mask).compile()
+    with targets.lowering_for(TARGETS[target]):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, mask).compile()
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

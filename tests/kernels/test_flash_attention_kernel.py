@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from float_bounds import assert_within
+from lowering import lowering
 
 from lpt.attention import dot_product_attention
 from lpt.kernels.flash_attention import kernel as fk
@@ -84,7 +85,8 @@ def test_lowers_to_kernel_custom_call(platform, marker):
     def loss(q, k, v):
         return jnp.sum(dot_product_attention(q, k, v, impl="pallas").astype(jnp.float32))
 
-    fwd = jax.jit(loss).trace(q, k, k).lower(lowering_platforms=(platform,)).as_text()
-    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=(platform,)).as_text()
+    with lowering(platform):
+        fwd = jax.jit(loss).trace(q, k, k).lower(lowering_platforms=(platform,)).as_text()
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=(platform,)).as_text()
     assert fwd.count(marker) == 1  # the forward kernel
     assert bwd.count(marker) == 3  # forward (recomputed for residuals), dK/dV and dQ kernels

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from float_bounds import assert_within, gamma
+from lowering import lowering
 
 from lpt.fp8 import blockwise_dot, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
 from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
@@ -75,13 +76,15 @@ def test_blockwise_dot_pallas_matches_xla_with_grads():
 @pytest.mark.parametrize("platform,custom_call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
 def test_lowers_for_gpu_and_tpu(platform, custom_call):
     a, sa, b, sb = _operands(128, 512, 256, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
-    text = jax.jit(fp8_blockwise_matmul).trace(a, sa, b, sb).lower(lowering_platforms=(platform,)).as_text()
+    with lowering(platform):
+        text = jax.jit(fp8_blockwise_matmul).trace(a, sa, b, sb).lower(lowering_platforms=(platform,)).as_text()
     assert custom_call in text
     # the whole differentiable layer: forward, dX and dW are three kernel launches
     x = jnp.ones((64, 256), jnp.float32)
     w = jnp.ones((256, 128), jnp.float32)
     grad = jax.value_and_grad(lambda x, w: jnp.sum(blockwise_dot(x, w, impl="pallas")), argnums=(0, 1))
-    text = jax.jit(grad).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    with lowering(platform):
+        text = jax.jit(grad).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(custom_call) == 3
 
 

@@ -25,7 +25,8 @@ DEVICE = {"tpu": "v5e:2x2", "cuda": "h100:1x1x8"}
 def _compile(f, shapes, platform):
     one = jax.sharding.SingleDeviceSharding(targets.devices(DEVICE[platform])[0])
     args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in shapes]
-    return jax.jit(f).lower(*args).compile().as_text()
+    with targets.lowering_for(DEVICE[platform]):
+        return jax.jit(f).lower(*args).compile().as_text()
 
 
 def _fp8_marker(text: str, platform: str) -> bool:

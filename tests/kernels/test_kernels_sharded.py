@@ -220,9 +220,11 @@ def _sds(shape, dtype, mesh, spec):
 
 
 def _compile(f, args, mesh):
-    """``f`` jitted and compiled for ``args``; under ``jax.set_mesh(mesh)`` unless ``mesh`` is None."""
+    """``f`` jitted and compiled for ``args``; under ``jax.set_mesh(mesh)``, or with ``mesh`` None for the device of
+    the args' sharding without a mesh (``targets.lowering_for``)."""
     if mesh is None:
-        return jax.jit(f).lower(*args).compile()
+        with targets.lowering_for(args[0].sharding.mesh.devices.flat[0]):
+            return jax.jit(f).lower(*args).compile()
     with jax.set_mesh(mesh):
         return jax.jit(f).lower(*args).compile()
 
@@ -333,7 +335,8 @@ def test_fp8_xla_impl_runs_per_shard_too():
 
 
 def test_fp8_rejects_shards_that_split_a_block():
-    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"))
+    auto = (jax.sharding.AxisType.Auto,) * 2  # the default axis type differs by jax version
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"), axis_types=auto)
     x, w = jnp.zeros((4, 128), jnp.float32), jnp.zeros((128, 128), jnp.float32)
     with pytest.raises(ValueError, match=r"N=128 split over mesh axes \('tensor',\) gives shards of 64"):
         jax.eval_shape(lambda x, w: blockwise_dot(x, w, impl="pallas", w_axes=("embed", "mlp"), mesh=mesh), x, w)
