@@ -4,6 +4,7 @@
 import json
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -74,9 +75,15 @@ def test_the_identity_reuses_the_cache_and_reads_no_input(text_cfg, monkeypatch)
     assert D.corpus_identity(text_cfg) == saved  # the inputs' digests come from the cache's meta.json
 
 
+# train tokens of the embedded corpus (this Python's pydoc_data.topics, bytes tokenizer) on the Pythons .ci/run tests
+EMBEDDED_TRAIN_TOKENS = {(3, 11): 336_675, (3, 13): 373_538}
+
+
 def test_embedded_and_prepared_sources(tmp_path, bpe512):
     emb = _ident({"source": "embedded"})
-    assert list(emb["files"]) == ["pydoc_data.topics"] and emb["streams"]["train"]["tokens"] == 336_675
+    tokens = emb["streams"]["train"]["tokens"]
+    assert list(emb["files"]) == ["pydoc_data.topics"] and tokens > 300_000
+    assert tokens == EMBEDDED_TRAIN_TOKENS.get(sys.version_info[:2], tokens)
     assert D.corpus_changes(emb, _ident({"source": "embedded"})) == []
     bpe = _ident({"source": "embedded", "tokenizer": bpe512})
     assert D.corpus_changes(emb, bpe)[0] == f"tokenizer 'bytes' -> {bpe['tokenizer']!r}"

@@ -125,14 +125,15 @@ def test_jaxpr_flops_counts_matmuls_scans_and_kernel_estimates():
 
 def test_does_not_fit_gives_advice(capsys):
     # 6 layers of d_model 8192 (6.4B float32 params + Adam moments = 77 GB) on one H100 (85 GB): state + temps
-    # exceed the HBM; XLA:GPU compiles it in seconds.
+    # exceed the HBM (temps of 32 sequences: 15 GB with jax 0.12's XLA, 35 GB with 0.10's); XLA:GPU compiles it in
+    # seconds.
     big = [
         "--config.model.d_model=8192",
         "--config.model.d_ff=32768",
         "--config.model.n_layers=6",
         "--config.model.n_heads=64",
         "--config.model.n_kv_heads=64",
-        "--config.train.global_batch=4",
+        "--config.train.global_batch=32",
     ]
     rc, r, err = run(capsys, "--config", TINY, "--topology", "h100:1x1x1", *big)
     assert rc == 1
@@ -239,7 +240,7 @@ def test_newer_targets_compile(capsys, topology, kind, devices, hbm):
 
 def test_fp8_weights_cross_the_wire_as_codes_once_per_step_on_request():
     """The compile report's collectives for a one-layer llama on v5e:2x2 (fsdp 4, embed 512: each shard holds whole
-    128 x 128 blocks), 2 microbatches: the FP8 recipe's gathers and permutes move <= 0.55x the bf16 recipe's bytes
+    128 x 128 blocks), 2 microbatches: the FP8 recipe's gathers and permutes move <= 0.6x the bf16 recipe's bytes
     (its weights travel as e4m3 codes, not bf16), and with optim.fp8_gather=step <= 0.5x the FP8 recipe's (one
     gather per step, not one per microbatch and remat), whose resident codes the report gives as fp8_codes_bytes."""
     small = {"model.d_model": "512", "model.n_heads": "4", "model.n_kv_heads": "4", "model.d_ff": "1024"}
@@ -254,7 +255,9 @@ def test_fp8_weights_cross_the_wire_as_codes_once_per_step_on_request():
         c = report["collectives"]
         moved[name] = c["all-gather"]["bytes_per_step"] + c["collective-permute"]["bytes_per_step"]
         codes[name] = report["fp8_codes_bytes"]
-    assert moved["fp8"] <= 0.55 * moved["bf16"], moved
+    # the weights' bytes halve (bf16 -> e4m3); both recipes also gather the same non-matmul tensors: 0.53x measured
+    # with jax 0.10.2's XLA:TPU, 0.557x with 0.12.0.1's; bf16 weights gathered by the FP8 recipe would make it >= 1x
+    assert moved["fp8"] <= 0.6 * moved["bf16"], moved
     assert moved["step"] <= 0.5 * moved["fp8"], moved
     # qkv, out, gate, up, down of one layer: K x N e4m3 codes + one f32 scale per block, whole on every device
     per_layer = 512 * (512 * 3) + 512 * 512 + 3 * 512 * 1024

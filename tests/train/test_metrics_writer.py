@@ -28,12 +28,15 @@ def test_the_writer_keeps_torch_out_and_writes_the_scalars(tmp_path):
         w.write(3, {{"loss": 2.5, "lr": 1e-3}})
         w.close()
         assert "torch" not in sys.modules, "tensorboardX imported torch"
-        import torch  # importable again afterwards
-        print("ok", torch.__name__)
+        import importlib.util
+        if importlib.util.find_spec("torch") is not None:  # installed (Python 3.11's dev extras): importable again
+            import torch
+            assert torch.__name__ == "torch"
+        print("ok")
         """
     )
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "ok torch" in p.stdout, p.stderr[-2000:]
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
     (events,) = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     scalars = {v.tag: (e.step, v.simple_value) for e in _events(events) for v in e.summary.value}
     assert scalars["train/loss"] == (3, 2.5)
