@@ -97,110 +97,102 @@ def _attention_inputs(b, h, hkv, t, d, seed=0):
     return q, k, v, do, q_seg, kv_seg
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,window", [(True, 0), (False, 0), (True, 256)], ids=["causal", "full", "window"])
-@pytest.mark.parametrize("name", ["default", "standard"])
-def test_flash_attention_triton_equals_twin(d, causal, window, name):
-    """The Triton forward, dQ and dK/dV kernels vs the blockwise XLA twin with the kernel's key-block size, GQA 4:1,
-    T = 1024, with packed sequences and a padded key."""
+def _kernels_vs_twin(forward, backward, bk, d, causal, window, name, label):
+    """``forward(q, k, v, q_seg, kv_seg, policy, **kw) -> (o, lse)`` and ``backward(q, k, v, q_seg, kv_seg, lse, do,
+    delta, **kw) -> (dq, dk, dv)`` against the blockwise XLA twin with key blocks of ``bk``, GQA 4:1, T = 1024, with
+    packed sequences and a padded key."""
     policy = fm.default_policy() if name == "default" else fm.standard_policy()
     q, k, v, do, q_seg, kv_seg = _attention_inputs(2, 8, 2, 1024, d)
     kw = dict(causal=causal, scale=d**-0.5, window=window)
-    blocks = dict(block_q=128, block_k=128)
-    o, lse = jax.jit(lambda: fk.forward(q, k, v, q_seg, kv_seg, policy=policy, **blocks, **kw))()
-    _, bk = tiles("triton", 1024, 1024, d, 128, 128)
+    case = f"{label} d={d} {name} causal={causal} window={window}"
+    o, lse = jax.jit(lambda: forward(q, k, v, q_seg, kv_seg, policy, **kw))()
     o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
     if o.dtype == jnp.float32:
-        _close(o, o_r, f"o d={d} {name} causal={causal} window={window}")
+        _close(o, o_r, f"o {case}")
     else:  # the standard policy rounds O to bf16 in the kernel: the f32 differences plus one bf16 rounding
         err = np.abs(np.asarray(o, np.float64) - np.asarray(o_r, np.float64))
         bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
-        print(f"o d={d} {name}: max |o - twin| / bound = {np.max(err / bound):.2f}")
+        print(f"o {case}: max |o - twin| / bound = {np.max(err / bound):.2f}")
         assert np.all(err <= bound)
-    _lse_close(lse, lse_r, policy, f"o d={d} {name} causal={causal} window={window}")
+    _lse_close(lse, lse_r, policy, case)
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
-    grads = jax.jit(lambda: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **blocks, **kw))()
+    grads = jax.jit(lambda: backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **kw))()
     refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
     for what, g, g_r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
-        _close(g, g_r, f"{what} d={d} {name} causal={causal} window={window}")
+        _close(g, g_r, f"{what} {case}")
 
 
-def test_attention_api_pallas_equals_xla_with_grads():
-    """The user-facing ``dot_product_attention(impl="pallas")`` vs ``impl="xla"`` on the GPU, forward and the
-    three gradients through ``jax.vjp``, [B, T, H, D] layout, T = 2048."""
-    ks = jax.random.split(jax.random.PRNGKey(1), 4)
-    q = jax.random.normal(ks[0], (2, 2048, 8, 64), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (2, 2048, 2, 64), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (2, 2048, 2, 64), jnp.bfloat16)
-    do = jax.random.normal(ks[3], (2, 2048, 8, 64), jnp.bfloat16)
+def _api_vs_xla(impl: str, d: int, seed: int):
+    """``dot_product_attention(impl=impl)`` vs ``impl="xla"``: forward and the three gradients through ``jax.vjp``,
+    [B, T, H, D] layout, T = 2048, causal, GQA 4:1; bf16 outputs, each within a bf16 rounding of the other on top of
+    the f32 differences."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (2, 2048, 8, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (2, 2048, 2, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (2, 2048, 2, d), jnp.bfloat16)
+    do = jax.random.normal(ks[3], (2, 2048, 8, d), jnp.bfloat16)
 
     @functools.partial(jax.jit, static_argnames="impl")
     def run(q, k, v, impl):
         o, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, impl=impl, causal=True), q, k, v)
         return (o, *vjp(do))
 
-    for what, a, b in zip(("o", "dq", "dk", "dv"), run(q, k, v, "pallas"), run(q, k, v, "xla"), strict=True):
-        # bf16 outputs: each within a bf16 rounding of the other on top of the f32 differences
+    for what, a, b in zip(("o", "dq", "dk", "dv"), run(q, k, v, impl), run(q, k, v, "xla"), strict=True):
         x, r = np.asarray(a, np.float32), np.asarray(b, np.float32)
         err = np.max(np.abs(x - r)) / np.max(np.abs(r))
-        print(f"api {what}: max|pallas-xla|/max|xla| = {err:.2e}")
+        print(f"api {what}: max|{impl}-xla|/max|xla| = {err:.2e}")
         assert err <= 2.0**-7, what
         assert np.linalg.norm(x - r) / np.linalg.norm(r) < 4e-3, what
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,window", [(True, 0), (False, 0), (True, 256)], ids=["causal", "full", "window"])
-@pytest.mark.parametrize("name", ["default", "standard"])
+ATTENTION_CASES = [
+    pytest.mark.parametrize("d", [64, 128]),
+    pytest.mark.parametrize("causal,window", [(True, 0), (False, 0), (True, 256)], ids=["causal", "full", "window"]),
+    pytest.mark.parametrize("name", ["default", "standard"]),
+]
+
+
+def _cases(f):
+    for mark in reversed(ATTENTION_CASES):
+        f = mark(f)
+    return f
+
+
+@_cases
+def test_flash_attention_triton_equals_twin(d, causal, window, name):
+    """The Triton forward, dQ and dK/dV kernels (blocks 128 x 128) vs the twin with the kernel's key-block size."""
+    blocks = dict(block_q=128, block_k=128)
+    _, bk = tiles("triton", 1024, 1024, d, 128, 128)
+    forward = lambda *a, **kw: fk.forward(*a[:5], policy=a[5], **blocks, **kw)
+    backward = lambda *a, **kw: fk.backward(*a, **blocks, **kw)
+    _kernels_vs_twin(forward, backward, bk, d, causal, window, name, "triton")
+
+
+def test_attention_api_pallas_equals_xla_with_grads():
+    """The user-facing ``dot_product_attention(impl="pallas")`` vs ``impl="xla"`` on the GPU, D = 64."""
+    _api_vs_xla("pallas", 64, seed=1)
+
+
+@_cases
 def test_flash_attention_mosaic_gpu_equals_twin(d, causal, window, name):
-    """The Mosaic GPU (Hopper, wgmma) forward, dQ and dK/dV kernels vs the blockwise XLA twin with the kernel's
-    key-block size, GQA 4:1, T = 1024, with packed sequences and a padded key; the tolerances of the Triton test."""
+    """The Mosaic GPU (Hopper, wgmma) forward, dQ and dK/dV kernels vs the twin with the kernel's key-block size; the
+    tolerances of the Triton test."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     from lpt.kernels.flash_attention import mosaic_gpu as mg
 
-    policy = fm.default_policy() if name == "default" else fm.standard_policy()
-    q, k, v, do, q_seg, kv_seg = _attention_inputs(2, 8, 2, 1024, d)
-    kw = dict(causal=causal, scale=d**-0.5, window=window)
     bk = mg.BLOCK_KS[0]
-    o, lse = jax.jit(lambda: mg.forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
-    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
-    if o.dtype == jnp.float32:
-        _close(o, o_r, f"mgpu o d={d} {name} causal={causal} window={window}")
-    else:  # the standard policy rounds O to bf16 in the kernel: the f32 differences plus one bf16 rounding
-        err = np.abs(np.asarray(o, np.float64) - np.asarray(o_r, np.float64))
-        bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
-        print(f"mgpu o d={d} {name}: max |o - twin| / bound = {np.max(err / bound):.2f}")
-        assert np.all(err <= bound)
-    _lse_close(lse, lse_r, policy, f"mgpu d={d} {name} causal={causal} window={window}")
-    delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
-    grads = jax.jit(lambda: mg.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
-    refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
-    for what, g, g_r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
-        _close(g, g_r, f"mgpu {what} d={d} {name} causal={causal} window={window}")
+    forward = lambda *a, **kw: mg.forward(*a[:5], policy=a[5], block_k=bk, **kw)
+    backward = lambda *a, **kw: mg.backward(*a, block_k=bk, **kw)
+    _kernels_vs_twin(forward, backward, bk, d, causal, window, name, "mgpu")
 
 
 def test_attention_api_mosaic_gpu_equals_xla_with_grads():
-    """``dot_product_attention(impl="mosaic_gpu")`` vs ``impl="xla"`` on a Hopper GPU, forward and the three gradients,
-    [B, T, H, D] layout, T = 2048: the tolerance of the Pallas API test."""
+    """``dot_product_attention(impl="mosaic_gpu")`` vs ``impl="xla"`` on a Hopper GPU, D = 128: the tolerance of the
+    Pallas API test."""
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
-    ks = jax.random.split(jax.random.PRNGKey(2), 4)
-    q = jax.random.normal(ks[0], (2, 2048, 8, 128), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (2, 2048, 2, 128), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (2, 2048, 2, 128), jnp.bfloat16)
-    do = jax.random.normal(ks[3], (2, 2048, 8, 128), jnp.bfloat16)
-
-    @functools.partial(jax.jit, static_argnames="impl")
-    def run(q, k, v, impl):
-        o, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, impl=impl, causal=True), q, k, v)
-        return (o, *vjp(do))
-
-    for what, a, b in zip(("o", "dq", "dk", "dv"), run(q, k, v, "mosaic_gpu"), run(q, k, v, "xla"), strict=True):
-        x, r = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        err = np.max(np.abs(x - r)) / np.max(np.abs(r))
-        print(f"api {what}: max|mosaic_gpu-xla|/max|xla| = {err:.2e}")
-        assert err <= 2.0**-7, what
-        assert np.linalg.norm(x - r) / np.linalg.norm(r) < 4e-3, what
+    _api_vs_xla("mosaic_gpu", 128, seed=2)
 
 
 def _fp8_magnitude(args):
