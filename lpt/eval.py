@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -35,12 +36,12 @@ import sys
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from lpt import data as data_lib
+from lpt.data import DataConfig
 from lpt.data.tokenizer import ByteTokenizer
 from lpt.inference import DTYPES, inference_mesh, load_model
 from lpt.models.partitioning import place
@@ -53,7 +54,7 @@ SPLITS = ("validation", "train")
 
 
 def evaluate(
-    model, data_cfg, *, batch: int, num_batches: int, split: str = "validation", mesh: Mesh | None = None
+    model, data_cfg: DataConfig, *, batch: int, num_batches: int, split: str = "validation", mesh: Mesh | None = None
 ) -> dict:
     """Loss (nats/token), perplexity and bits per byte of ``model`` on the first ``num_batches`` batches of
     ``batch`` windows of ``data_cfg.seq_len`` tokens of ``split`` (:func:`lpt.data.make_eval_batches`), no weight
@@ -65,7 +66,8 @@ def evaluate(
     (:func:`lpt.models.partitioning.place`), each batch is split over its data and fsdp axes and the forward is
     traced under the trainer's rules (:func:`lpt.train.step.on_mesh`), so the kernels run per shard; None: the
     default device."""
-    seq_len = int(data_cfg.seq_len)
+    data_cfg = data_lib.data_options(data_cfg)
+    seq_len = data_cfg.seq_len
     if seq_len > model.spec.max_seq_len:
         raise ValueError(f"data.seq_len={seq_len} exceeds the model's max_seq_len={model.spec.max_seq_len}")
     vocab = data_lib.load_tokenizer(data_cfg.tokenizer).vocab_size
@@ -94,7 +96,7 @@ def evaluate(
 
     loss = float(np.mean([float(loss_fn(state, put(b["inputs"]), put(b["targets"]))) for b in batches]))
     bpt = data_lib.bytes_per_token(data_cfg, split)
-    source = str(data_cfg.get("source", "embedded"))
+    source = data_cfg.source
     return {
         "data": source if source == "embedded" else f"{source}:{data_cfg.paths}",
         "tokenizer": str(data_cfg.tokenizer),
@@ -110,9 +112,9 @@ def evaluate(
     }
 
 
-def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
+def data_config(base: DataConfig, overrides: list[str]) -> DataConfig:
     """``base`` (a ``config.data``) with ``--config.data.KEY=VALUE`` overrides parsed by the trainer's schema."""
-    data = ml_collections.ConfigDict(base.to_dict())
+    data = base.to_dict()
     for key, text in config_lib.parse_overrides(overrides).items():
         if not key.startswith("data."):
             raise ValueError(f"--config.{key}: only config.data keys can be overridden here (--config.data.KEY=VALUE)")
@@ -120,7 +122,7 @@ def data_config(base, overrides: list[str]) -> ml_collections.ConfigDict:
         if leaf not in data:
             raise ValueError(f"unknown config key {key!r}; config.data keys: {sorted(data)}")
         data[leaf] = config_lib.parse_value(key, text)
-    return data
+    return data_lib.data_options(data)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base = config_lib.load_config_file(config_lib.resolve_config("tiny_cpu")).data
             bytes_ids = isinstance(tokenizer, ByteTokenizer)  # lpt.inference.hf_tokenizer chose (and said so)
-            base.tokenizer = "bytes" if bytes_ids else str(Path(args.hf) / "tokenizer.json")
-            base.seq_len = min(base.seq_len, model.spec.max_seq_len)
+            base = dataclasses.replace(
+                base,
+                tokenizer="bytes" if bytes_ids else str(Path(args.hf) / "tokenizer.json"),
+                seq_len=min(base.seq_len, model.spec.max_seq_len),
+            )
             rows = mesh.shape["data"] * mesh.shape["fsdp"]
             batch, batches = -(-8 // rows) * rows, 4  # at least 8 rows, a multiple of the devices
         data = data_config(base, rest)

@@ -38,18 +38,20 @@ import numpy as np
 
 from lpt.data import load_tokenizer
 from lpt.models import hf
+from lpt.models.config import ModelSpec
 from lpt.train import console, load_params, paths
+from lpt.train.config import Config
 
 
-def token_ids(cfg) -> dict:
+def token_ids(cfg: Config) -> dict:
     """``{bos_token_id, eos_token_id, pad_token_id}`` of an export of the run whose config is ``cfg``: all three the
     run's separator (the token :func:`lpt.data.load_tokenizer` packs between documents: the tokenizer's end-of-text
     token, id 0 for bytes), which lpt's generation stops at. A run started from ``init_from.hf`` with that
     directory's tokenizer (the same file content; bytes when it has no tokenizer.json) takes the ids the directory
     sets instead (:func:`lpt.models.hf.read_token_ids`; eos may be a list), when its config.json is still there."""
-    tok = load_tokenizer(str(cfg.get("data", {}).get("tokenizer", "bytes")))
+    tok = load_tokenizer(cfg.data.tokenizer)
     ids = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"), tok.separator)
-    source = cfg.get("init_from", {}).get("hf", "")
+    source = cfg.init_from.hf
     directory = Path(source).expanduser()
     if source and (directory / "config.json").is_file():
         source_tok = directory / "tokenizer.json"
@@ -58,16 +60,16 @@ def token_ids(cfg) -> dict:
     return ids
 
 
-def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, dict, str | None, dict]:
-    """``(params, model_cfg, tokenizer_file, token_ids)`` of the run ``workdir``'s checkpoint ``step`` (None: the
-    newest): verified params and ``config.model`` as a dict (:func:`lpt.train.load_params`), the run's tokenizer.json
-    (None for other tokenizers) and the special token ids of its export (:func:`token_ids`)."""
+def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, ModelSpec, str | None, dict]:
+    """``(params, model, tokenizer_file, token_ids)`` of the run ``workdir``'s checkpoint ``step`` (None: the
+    newest): verified params and ``config.model`` (:func:`lpt.train.load_params`), the run's tokenizer.json (None
+    for other tokenizers) and the special token ids of its export (:func:`token_ids`)."""
     params, cfg = load_params(workdir, step)
-    tokenizer = str(cfg.get("data", {}).get("tokenizer", "bytes"))
+    tokenizer = cfg.data.tokenizer
     tokenizer_file = tokenizer if tokenizer.endswith(".json") else None
     if tokenizer != "bytes" and not Path(tokenizer).expanduser().is_file():
         raise ValueError(f"{workdir}: the run's data.tokenizer={tokenizer!r} does not exist any more")
-    return params, cfg.model.to_dict(), tokenizer_file, token_ids(cfg)
+    return params, cfg.model, tokenizer_file, token_ids(cfg)
 
 
 def check_out(out: str | Path, overwrite: bool = False, workdir: str | Path | None = None) -> Path:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import jax
-import ml_collections
 
 from lpt.data.tokenizer import ByteTokenizer, load_tokenizer
 from lpt.models import from_pretrained
@@ -19,6 +18,7 @@ from lpt.models.hf import model_from_params
 from lpt.train import config as config_lib
 from lpt.train import load_params
 from lpt.train import mesh as mesh_lib
+from lpt.train.config import MeshConfig
 from lpt.train.recipe import model_precision
 
 DTYPES = ("float32", "bfloat16")  # the compute dtypes a loaded model may run in
@@ -59,7 +59,7 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
     return model, load_tokenizer(cfg.data.tokenizer), cfg
 
 
-def inference_mesh(cfg=None):
+def inference_mesh(cfg: config_lib.Config | None = None):
     """The device mesh for evaluating or sampling a model over all devices of this process: a run's own
     ``train.mesh`` (``cfg``, a run's config) when this machine has the devices it names, else (a run trained on
     more devices than there are here, or a Hugging Face model, ``cfg=None``) FSDP over every device, so the
@@ -71,18 +71,18 @@ def inference_mesh(cfg=None):
             f"evaluation and generation run in one process, not {jax.process_count()}; run them on one host (its "
             "devices form the mesh)"
         )
-    fsdp = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+    fsdp = MeshConfig(data=1, fsdp=-1, tensor=1)
     if cfg is None:
         return mesh_lib.make_mesh(fsdp)
     try:
         mesh = mesh_lib.make_mesh(cfg.train.mesh)
     except ValueError:  # the run's mesh names more devices than this machine has
-        sizes = {k: int(cfg.train.mesh[k]) for k in ("data", "fsdp", "tensor")}
+        sizes = cfg.train.mesh.to_dict()
         n = jax.device_count()
         print(
             f"note: the run's train.mesh {sizes} does not fit the {n} device(s) here; using FSDP over them",
             file=sys.stderr,
         )
         return mesh_lib.make_mesh(fsdp)
-    config_lib.check_heads(cfg, mesh.shape["tensor"])
+    config_lib.check_heads(cfg.model, mesh.shape["tensor"])
     return mesh

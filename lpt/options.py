@@ -37,7 +37,8 @@ _TUPLE = tuple[str, ...]
 @typing.dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def section(path: str):
     """Make the decorated class a frozen dataclass for the config section at key path ``path``: construction checks
-    every field (:func:`check_fields`), then calls the class's ``check()`` if it defines one."""
+    every field (:func:`check_fields`), then calls the class's ``check()`` if it defines one; ``obj.to_dict()`` is
+    :func:`to_dict`."""
 
     def make(cls):
         cls.PATH = path
@@ -49,6 +50,7 @@ def section(path: str):
                 own_check(self)
 
         cls.__post_init__ = __post_init__
+        cls.to_dict = to_dict
         return dataclasses.dataclass(frozen=True)(cls)
 
     return make
@@ -230,7 +232,7 @@ def check_fields(obj: Any) -> None:
 
 
 def _as_mapping(value: Any, key: str) -> Mapping:
-    if hasattr(value, "to_dict"):  # ml_collections.ConfigDict
+    if hasattr(value, "to_dict"):  # a section, or an ml_collections.ConfigDict
         return value.to_dict()
     if isinstance(value, Mapping):
         return value
@@ -253,8 +255,11 @@ def unknown_key_error(keys: str | list[str], known: list[str]) -> ValueError:
 
 
 def build(cls: type, values: Any = None, path: str | None = None) -> Any:
-    """An instance of section ``cls`` from ``values`` (a mapping, a ConfigDict or None): missing keys take their
-    defaults; unknown keys, wrong types and values outside the allowed set raise ValueError naming the key."""
+    """An instance of section ``cls`` from ``values`` (a mapping, a ConfigDict, None, or an instance of ``cls``,
+    returned as is): missing keys take their defaults; unknown keys, wrong types and values outside the allowed set
+    raise ValueError naming the key."""
+    if isinstance(values, cls):
+        return values
     path = cls.PATH if path is None else path
     given = dict(_as_mapping(values, path)) if values is not None else {}
     hints = _hints(cls)

@@ -137,7 +137,7 @@ def test_token_ids_are_the_separator_or_those_of_the_init_from_hf_directory(run,
     """An export's bos/eos/pad: the run's separator (bytes: 0; the run's tokenizer.json: its <|endoftext|>, 1); a run
     started from init_from.hf with that directory's tokenizer takes the ids the directory sets (eos a list here, pad
     left to the separator); with another tokenizer, or once the directory is gone, the separator again."""
-    import ml_collections
+    from lpt.train import config as config_lib
 
     _, tokenizer = run
     source = tmp_path / "source"
@@ -146,7 +146,7 @@ def test_token_ids_are_the_separator_or_those_of_the_init_from_hf_directory(run,
     (source / "tokenizer.json").write_bytes(tokenizer.read_bytes())
 
     def ids(tok, hf_dir=""):
-        cfg = ml_collections.ConfigDict({"data": {"tokenizer": str(tok)}, "init_from": {"hf": str(hf_dir)}})
+        cfg = config_lib.build({"data": {"tokenizer": str(tok)}, "init_from": {"hf": str(hf_dir)}})
         return tuple(export.token_ids(cfg).values())
 
     assert ids("bytes") == (0, 0, 0)

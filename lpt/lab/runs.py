@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 
 from lpt import data as data_lib
@@ -81,7 +80,7 @@ def trained(cfg, run_dir: Path) -> dict:
 
 
 def recipe_config(name: str, overrides: dict[str, str] | None = None):
-    """The ConfigDict of recipe ``name`` with ``overrides`` (``{"train.steps": "100"}``) applied."""
+    """The Config of recipe ``name`` with ``overrides`` (``{"train.steps": "100"}``) applied."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}")
     file, extra, _ = RECIPES[name]
@@ -114,7 +113,7 @@ def train_batches(cfg, n: int) -> list[dict[str, np.ndarray]]:
 def train_step_runner(cfg) -> tuple[Callable[[dict], jax.Array], int]:
     """``(run, temp_bytes)``: ``run(batch) -> loss`` advances the trainer's jitted step on one device;
     ``temp_bytes`` is XLA's compiled scratch memory of that step (activations, gradients, temporaries)."""
-    one_device = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1})
+    one_device = config_lib.MeshConfig(data=1, fsdp=1, tensor=1)
     mesh = mesh_lib.make_mesh(one_device, devices=jax.devices()[:1])
     tx = optimizer.make_optimizer(cfg)
     model_def = state_lib.make_model_def(cfg)

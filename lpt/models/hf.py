@@ -38,7 +38,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -293,7 +292,7 @@ def model_from_params(model_cfg, precision_cfg, params: dict) -> Transformer:
     return nnx.merge(graphdef, state)
 
 
-def from_pretrained(path: str | Path, *, param_dtype: str = "float32") -> tuple[Transformer, ml_collections.ConfigDict]:
+def from_pretrained(path: str | Path, *, param_dtype: str = "float32") -> tuple[Transformer, ModelSpec]:
     """``(model, model_cfg)``: an lpt :class:`~lpt.models.Transformer` with the weights of the Hugging Face model
     directory ``path`` (GPT-2, Llama, Qwen2, Qwen3 or Mistral; see :func:`read_config`), and its ``config.model``.
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import ml_collections
 
-from lpt.models.config import model_spec
+from lpt.models.config import ModelSpec, model_spec
 from lpt.models.hf_files import _is_index as _is_id
 from lpt.models.hf_files import read_json
 from lpt.models.hf_readers import gpt2_config, llama_config
@@ -63,7 +62,7 @@ def model_kind(hf: dict, where) -> str:
     return "gpt2" if model_family(hf, where) == "gpt2" else "llama"
 
 
-def read_config(path: str | Path) -> ml_collections.ConfigDict:
+def read_config(path: str | Path) -> ModelSpec:
     """The lpt ``config.model`` of a Hugging Face model directory's ``config.json`` (every key of
     configs/tiny_cpu.py's ``c.model``; ``scan_layers`` and ``remat`` False).
 

@@ -15,10 +15,8 @@ becomes 0 (no window).
 
 from __future__ import annotations
 
-import ml_collections
 
-from lpt.models.config import model_spec
-from lpt.options import to_dict
+from lpt.models.config import ModelSpec, model_spec
 
 # defaults of transformers' GPT2Config / LlamaConfig / Qwen2Config / Qwen3Config / MistralConfig, for keys a
 # config.json leaves out
@@ -81,11 +79,11 @@ _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximati
 _ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}  # Hugging Face rope_type -> lpt's
 
 
-def model_cfg(where, **kw) -> ml_collections.ConfigDict:
-    """``config.model`` with every key: ``kw`` over the model section's defaults, checked by lpt's own rules
-    (divisibility, even head_dim, ...); their ValueError is prefixed with ``where``."""
+def model_cfg(where, **kw) -> ModelSpec:
+    """``config.model``: ``kw`` over the model section's defaults, checked by lpt's own rules (divisibility, even
+    head_dim, ...); their ValueError is prefixed with ``where``."""
     try:
-        return ml_collections.ConfigDict(to_dict(model_spec(kw)))
+        return model_spec(kw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
@@ -114,7 +112,7 @@ def typed(hf: dict, defaults: dict, where) -> dict:
     return c
 
 
-def gpt2_config(hf: dict, where) -> ml_collections.ConfigDict:
+def gpt2_config(hf: dict, where) -> ModelSpec:
     """``config.model`` of a GPT-2 config.json (kind "gpt2")."""
     c = typed(hf, _GPT2_DEFAULTS, where)
     if c["activation_function"] not in _GELU_TANH:
@@ -214,7 +212,7 @@ def sliding_window(hf: dict, c: dict, where, family: str) -> int:
     return int(window)
 
 
-def llama_config(hf: dict, where, family: str) -> ml_collections.ConfigDict:
+def llama_config(hf: dict, where, family: str) -> ModelSpec:
     """``config.model`` of a Llama, Qwen2, Qwen3 or Mistral config.json (kind "llama"; Qwen2: ``qkv_bias``, Qwen3:
     ``qk_norm``; Qwen2, Qwen3, Mistral: ``sliding_window``)."""
     c = typed(hf, _DEFAULTS[family], where)

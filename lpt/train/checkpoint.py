@@ -320,7 +320,7 @@ def steps(workdir: str | Path) -> list[int]:
 
 def load_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Any]:
     """The params of a run's checkpoint (the newest if ``step`` is None) as a nested dict of numpy arrays, and the
-    run's config (an ``ml_collections.ConfigDict``). The arrays are verified against their saved checksums.
+    run's config (a :class:`lpt.train.config.Config`). The arrays are verified against their saved checksums.
 
     The config is the one saved with the checkpoint, else the run's ``config.json`` (ValueError when neither
     exists). Its ``model.vocab_size`` is the embedding's row count when it says 0 (the tokenizer's size); a nonzero
@@ -357,13 +357,13 @@ def run_config(workdir: str | Path, saved: dict | None, params: dict):
             raise ValueError(f"{workdir}: the checkpoint records no config and there is no {file.name}")
         saved = json.loads(file.read_text())
     try:
-        cfg = config_lib.complete(saved)
+        cfg = config_lib.build(saved)
     except ValueError as e:
         raise ValueError(f"{workdir}: the run's saved config: {e}") from None
     if "embed" in params:
         rows = int(np.shape(params["embed"]["embedding"])[0])
         if cfg.model.vocab_size == 0:  # the tokenizer's size: the embedding holds it
-            cfg.model.vocab_size = rows
+            cfg = config_lib.with_values(cfg, {"model.vocab_size": rows})
         elif cfg.model.vocab_size != rows:
             raise ValueError(
                 f"{workdir}: config model.vocab_size={cfg.model.vocab_size} but the checkpoint's embedding has "

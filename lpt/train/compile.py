@@ -62,10 +62,9 @@ def parse_tpu_oom(message: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _build(cfg, topology: str):
+def _build(cfg: config_lib.Config, topology: str):
     """(mesh, jitted train step, sharded abstract state, batch structs): the trainer's own program
     (:func:`lpt.train.loop.program`) on a mesh of the topology's devices; ValueError on bad input."""
-    cfg = config_lib.resolve(cfg)
     mesh = loop.make_mesh(cfg, targets.devices(topology))
     prog = loop.program(cfg, mesh)
     return mesh, prog.train_step, state_lib.with_shardings(prog.abstract, prog.shardings), loop.batch_structs(cfg, mesh)
@@ -80,7 +79,7 @@ def shard_bytes(tree) -> int:
     ) + sum(x.dtype.itemsize for x in jax.tree.leaves(tree) if x.shape == ())
 
 
-def compile_step(cfg, topology: str) -> dict:
+def compile_step(cfg: config_lib.Config, topology: str) -> dict:
     """Compile ``cfg``'s train step for ``topology`` and return the report (see module docstring and docs/compile.md).
 
     Raises ValueError on bad input (also a GPU topology when jax's CUDA plugin, a ``dev`` extra, is not installed)
@@ -205,7 +204,7 @@ def _cost(ca, flops: float, model_flops: float, n: int, peak: float, looped: boo
     return {"flops": flops, "optimal_seconds": secs, "mfu_bound": bound, "cost_note": note}
 
 
-def advise(cfg, r: dict) -> list[str]:
+def advise(cfg: config_lib.Config, r: dict) -> list[str]:
     """Knobs that bring a step that does not fit under the HBM, with estimates (temporaries ~ per-device batch)."""
     hbm, temp = r["hbm_bytes"], r["temp_bytes"] or 0
     fixed = r["total_bytes"] - temp  # state, batch, outputs, code: independent of the microbatch size

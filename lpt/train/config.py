@@ -3,7 +3,12 @@
 :class:`Config` is the whole tree, made of the typed sections ``model`` and ``precision`` (:mod:`lpt.models.config`),
 ``data`` (:mod:`lpt.data.pipeline`) and ``optim``, ``train``, ``init_from`` (here). Every key is one field with its
 type, default, allowed values or range, and doc (:func:`lpt.options.option`); the parser, validation, ``--help`` and
-the complete ``config.json`` are derived from them.
+the complete ``config.json`` are derived from them. The rules within one section are its ``check()``; the rules between
+sections are :meth:`Config.check`; both run when a tree is built, so a Config is always a valid one.
+
+The command line, a config file and a run's ``config.json`` are parsed here, once, into a Config
+(:func:`parse_args`, :func:`load_config_file`, :func:`apply_overrides`, :func:`build`); everything below takes the
+Config or the section it uses. ``ml_collections.ConfigDict`` is what config files write (:func:`defaults`).
 
 A config file is a Python file with ``get_config() -> ml_collections.ConfigDict`` (see ``configs/``) that starts
 from :func:`defaults` and sets the keys that make it that run; keys it does not set keep their defaults. The loader
@@ -18,6 +23,7 @@ its value, range and doc.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 import traceback
@@ -38,6 +44,19 @@ from lpt.train.guard import BAD_STEPS
 from lpt.train.recipe import PrecisionConfig
 
 _CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
+
+
+def _profile_range(text: str) -> tuple[int, int] | None:
+    text = text.strip()
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+        raise ValueError(
+            f"config key train.profile_steps={text!r} must be 'FIRST,LAST' with 1 <= FIRST <= LAST (e.g. '100,110'), "
+            f"or '' for no trace"
+        )
+    return int(parts[0]), int(parts[1])
 
 
 @section("optim")
@@ -73,6 +92,11 @@ class MeshConfig:
     fsdp: int = option(1, 'fully-sharded data parallel axis (params sharded on "embed")', bounds=_AXIS)
     tensor: int = option(1, "tensor-parallel axis (heads / mlp / vocab)", bounds=_AXIS)
 
+    def check(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError(f"train.mesh (data, fsdp, tensor) = {sizes}: at most one may be -1")
+
 
 @section("train")
 class TrainConfig:
@@ -107,6 +131,14 @@ class TrainConfig:
     )
     mesh: MeshConfig = option(MeshConfig(), "the device mesh")
 
+    def check(self):
+        _profile_range(self.profile_steps)  # raises on a malformed range
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """``profile_steps`` as (first, last) step, or None when it is ""."""
+        return _profile_range(self.profile_steps)
+
 
 @section("init_from")
 class InitFromConfig:
@@ -120,10 +152,18 @@ class InitFromConfig:
         bounds=at_least(0, also=(-1,), note="-1 = the newest"),
     )
 
+    def check(self):
+        if self.hf and self.workdir:
+            raise ValueError(
+                f"init_from.hf={self.hf!r} and init_from.workdir={self.workdir!r} are both set; start from one of them"
+            )
+
 
 @section("")
 class Config:
-    """The whole config of a run."""
+    """The whole config of a run: each section typed, and the rules that span sections checked on construction
+    (:meth:`check`). The trainer, the inference tools and the lab take this tree (or the section they use);
+    ``ml_collections.ConfigDict`` stays at the edges (config files, ``config.json``), parsed here."""
 
     model: ModelSpec = option(ModelSpec(), "architecture and size")
     precision: PrecisionConfig = option(PrecisionConfig(), "the precision recipe")
@@ -131,6 +171,27 @@ class Config:
     optim: OptimConfig = option(OptimConfig(), "the optimizer")
     train: TrainConfig = option(TrainConfig(), "the training run")
     init_from: InitFromConfig = option(InitFromConfig(), "the weights a fresh run starts from")
+
+    def check(self):
+        """The rules between sections: the heads over the tensor axis, the batch over the microbatches, each layer's
+        matmul format against its weights' shapes, the attention impl against the model, FP8 gathering against PQT,
+        the sequence length against the model's."""
+        p, o, t = self.precision, self.optim, self.train
+        if t.mesh.tensor > 1:
+            check_heads(self.model, t.mesh.tensor)
+        if t.global_batch % o.microbatches:
+            raise ValueError(f"train.global_batch={t.global_batch} is not divisible by optim.microbatches={o.microbatches}")
+        check_matmul_blocks(self.model, p)
+        check_attention(self.model, p)
+        noisy = [k for k in LAYER_KINDS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
+        if o.fp8_gather == "step" and noisy:
+            raise ValueError(
+                f"optim.fp8_gather='step' quantizes each FP8 weight once per step, but precision.pqt.method="
+                f"{p.pqt.method!r} samples new weight noise in every microbatch of layers {noisy}; use fp8_gather="
+                "'microbatch' with PQT"
+            )
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
 
 
 LEAVES: dict[str, options.Leaf] = {leaf.key: leaf for leaf in options.leaves(Config)}
@@ -148,10 +209,18 @@ RESUME_FREE = ("model.remat", "precision.update_impl")  # the same math, another
 RESUME_CONVERTED = ("precision.moment_dtype",)  # the trainer re-stores the checkpoint's moments (lpt.train.resume)
 
 
-def resume_conflicts(saved: ml_collections.ConfigDict | dict, current: ml_collections.ConfigDict) -> list[str]:
-    """The keys of ``RESUME_FIXED`` whose value in ``current`` differs from the checkpoint's ``saved`` config, as
-    ``"key=saved -> current"`` (empty when the run may resume)."""
-    old, new = _flatten(complete(saved)), _flatten(complete(current))
+def build(values: Config | Mapping | ml_collections.ConfigDict | None = None) -> Config:
+    """The typed :class:`Config` of ``values``: a ConfigDict (a config file's), a nested mapping (a run's
+    ``config.json``, possibly of an older run that lacks newer keys), or a Config (returned as is). Missing keys take
+    their defaults; ValueError for an unknown key, a wrong type, a value outside the allowed set or range, or values
+    that do not fit together."""
+    return options.build(Config, values)
+
+
+def resume_conflicts(saved: Mapping, current: Config) -> list[str]:
+    """The keys of ``RESUME_FIXED`` whose value in ``current`` differs from the checkpoint's ``saved`` config (a
+    nested dict), as ``"key=saved -> current"`` (empty when the run may resume)."""
+    old, new = _flatten(build(saved)), _flatten(current)
     return [
         f"{key}={old[key]!r} -> {new[key]!r}"
         for key in LEAVES
@@ -164,73 +233,47 @@ def defaults() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(options.to_dict(Config()))
 
 
-def complete(cfg: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
-    """``cfg`` (a ConfigDict or a nested dict, possibly partial: a file, or a ``config.json`` of an older run) with
-    every key, the missing ones at their defaults; ValueError for an unknown key, a wrong type or a value outside
-    the allowed set."""
-    return ml_collections.ConfigDict(options.to_dict(options.build(Config, cfg)))
+def complete(cfg: Config | Mapping | ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``cfg`` (possibly partial: a file, or a ``config.json`` of an older run) as a ConfigDict with every key, the
+    missing ones at their defaults; ValueError as :func:`build`."""
+    return ml_collections.ConfigDict(options.to_dict(build(cfg)))
 
 
-def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
+def validate(cfg: Config | Mapping | ml_collections.ConfigDict) -> Config:
+    """The typed Config of ``cfg``; ValueError if it has unknown keys, wrong types, values outside the allowed set,
+    or values that do not fit together (missing keys take their defaults)."""
+    return build(cfg)
+
+
+def _flatten(tree: Config | Mapping, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` of a Config or a nested mapping."""
+    tree = tree if isinstance(tree, Mapping) else options.to_dict(tree)
     out = {}
-    for key, value in cfg.items():
+    for key, value in tree.items():
         path = f"{prefix}{key}"
-        if isinstance(value, ml_collections.ConfigDict):
+        if isinstance(value, Mapping):
             out.update(_flatten(value, path + "."))
         else:
             out[path] = value
     return out
 
 
-def validate(cfg: ml_collections.ConfigDict) -> None:
-    """Raise ValueError if ``cfg`` has unknown keys, wrong types, values outside the allowed set, or values that
-    do not fit together (missing keys take their defaults)."""
-    typed = options.build(Config, cfg)  # types, allowed values and ranges of each key
-    p = typed.precision
-    if p.update_impl == "pallas" and (p.update_rule != "kahan" or p.param_dtype != "bfloat16"):
-        raise ValueError(
-            f"precision.update_impl='pallas' runs the fused bf16 AdamW + Kahan kernel: it needs "
-            f"precision.update_rule='kahan' and precision.param_dtype='bfloat16', got {p.update_rule!r} and "
-            f"{p.param_dtype!r} (use precision.update_impl='xla')"
-        )
-    mesh = typed.train.mesh
-    sizes = (mesh.data, mesh.fsdp, mesh.tensor)
-    if sum(s == -1 for s in sizes) > 1:
-        raise ValueError(f"train.mesh (data, fsdp, tensor) = {sizes}: at most one may be -1")
-    _profile_range(typed.train.profile_steps)  # raises on a malformed range
-    o = typed.optim
-    if p.update_rule != "f32_master" and p.param_dtype == "float32":
-        raise ValueError(
-            f"precision.update_rule={p.update_rule!r} rounds each update into low-precision params, but "
-            f"precision.param_dtype='float32'; set precision.param_dtype=bfloat16 (or float16, float8_*) with it, "
-            f"or use precision.update_rule=f32_master for f32 params"
-        )
-    if mesh.tensor > 1:
-        check_heads(cfg, mesh.tensor)
-    if typed.train.global_batch % o.microbatches:
-        raise ValueError(
-            f"train.global_batch={typed.train.global_batch} is not divisible by optim.microbatches={o.microbatches}"
-        )
-    i = typed.init_from
-    if i.hf and i.workdir:
-        raise ValueError(
-            f"init_from.hf={i.hf!r} and init_from.workdir={i.workdir!r} are both set; start from one of them"
-        )
-    check_matmul_blocks(typed.model, p)
-    check_attention(typed.model, p)
-    noisy = [k for k in LAYER_KINDS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
-    if o.fp8_gather == "step" and noisy:
-        raise ValueError(
-            f"optim.fp8_gather='step' quantizes each FP8 weight once per step, but precision.pqt.method="
-            f"{p.pqt.method!r} samples new weight noise in every microbatch of layers {noisy}; use fp8_gather="
-            "'microbatch' with PQT"
-        )
-    if typed.data.seq_len > typed.model.max_seq_len:
-        raise ValueError(f"data.seq_len={typed.data.seq_len} exceeds model.max_seq_len={typed.model.max_seq_len}")
+def with_values(cfg: Config, changes: Mapping[str, Any]) -> Config:
+    """``cfg`` with the typed values ``{"a.b": value}`` (a new Config, checked as a whole)."""
+    tree = options.to_dict(cfg)
+    for key, value in changes.items():
+        if key not in LEAVES:
+            raise options.unknown_key_error(key, list(LEAVES))
+        *parents, leaf = key.split(".")
+        node = tree
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return build(tree)
 
 
-def from_hf(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """With ``init_from.hf``: ``cfg`` (a copy) whose model section is the directory's ``config.json``
+def from_hf(cfg: Config) -> Config:
+    """With ``init_from.hf``: ``cfg`` whose model section is the directory's ``config.json``
     (:func:`lpt.models.hf.read_config`), except the keys the config sets to other values than their defaults (e.g.
     ``max_seq_len``, ``remat``, ``scan_layers``); a shape key set to another value than the source's is an error
     naming every such key at once. ``data.tokenizer`` left at its default becomes the directory's ``tokenizer.json``
@@ -238,33 +281,38 @@ def from_hf(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if not cfg.init_from.hf:
         return cfg
     directory = Path(cfg.init_from.hf).expanduser()
-    source = read_hf_config(directory).to_dict()
-    default_model = options.to_dict(ModelSpec())
-    out = ml_collections.ConfigDict(cfg.to_dict())
+    source = options.to_dict(read_hf_config(directory))
+    default_model, mine = options.to_dict(ModelSpec()), options.to_dict(cfg.model)
+    model = dict(mine)
     conflicts = []
     for key, value in source.items():
-        mine = cfg.model[key]
-        mine = mine.to_dict() if isinstance(mine, ml_collections.ConfigDict) else mine
-        if mine == default_model[key] or mine == value:
-            out.model[key] = value
+        if mine[key] == default_model[key] or mine[key] == value:
+            model[key] = value
         elif key in SHAPE_KEYS:
-            conflicts.append(f"model.{key}={mine!r} (the source has {value!r})")
+            conflicts.append(f"model.{key}={mine[key]!r} (the source has {value!r})")
     if conflicts:
         raise ValueError(
             f"init_from.hf={cfg.init_from.hf!r}: the config sets {'; '.join(conflicts)}; a fine-tune keeps the "
             f"source's shape: leave these keys out (the model section comes from its config.json)"
         )
-    if cfg.data.tokenizer == options.to_dict(DataConfig())["tokenizer"] and (directory / "tokenizer.json").is_file():
-        out.data.tokenizer = str(directory / "tokenizer.json")
-    return out
+    data = cfg.data
+    if data.tokenizer == DataConfig().tokenizer and (directory / "tokenizer.json").is_file():
+        data = dataclasses.replace(data, tokenizer=str(directory / "tokenizer.json"))
+    return dataclasses.replace(cfg, model=options.build(ModelSpec, model), data=data)
 
 
-def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def resolve(cfg: Config) -> Config:
     """``cfg`` with the model section of ``init_from.hf`` (:func:`from_hf`) and ``model.vocab_size`` = the
-    tokenizer's vocabulary size when it is 0 (a copy; ``cfg`` unchanged).
+    tokenizer's vocabulary size when it is 0 (a new Config, checked again: the lm_head's N is now known); ``cfg``
+    itself when there is nothing to resolve.
 
     A nonzero ``model.vocab_size`` may exceed the tokenizer's (padding, e.g. to a multiple of 128 for FP8 heads)
     but not fall below it."""
+    if not isinstance(cfg, Config):
+        raise ValueError(
+            f"expected an lpt.train.config.Config, got {type(cfg).__name__}; build one with "
+            "lpt.train.config.build(...) or load_config_file(...)"
+        )
     cfg = from_hf(cfg)
     n = load_tokenizer(cfg.data.tokenizer).vocab_size
     if cfg.model.vocab_size == n:
@@ -276,33 +324,13 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         )
     if cfg.model.vocab_size:
         return cfg
-    out = ml_collections.ConfigDict(cfg.to_dict())
-    out.model.vocab_size = n
-    return out
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=n))
 
 
-def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
-    """``train.profile_steps`` as (first, last) step, or None when it is ""; ValueError if malformed."""
-    return _profile_range(cfg.train.profile_steps)
-
-
-def _profile_range(text: str) -> tuple[int, int] | None:
-    text = text.strip()
-    if not text:
-        return None
-    parts = text.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
-        raise ValueError(
-            f"config key train.profile_steps={text!r} must be 'FIRST,LAST' with 1 <= FIRST <= LAST (e.g. '100,110'), "
-            f"or '' for no trace"
-        )
-    return int(parts[0]), int(parts[1])
-
-
-def check_heads(cfg: ml_collections.ConfigDict, tensor: int) -> None:
+def check_heads(model: ModelSpec, tensor: int) -> None:
     """Raise ValueError unless the query and key/value heads split evenly over a tensor axis of size ``tensor``."""
     for key in ("n_heads", "n_kv_heads"):
-        n = cfg.model[key]
+        n = getattr(model, key)
         if n % tensor:
             raise ValueError(
                 f"config key model.{key}={n} cannot be split over train.mesh.tensor={tensor} (attention heads are "
@@ -317,23 +345,11 @@ def parse_value(key: str, text: str) -> Any:
     return options.parse(key, text, LEAVES[key].type)
 
 
-def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
-    """Return a copy of ``cfg`` with ``{"a.b": "text"}`` overrides applied (parsed by schema type), validated and
-    passed through :func:`resolve`; the matmul blocks are checked again with the resolved ``model.vocab_size`` (the
-    lm_head's N)."""
-    tree = complete(cfg).to_dict()
-    for key, text in overrides.items():
-        value = parse_value(key, text)
-        *parents, leaf = key.split(".")
-        node = tree
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    cfg = ml_collections.ConfigDict(tree)
-    validate(cfg)
-    cfg = resolve(cfg)
-    check_matmul_blocks(options.build(ModelSpec, cfg.model), options.build(PrecisionConfig, cfg.precision))
-    return cfg
+def apply_overrides(cfg: Config | ml_collections.ConfigDict | Mapping, overrides: Mapping[str, str]) -> Config:
+    """The Config of ``cfg`` (a Config, a config file's ConfigDict or a mapping) with ``{"a.b": "text"}`` overrides
+    applied (parsed by schema type), checked and passed through :func:`resolve`."""
+    values = {key: parse_value(key, text) for key, text in overrides.items()}
+    return resolve(with_values(build(cfg), values))
 
 
 def shipped_configs() -> list[str]:
@@ -398,9 +414,9 @@ def _run_config_file(path: Path) -> Any:
     return made
 
 
-def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
+def load_config_file(path: str | Path) -> Config:
     """Import ``path`` (a Python file defining ``get_config()``, or the name of a shipped config such as
-    ``tiny_cpu``) and return its validated ConfigDict; ValueError naming the file when its code fails or
+    ``tiny_cpu``) and return its typed, checked Config; ValueError naming the file when its code fails or
     ``get_config()`` returns something other than a ConfigDict or a mapping of keys."""
     path = resolve_config(path)
     made = _run_config_file(path)
@@ -409,12 +425,10 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
             f"config file {str(path)!r}: get_config() returned {type(made).__name__} ({made!r:.60}); it must return "
             "an ml_collections.ConfigDict (e.g. lpt.train.config.defaults() with its keys set) or a mapping of keys"
         )
-    cfg = complete(made)
-    validate(cfg)
-    return cfg
+    return build(made)
 
 
-def schema_help(cfg: ml_collections.ConfigDict | None = None) -> str:
+def schema_help(cfg: Config | None = None) -> str:
     """The config keys with their types, allowed values or ranges and docs for ``--help``; with ``cfg``, each key's
     value."""
     flat = _flatten(cfg) if cfg is not None else {}
@@ -455,8 +469,9 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return overrides
 
 
-def parse_args(argv: list[str]) -> tuple[ml_collections.ConfigDict, argparse.Namespace]:
-    """Parse ``--config FILE --workdir DIR [--config.key=value ...]`` (+ optional multi-process flags)."""
+def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
+    """Parse ``--config FILE --workdir DIR [--config.key=value ...]`` (+ optional multi-process flags) into the
+    run's Config, resolved (:func:`apply_overrides`)."""
     epilog = schema_help()
     if any(a in ("-h", "--help") for a in argv):  # with --config: the file's values and comments
         peek = argparse.ArgumentParser(add_help=False)

@@ -51,6 +51,7 @@ from lpt.models.config import SHAPE_KEYS, ModelSpec
 from lpt.train import checkpoint as ckpt_lib
 from lpt.train import paths
 from lpt.train import state as state_lib
+from lpt.train.config import Config
 
 log = logging.getLogger("lpt.train")
 
@@ -68,7 +69,7 @@ def origin_text(origin: dict) -> str:
     return f"a fresh init from train.seed={origin['seed']}"
 
 
-def initial_state(cfg, prog) -> tuple[state_lib.TrainState, dict]:
+def initial_state(cfg: Config, prog) -> tuple[state_lib.TrainState, dict]:
     """``(state, origin)``: the step-0 train state of ``cfg`` laid out as ``prog.shardings`` (``prog`` is
     :func:`lpt.train.loop.program`'s), from ``config.init_from`` if set, else a fresh init; see the module docstring."""
     if not (cfg.init_from.workdir or cfg.init_from.hf):
@@ -81,7 +82,7 @@ def initial_state(cfg, prog) -> tuple[state_lib.TrainState, dict]:
     return state, origin
 
 
-def load_source(cfg) -> tuple[dict, dict]:
+def load_source(cfg: Config) -> tuple[dict, dict]:
     """``(params, origin)``: the source's params (nested dict of numpy arrays, any float dtype) after checking its
     model's shape keys against ``cfg.model``."""
     if cfg.init_from.workdir:
@@ -89,8 +90,6 @@ def load_source(cfg) -> tuple[dict, dict]:
         step = _source_step(workdir, cfg.init_from.step)
         where = f"init_from.workdir={cfg.init_from.workdir!r} (step {step})"
         params, run_cfg = ckpt_lib.load_params(workdir, step)
-        if "model" not in run_cfg:
-            raise ValueError(f"{where}: the checkpoint's metadata holds no config.model to compare with")
         check_model(run_cfg.model.to_dict(), cfg.model.to_dict(), where, scan=True)
         return params, {"workdir": str(workdir), "step": step}
     path = Path(cfg.init_from.hf).expanduser().resolve()
@@ -143,7 +142,7 @@ def _flat(tree, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def state_from_params(cfg, prog, params: dict, where: str) -> state_lib.TrainState:
+def state_from_params(cfg: Config, prog, params: dict, where: str) -> state_lib.TrainState:
     """The step-0 train state with ``params`` (nested dict of host arrays, checked against ``prog.abstract``), stored
     in the state's dtypes, with a fresh optimizer (and the Kahan compensation of the dropped bits), placed as
     ``prog.shardings``."""

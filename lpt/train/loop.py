@@ -1,8 +1,8 @@
 """The training recipe, top to bottom: mesh -> data -> program (model, optimizer, shardings, jitted steps) -> resume
 -> loop (log, eval, checkpoint, SIGTERM, NaN guard) -> final eval, plot, summary.
 
-``train(cfg, workdir)`` runs it on a validated ConfigDict (``python -m lpt.train`` parses the command line and calls
-it; the lab and the tests call it directly). ``program(cfg, mesh)`` builds the jitted steps and the sharded layout of
+``train(cfg, workdir)`` runs it on a :class:`lpt.train.config.Config` (``python -m lpt.train`` parses the command line
+into one and calls it; the lab and the tests call it directly). ``program(cfg, mesh)`` builds the jitted steps and the sharded layout of
 the train state without touching data or devices' memory; ``python -m lpt.train.compile`` compiles the same program
 ahead of time for a TPU or GPU topology.
 
@@ -60,9 +60,9 @@ class Program:
     diag_step: Callable | None  # jitted activation-diagnostics pass, None when train.diagnostics_every == 0
 
 
-def program(cfg, mesh: Mesh) -> Program:
-    """Model, optimizer, train-state layout and jitted steps of ``cfg`` on ``mesh``."""
-    cfg = config_lib.resolve(cfg)  # model.vocab_size 0 -> the tokenizer's
+def program(cfg: config_lib.Config, mesh: Mesh) -> Program:
+    """Model, optimizer, train-state layout and jitted steps of the resolved ``cfg`` (:func:`lpt.train.config.resolve`)
+    on ``mesh``."""
     model_def = state_lib.make_model_def(cfg)
     tx = optimizer.make_optimizer(cfg, mesh.size, state_lib.param_shardings(model_def, mesh))
     schedule = optimizer.make_schedule(cfg.optim, cfg.train.steps)
@@ -76,21 +76,21 @@ def program(cfg, mesh: Mesh) -> Program:
         abstract=abstract,
         shardings=shardings,
         train_step=step_lib.make_train_step(cfg, model_def, tx, schedule, mesh, shardings),
-        eval_step=step_lib.make_eval_step(cfg, model_def, mesh, shardings),
+        eval_step=step_lib.make_eval_step(model_def, mesh, shardings),
         diag_step=step_lib.make_diagnostics_step(cfg, model_def, mesh, shardings) if diag_every else None,
     )
 
 
-def make_mesh(cfg, devices=None) -> Mesh:
+def make_mesh(cfg: config_lib.Config, devices=None) -> Mesh:
     """The run's mesh; raises ValueError when the global batch or the attention heads do not split over it."""
     mesh = mesh_lib.make_mesh(cfg.train.mesh, devices)
     mesh_lib.check_batch(cfg.train.global_batch, cfg.optim.microbatches, mesh)
-    config_lib.check_heads(cfg, mesh.shape["tensor"])
-    mesh_lib.check_platform(cfg, mesh.devices.flat[0].platform)
+    config_lib.check_heads(cfg.model, mesh.shape["tensor"])
+    mesh_lib.check_platform(cfg.precision, mesh.devices.flat[0].platform)
     return mesh
 
 
-def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
+def train(cfg: config_lib.Config, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
     """Train per ``cfg`` in ``workdir`` (resuming from its newest checkpoint); return the run summary.
 
     The workdir is locked for the run (a second trainer on it fails at once, naming the holder); a run that already
@@ -108,7 +108,7 @@ def train(cfg, workdir: str | Path, *, hooks: Sequence[Hook] = ()) -> dict:
 
 
 def _train(
-    cfg, workdir: Path, hooks: Sequence[Hook], preempt: distributed.PreemptionFlag, lock: workdir_lib.WorkdirLock
+    cfg: config_lib.Config, workdir: Path, hooks: Sequence[Hook], preempt: distributed.PreemptionFlag, lock: workdir_lib.WorkdirLock
 ) -> dict:
     t_start = time.time()
     is_main = jax.process_index() == 0
@@ -188,7 +188,7 @@ def _train(
         logger.show(eval=f"{loss:.3f}")
         return loss
 
-    profile = config_lib.profile_steps(cfg)
+    profile = cfg.train.profile_range
     try:
         if preempt.requested(start):  # a signal during start-up: no new step, nothing to save
             log.warning("stopped during start-up, before step %d; nothing new to save; exiting cleanly", start + 1)
@@ -263,7 +263,7 @@ def _read_summary(path: Path) -> dict:
         ) from None
 
 
-def batch_structs(cfg, mesh: Mesh) -> dict:
+def batch_structs(cfg: config_lib.Config, mesh: Mesh) -> dict:
     """The global batch as sharded ShapeDtypeStructs (int32 [global_batch, seq_len] inputs and targets)."""
     tokens = jax.ShapeDtypeStruct(
         (cfg.train.global_batch, cfg.data.seq_len), np.int32, sharding=mesh_lib.batch_sharding(mesh)
@@ -271,7 +271,7 @@ def batch_structs(cfg, mesh: Mesh) -> dict:
     return {"inputs": tokens, "targets": tokens}
 
 
-def _train_data(cfg, start: int):
+def _train_data(cfg: config_lib.Config, start: int):
     """The iterator of this process's slices of global batches ``start, start + 1, …`` (step ``s`` trains on batch
     ``s − 1``, so a run at step ``start`` continues exactly where it stopped)."""
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -285,7 +285,7 @@ def _train_data(cfg, start: int):
     )
 
 
-def _eval_data(cfg, mesh: Mesh):
+def _eval_data(cfg: config_lib.Config, mesh: Mesh):
     """(fixed validation batches of this process, local batch -> global jax.Array)."""
     seq_len, global_batch = cfg.data.seq_len, cfg.train.global_batch
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -304,7 +304,7 @@ class _Logger:
     """Fetches pending step metrics, stops on a non-finite state, writes every log_every-th step (and steps with
     diagnostics) with tokens/s and MFU, and drives the progress bar."""
 
-    def __init__(self, cfg, writer: metrics.MetricsWriter, ckpt: ckpt_lib.Checkpointer, start: int, *, disable: bool):
+    def __init__(self, cfg: config_lib.Config, writer: metrics.MetricsWriter, ckpt: ckpt_lib.Checkpointer, start: int, *, disable: bool):
         self.cfg, self.writer, self.ckpt = cfg, writer, ckpt
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_token, self.peak = _flops_per_token(cfg), metrics.device_peak_flops()
@@ -372,17 +372,17 @@ class _Logger:
         self.bar.close()
 
 
-def _flops_per_token(cfg) -> float:
+def _flops_per_token(cfg: config_lib.Config) -> float:
     return float(models.flops_per_token(cfg.model, cfg.data.seq_len))
 
 
-def _warn_schedule_change(saved: dict | None, cfg, step: int) -> None:
+def _warn_schedule_change(saved: dict | None, cfg: config_lib.Config, step: int) -> None:
     """Say on stderr when the learning-rate schedule of the resumed run differs from the checkpoint's at ``step``
     (``train.steps`` or an optim key changed): the cosine is stretched or squeezed from there on."""
     if not saved:
         return
-    old = config_lib.complete(saved)
-    if old.train.steps == cfg.train.steps and old.optim.to_dict() == cfg.optim.to_dict():
+    old = config_lib.build(saved)
+    if old.train.steps == cfg.train.steps and old.optim == cfg.optim:
         return
     before = float(optimizer.make_schedule(old.optim, old.train.steps)(step + 1))
     after = float(optimizer.make_schedule(cfg.optim, cfg.train.steps)(step + 1))
@@ -392,7 +392,7 @@ def _warn_schedule_change(saved: dict | None, cfg, step: int) -> None:
             "%d is %.4g instead of %.4g (x%.3g)",
             old.train.steps,
             cfg.train.steps,
-            "changed" if old.optim.to_dict() != cfg.optim.to_dict() else "unchanged",
+            "changed" if old.optim != cfg.optim else "unchanged",
             step + 1,
             after,
             before,
@@ -400,7 +400,7 @@ def _warn_schedule_change(saved: dict | None, cfg, step: int) -> None:
         )
 
 
-def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None, corpus: dict) -> dict:
+def _metadata(cfg: config_lib.Config, mesh: Mesh, s: int, origin: dict | None, corpus: dict) -> dict:
     import flax
     import optax
     import orbax.checkpoint
@@ -425,7 +425,7 @@ def _metadata(cfg, mesh: Mesh, s: int, origin: dict | None, corpus: dict) -> dic
     }
 
 
-def _title(cfg, workdir: Path) -> str:
+def _title(cfg: config_lib.Config, workdir: Path) -> str:
     """loss.png's title: the run (its workdir's name), then its model and precision recipe."""
     p = cfg.precision
     name = paths.resolve(workdir).name

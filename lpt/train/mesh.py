@@ -97,17 +97,17 @@ def check_batch(global_batch: int, microbatches: int, mesh: Mesh) -> None:
         )
 
 
-def check_platform(cfg, platform: str) -> None:
+def check_platform(precision, platform: str) -> None:
     """Raise ValueError when the recipe needs another platform than the mesh's devices' (``"cpu"``, ``"gpu"``,
     ``"tpu"``): ``precision.fp8_impl="mosaic_gpu"`` and ``precision.attention.impl="mosaic_gpu"`` compile for CUDA
     GPUs only."""
-    p = cfg.precision
+    p = precision
     if p.attention.impl == "mosaic_gpu" and platform != "gpu":
         raise ValueError(
             f"config key precision.attention.impl='mosaic_gpu' is the Hopper flash-attention kernel and compiles for "
             f"CUDA GPUs only; this mesh's devices are {platform}: use 'xla' or 'pallas'"
         )
-    fp8 = any(p.matmul[k] == "fp8" for k in LAYER_KINDS)
+    fp8 = any(p.matmul_for(k) == "fp8" for k in LAYER_KINDS)
     if fp8 and p.fp8_impl == "mosaic_gpu" and platform != "gpu":
         raise ValueError(
             f"config key precision.fp8_impl='mosaic_gpu' is the Hopper wgmma kernel and compiles for CUDA GPUs only; "

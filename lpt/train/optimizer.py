@@ -35,8 +35,10 @@ import optax
 
 import lpt.optim
 
+from lpt.train.config import Config, OptimConfig
 
-def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
+
+def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """lr(step): linear warmup over ``warmup_steps`` then ``constant`` or ``cosine`` decay to lr/10."""
     warmup = max(min(int(optim_cfg.warmup_steps), total_steps - 1), 0)
     if optim_cfg.schedule == "constant":
@@ -72,7 +74,7 @@ def f32_view(inner: optax.GradientTransformation) -> optax.GradientTransformatio
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(cfg, mesh_size: int = 1, param_shardings=None) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config, mesh_size: int = 1, param_shardings=None) -> optax.GradientTransformation:
     """The AdamW of ``cfg.optim`` with ``cfg.precision``'s update rule (see the module docstring), for a mesh of
     ``mesh_size`` devices (on one device the fused Kahan step updates its leaves in sequence, which bounds its f32
     temporaries; on a mesh that ordering would cost a collective per leaf). ``param_shardings`` (the params'

@@ -39,6 +39,18 @@ class PrecisionConfig(Numerics):
     )
 
     def check(self):
+        if self.update_impl == "pallas" and (self.update_rule != "kahan" or self.param_dtype != "bfloat16"):
+            raise ValueError(
+                f"precision.update_impl='pallas' runs the fused bf16 AdamW + Kahan kernel: it needs "
+                f"precision.update_rule='kahan' and precision.param_dtype='bfloat16', got {self.update_rule!r} and "
+                f"{self.param_dtype!r} (use precision.update_impl='xla')"
+            )
+        if self.update_rule != "f32_master" and self.param_dtype == "float32":
+            raise ValueError(
+                f"precision.update_rule={self.update_rule!r} rounds each update into low-precision params, but "
+                f"precision.param_dtype='float32'; set precision.param_dtype=bfloat16 (or float16, float8_*) with it, "
+                f"or use precision.update_rule=f32_master for f32 params"
+            )
         lpt_adamw = self.update_rule != "f32_master" and not self.param_dtype.startswith("float8")
         if self.moment_dtype not in ("auto", "float32") and not lpt_adamw:
             raise ValueError(

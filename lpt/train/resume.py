@@ -19,40 +19,34 @@ from __future__ import annotations
 import logging
 
 import jax
-import ml_collections
 from jax.sharding import Mesh
 
 import lpt.optim as O
 from lpt.train import config as config_lib
 from lpt.train import optimizer
 from lpt.train import state as state_lib
+from lpt.train.recipe import PrecisionConfig
 
 log = logging.getLogger("lpt.train")
 
 
-def stored_moments(cfg) -> str:
-    """The concrete name of the moments' storage of ``cfg`` (a ConfigDict or a saved config dict): its
-    ``precision.moment_dtype``, with "auto" resolved to the params' dtype (lpt's AdamW keeps moments there)."""
-    p = config_lib.complete(cfg).precision
-    return p.param_dtype if p.moment_dtype == "auto" else p.moment_dtype
+def stored_moments(precision: PrecisionConfig) -> str:
+    """The concrete name of the moments' storage of ``precision``: its ``moment_dtype``, with "auto" resolved to the
+    params' dtype (lpt's AdamW keeps moments there)."""
+    return precision.param_dtype if precision.moment_dtype == "auto" else precision.moment_dtype
 
 
-def _with_moments(cfg, moment_dtype: str) -> ml_collections.ConfigDict:
-    other = ml_collections.ConfigDict(cfg.to_dict())
-    other.precision.moment_dtype = moment_dtype
-    return other
-
-
-def layout_of(cfg, mesh: Mesh, current: state_lib.TrainState, model_def):
+def layout_of(cfg: config_lib.Config, mesh: Mesh, current: state_lib.TrainState, model_def):
     """A function ``saved config (dict or None) -> abstract TrainState with shardings`` for
     :meth:`lpt.train.checkpoint.Checkpointer.restore_latest`: ``current`` (the run's own layout) unless the saved
     config stores its moments otherwise, else that storage's layout on ``mesh``."""
-    mine = stored_moments(cfg)
+    mine = stored_moments(cfg.precision)
 
     def layout(saved: dict | None) -> state_lib.TrainState:
-        if not saved or stored_moments(saved) == mine:
+        theirs = config_lib.build(saved).precision if saved else None
+        if theirs is None or stored_moments(theirs) == mine:
             return current
-        old = _with_moments(config_lib.resolve(cfg), config_lib.complete(saved).precision.moment_dtype)
+        old = config_lib.with_values(cfg, {"precision.moment_dtype": theirs.moment_dtype})
         tx = optimizer.make_optimizer(old, mesh.size, state_lib.param_shardings(model_def, mesh))
         abstract = state_lib.abstract_state(old, tx)
         return state_lib.with_shardings(abstract, state_lib.state_shardings(abstract, model_def, mesh))
@@ -60,10 +54,13 @@ def layout_of(cfg, mesh: Mesh, current: state_lib.TrainState, model_def):
     return layout
 
 
-def convert(state: state_lib.TrainState, saved: dict | None, cfg, shardings: state_lib.TrainState):
-    """``state`` restored with ``saved``'s moment storage, re-stored into ``cfg``'s with ``shardings`` (unchanged when
-    the two are the same)."""
-    src, dst = (stored_moments(saved) if saved else stored_moments(cfg)), stored_moments(cfg)
+def convert(
+    state: state_lib.TrainState, saved: dict | None, cfg: config_lib.Config, shardings: state_lib.TrainState
+):
+    """``state`` restored with ``saved``'s moment storage (a checkpoint's config dict), re-stored into ``cfg``'s with
+    ``shardings`` (unchanged when the two are the same)."""
+    dst = stored_moments(cfg.precision)
+    src = stored_moments(config_lib.build(saved).precision) if saved else dst
     if src == dst:
         return state
     log.info("re-storing Adam's moments from %s (the checkpoint's) into %s (precision.moment_dtype)", src, dst)

@@ -27,6 +27,7 @@ from lpt.models.partitioning import logical_axes_of
 from lpt.train import guard as guard_lib
 from lpt.train import mesh as mesh_lib
 from lpt.train import recipe
+from lpt.train.config import Config
 
 
 @struct.dataclass
@@ -63,12 +64,12 @@ class ModelDef:
         return nnx.merge(self.graphdef, p_state, r_state)
 
 
-def _build(cfg, seed) -> nnx.Module:
+def _build(cfg: Config, seed: int) -> nnx.Module:
     with nnx.use_eager_sharding(False):
         return models.build_model(cfg.model, recipe.model_precision(cfg.precision), rngs=nnx.Rngs(seed))
 
 
-def make_model_def(cfg) -> ModelDef:
+def make_model_def(cfg: Config) -> ModelDef:
     abstract_model = nnx.eval_shape(lambda: _build(cfg, cfg.train.seed))
     graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
     logical = nnx.to_pure_dict(jax.tree.map(logical_axes_of, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
@@ -125,7 +126,7 @@ def state_shardings(abstract_state: TrainState, model_def: ModelDef, mesh: Mesh)
     )
 
 
-def init_fn(cfg, tx: optax.GradientTransformation):
+def init_fn(cfg: Config, tx: optax.GradientTransformation):
     """A function ``() -> TrainState`` building the model from ``cfg.train.seed`` (for jit/eval_shape)."""
 
     def init() -> TrainState:
@@ -140,11 +141,11 @@ def init_fn(cfg, tx: optax.GradientTransformation):
     return init
 
 
-def abstract_state(cfg, tx) -> TrainState:
+def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> TrainState:
     return jax.eval_shape(init_fn(cfg, tx))
 
 
-def create_state(cfg, tx, shardings: TrainState) -> TrainState:
+def create_state(cfg: Config, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """Initialise the train state directly in its sharded layout."""
     return jax.jit(init_fn(cfg, tx), out_shardings=shardings)()
 

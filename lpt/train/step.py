@@ -40,6 +40,7 @@ from lpt import models, sharding
 from lpt.models import layers as model_layers
 from lpt.train import guard as guard_lib
 from lpt.train import mesh as mesh_lib
+from lpt.train.config import Config
 from lpt.train.optimizer import optimizer_diagnostics
 from lpt.train.state import ModelDef, TrainState
 
@@ -84,7 +85,7 @@ def fp8_layers(model_def: ModelDef) -> list:
     return model_layers.fp8_linears(fp8_model(model_def))
 
 
-def fp8_codes_bytes(cfg, model_def: ModelDef, mesh: Mesh) -> int:
+def fp8_codes_bytes(cfg: Config, model_def: ModelDef, mesh: Mesh) -> int:
     """Bytes per device of the FP8 codes and block scales that ``optim.fp8_gather="step"`` holds for a whole step
     (each FP8 layer's weight in its GEMM's layout: whole over fsdp, split over tensor); 0 with "microbatch"."""
     if cfg.optim.fp8_gather != "step":
@@ -104,7 +105,7 @@ def fp8_codes_bytes(cfg, model_def: ModelDef, mesh: Mesh) -> int:
 
 
 def make_train_step(
-    cfg, model_def: ModelDef, tx: optax.GradientTransformation, schedule, mesh: Mesh, shardings: TrainState
+    cfg: Config, model_def: ModelDef, tx: optax.GradientTransformation, schedule, mesh: Mesh, shardings: TrainState
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """``train_step(state, batch) -> (state, metrics)``: jitted, state donated, sharded per ``shardings``."""
     seed_key = jax.random.PRNGKey(cfg.train.seed)
@@ -186,7 +187,7 @@ def make_train_step(
     )
 
 
-def make_eval_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
+def make_eval_step(model_def: ModelDef, mesh: Mesh, shardings: TrainState):
     """``eval_step(params, rest, batch) -> mean cross entropy`` (no weight noise: key=None)."""
 
     def step(params, rest, batch):
@@ -201,7 +202,7 @@ def make_eval_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
     )
 
 
-def make_diagnostics_step(cfg, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
+def make_diagnostics_step(cfg: Config, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
     """``diag_step(params, rest, batch, step) -> {"model/<name>": f32 scalar}`` from
     ``lpt.models.activation_diagnostics`` on ``batch["inputs"]`` with the key ``fold_in(PRNGKey(seed), step)``
     (the train step's key for step ``step``; with microbatches the train step folds in the microbatch index too)."""

@@ -78,9 +78,8 @@ def test_range_membership_and_text():
 
 
 def test_a_changed_seed_is_a_resume_conflict():
-    saved = config_lib.defaults()
-    current = config_lib.defaults()
-    current.train.seed = 7
+    saved = config_lib.defaults().to_dict()  # a checkpoint's config, as its metadata holds it
+    current = config_lib.with_values(config_lib.build(), {"train.seed": 7})
     assert config_lib.resume_conflicts(saved, current) == ["train.seed=0 -> 7"]
 
 

@@ -72,16 +72,11 @@ def test_bad_values_rejected_with_allowed_set():
 
 
 def test_mesh_shape_fills_minus_one_and_rejects_mismatch():
-    cfg = config_lib.load_config_file(TINY)
-    m = cfg.train.mesh
-    m.data, m.fsdp, m.tensor = -1, 2, 1
-    assert mesh_lib.resolve_mesh_shape(m, 8) == (4, 2, 1)
-    m.data, m.fsdp, m.tensor = 2, 2, 1
+    assert mesh_lib.resolve_mesh_shape(config_lib.MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1)
     with pytest.raises(ValueError, match=r"needs 4 devices but 8 are available"):
-        mesh_lib.resolve_mesh_shape(m, 8)
-    m.data, m.fsdp, m.tensor = -1, 3, 1
+        mesh_lib.resolve_mesh_shape(config_lib.MeshConfig(data=2, fsdp=2, tensor=1), 8)
     with pytest.raises(ValueError, match=r"do not divide the 8 available devices"):
-        mesh_lib.resolve_mesh_shape(m, 8)
+        mesh_lib.resolve_mesh_shape(config_lib.MeshConfig(data=-1, fsdp=3, tensor=1), 8)
 
 
 def test_batch_not_divisible_by_mesh():
@@ -198,7 +193,9 @@ def test_every_override_shown_in_the_docs_is_valid():
         overrides = {k: v for k, v in overrides.items() if not k.startswith(files)}
         if "lpt.eval" in where:  # eval takes config.data keys only, on the evaluated model's own data section
             data = lpt_eval.data_config(base.data, [f"--config.{k}={v}" for k, v in overrides.items()])
-            assert all(data[k.removeprefix("data.")] == config_lib.parse_value(k, v) for k, v in overrides.items())
+            assert all(
+                getattr(data, k.removeprefix("data.")) == config_lib.parse_value(k, v) for k, v in overrides.items()
+            )
             continue
         cfg = config_lib.apply_overrides(base, overrides)  # raises with the key and value if the docs are wrong
         if any(k.startswith("train.mesh") for k in overrides):
