@@ -36,7 +36,6 @@ from lpt import generate as gen  # noqa: E402
 from lpt import models  # noqa: E402
 from lpt.train import config as config_lib  # noqa: E402
 from lpt.train.machine import describe  # noqa: E402
-from lpt.train.recipe import model_precision  # noqa: E402
 
 
 def no_cache_decoder(model, prompts_BP: np.ndarray, new: int):
@@ -78,7 +77,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=3)
     args, rest = p.parse_known_args(argv)
     cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), config_lib.parse_overrides(rest))
-    model = models.build_model(cfg.model, model_precision(cfg.precision), rngs=nnx.Rngs(cfg.train.seed))
+    model = models.build_model(cfg.model, cfg.precision, rngs=nnx.Rngs(cfg.train.seed))
     rng = np.random.default_rng(0)
     prompts_BP = rng.integers(1, cfg.model.vocab_size, (args.batch, args.prompt_len)).astype(np.int32)
     new = args.new_tokens

@@ -13,6 +13,7 @@ the ratio lpt / baseline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -30,12 +31,18 @@ from lpt.train import optimizer
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
 from lpt.train.machine import describe
-from lpt.train.recipe import model_precision
 
 
 def plain_step_fn(cfg):
     """A minimal Flax NNX + optax float32 train step of the same architecture."""
-    f32 = model_precision(cfg.precision, param_dtype="float32", compute_dtype="float32", storage="float32")
+    f32 = dataclasses.replace(  # the same layers with f32 params, compute and master weights
+        cfg.precision,
+        param_dtype="float32",
+        compute_dtype="float32",
+        update_rule="f32_master",
+        update_impl="xla",
+        moment_dtype="auto",
+    )
     with nnx.use_eager_sharding(False):
         model = models.build_model(cfg.model, f32, rngs=nnx.Rngs(cfg.train.seed))
     graphdef, params = nnx.split(model, nnx.Param)

@@ -1,12 +1,13 @@
 """Loading a trained model for inference, and the device mesh it runs on: shared by ``lpt.generate`` and ``lpt.eval``.
 
 :func:`load_model` reads a run's checkpoint (its params, config and tokenizer; the model built with the run's
-precision recipe, :func:`lpt.train.recipe.model_precision`) or a Hugging Face directory;
+``precision`` section) or a Hugging Face directory;
 :func:`inference_mesh` picks the mesh (the run's own when this machine has its devices, else FSDP over all of them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -19,7 +20,6 @@ from lpt.train import config as config_lib
 from lpt.train import load_params
 from lpt.train import mesh as mesh_lib
 from lpt.train.config import MeshConfig
-from lpt.train.recipe import model_precision
 
 DTYPES = ("float32", "bfloat16")  # the compute dtypes a loaded model may run in
 
@@ -54,7 +54,7 @@ def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | N
         tokenizer = hf_tokenizer(hf, model.spec.vocab_size)
         return model, ByteTokenizer() if tokenizer == "bytes" else load_tokenizer(tokenizer), None
     params, cfg = load_params(workdir, step)
-    precision = model_precision(cfg.precision, **({} if dtype is None else {"compute_dtype": dtype}))
+    precision = cfg.precision if dtype is None else dataclasses.replace(cfg.precision, compute_dtype=dtype)
     model = model_from_params(cfg.model, precision, params)
     return model, load_tokenizer(cfg.data.tokenizer), cfg
 

@@ -17,7 +17,6 @@ from tiny_run import train_tiny
 from lpt import export
 from lpt.models import hf
 from lpt.train import load_params
-from lpt.train.recipe import model_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +49,7 @@ def run(tmp_path_factory):
 
 
 def _lpt_logits(cfg, params, tokens):
-    model = hf.model_from_params(cfg.model, model_precision(cfg.precision), params)
+    model = hf.model_from_params(cfg.model, cfg.precision, params)
     graphdef, state = nnx.split(model)
     return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
 

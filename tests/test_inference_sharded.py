@@ -100,7 +100,7 @@ def test_decode_compiles_for_tpu_and_h100_with_params_and_cache_split(topology, 
 
     mesh = targets.mesh(topology, sizes, ("data", "fsdp", "tensor"))
     spec = dict(kind="llama", vocab_size=8192, d_model=1024, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=2816)
-    prec = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "storage": "param_dtype"}
+    prec = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "update_rule": "nearest"}
     model = nnx.eval_shape(lambda: M.build_model({**spec, "max_seq_len": 1024}, prec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     shardings = partitioning.param_shardings(state, mesh, sharding.RULES)

@@ -32,7 +32,7 @@ import hashlib
 import os
 
 from lpt.data import cache, corpus, prepared
-from lpt.data.pipeline import _corpus, data_options
+from lpt.data.pipeline import DataConfig, _corpus, data_options
 from lpt.data.tokenizer import load_tokenizer
 
 VERSION = 1
@@ -88,8 +88,8 @@ def _prepared_identity(directory: str) -> dict:
     }
 
 
-def corpus_identity(data_cfg) -> dict:
-    """The identity of the corpus ``data_cfg`` (a ``config.data`` ConfigDict, mapping or DataConfig) trains on (see
+def corpus_identity(data_cfg: DataConfig) -> dict:
+    """The identity of the corpus ``data_cfg`` (the ``config.data`` section, or a mapping of its keys) trains on (see
     the module docstring); JSON-serializable. Opens the corpus as the pipeline does, so its errors are the
     pipeline's."""
     opts = data_options(data_cfg)

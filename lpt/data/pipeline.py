@@ -54,8 +54,9 @@ class DataConfig:
             )
 
 
-def data_options(data_cfg=None) -> DataConfig:
-    """The data section from a ConfigDict or a (partial) mapping; ValueError naming unknown keys / bad values."""
+def data_options(data_cfg: DataConfig | None = None) -> DataConfig:
+    """The data section (a DataConfig, returned as is, or a partial mapping of its keys); ValueError naming unknown
+    keys / bad values."""
     return build(DataConfig, data_cfg)
 
 
@@ -140,7 +141,7 @@ def _shuffle_seed(opts: DataConfig, seed: int) -> int:
 
 
 def make_train_iterator(
-    data_cfg,
+    data_cfg: DataConfig,
     *,
     seq_len: int,
     global_batch: int,
@@ -175,7 +176,7 @@ def make_train_iterator(
 
 
 def make_eval_batches(
-    data_cfg,
+    data_cfg: DataConfig,
     *,
     seq_len: int,
     batch: int,
@@ -203,7 +204,7 @@ def make_eval_batches(
     return out
 
 
-def unigram_loss(data_cfg, split: str = "validation") -> float:
+def unigram_loss(data_cfg: DataConfig, split: str = "validation") -> float:
     """Cross-entropy (nats/token) of the ``split`` stream's targets under the train split's token frequencies
     (add-one smoothed over the tokenizer's V ids): ``−mean_t log p(x_t)`` over ``t ≥ 1``,
     ``p(v) = (c_train(v) + 1) / (N_train + V)``. The baseline a model must beat. Computed from token counts (kept in
@@ -220,7 +221,7 @@ def unigram_loss(data_cfg, split: str = "validation") -> float:
     return float(-(target * logp).sum() / target.sum())
 
 
-def bytes_per_token(data_cfg, split: str = "validation") -> float:
+def bytes_per_token(data_cfg: DataConfig, split: str = "validation") -> float:
     """Text bytes per token of ``split``: its UTF-8 bytes plus one per document separator (the NUL byte the bytes
     tokenizer writes there), divided by its tokens; exactly 1.0 for ``data.tokenizer="bytes"``. Bits per byte of a
     loss of L nats/token = ``L / ln 2 / bytes_per_token``. From the byte counts recorded beside the token counts,

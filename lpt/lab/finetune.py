@@ -78,7 +78,7 @@ def recipe_config(name: str, overrides: dict[str, str], start: Path):
     return config_lib.apply_overrides(cfg, {**RECIPES[name][0], **overrides, "init_from.workdir": str(start)})
 
 
-def start_loss(cfg) -> float:
+def start_loss(cfg: config_lib.Config) -> float:
     """Validation loss of ``cfg``'s step-0 state (its ``init_from`` params in its storage and compute dtypes) on the
     validation batches the trainer evaluates."""
     cfg = config_lib.resolve(cfg)

@@ -38,7 +38,7 @@ from lpt.inference import load_model
 from lpt.lab import runs
 from lpt.lab.recipes import QUICK
 from lpt.models import layers, matmul_formats
-from lpt.models.config import Numerics
+from lpt.models.config import Precision
 from lpt.train import config as config_lib
 from lpt.train.machine import describe
 from lpt.train.step import cross_entropy
@@ -62,7 +62,7 @@ FULL = {"train.diagnostics_every": "0"}  # tiny_cpu's own budget: 600 steps of 3
 # q, k, v and out share one shape (fewer GEMMs to compile); two runs
 QUICK_BUDGET = {**QUICK, "model.n_kv_heads": "4"}
 QUICK_RUNS = ("bf16", "nvfp4")
-# the per-GEMM formats: name -> (registered matmul format, its precision switches: lpt.models.config.Numerics keys)
+# the per-GEMM formats: name -> (registered matmul format, its precision switches: lpt.models.config.Precision keys)
 GEMM_FORMATS = {
     "fp8": ("fp8", {}),
     "mxfp8": ("mxfp8", {}),
@@ -162,7 +162,7 @@ def gemm_errors(x, w, g, key, fmt: str) -> dict[str, jax.Array]:
     (:mod:`lpt.models.matmul_formats`) quantizes and multiplies, with K and N zero-padded to its block (zeros raise
     no block amax: exact for the blocks; a no-op where they are multiples already)."""
     format_name, switches = GEMM_FORMATS[fmt]
-    f, prec = matmul_formats.get(format_name), Numerics(**switches)
+    f, prec = matmul_formats.get(format_name), Precision(**switches)
     b, n = f.block(prec), w.shape[1]
     xq, wq, gq = f.quantized_operands(_pad_to(x, (1, b)), _pad_to(w, (b, b)), _pad_to(g, (1, b)), key=key, prec=prec)
     xq, wq, gq = xq[:, : x.shape[1]], wq[: w.shape[0], :n], gq[:, :n]

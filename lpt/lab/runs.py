@@ -60,7 +60,7 @@ def read_metrics(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarra
     return to_arrays(train), to_arrays(evals)
 
 
-def trained(cfg, run_dir: Path) -> dict:
+def trained(cfg: config_lib.Config, run_dir: Path) -> dict:
     """Train ``cfg`` into ``run_dir`` (a finished run is only re-read, an interrupted one resumes); returns
     ``{"eval_loss", "unigram", "train", "eval", "dir"}`` with the series of :func:`read_metrics`."""
     summary = loop.train(cfg, run_dir)
@@ -88,7 +88,7 @@ def recipe_config(name: str, overrides: dict[str, str] | None = None):
     return config_lib.apply_overrides(cfg, {**extra, **(overrides or {})})
 
 
-def state_bytes(cfg) -> dict[str, float]:
+def state_bytes(cfg: config_lib.Config) -> dict[str, float]:
     """``{"params": n, "bytes_per_param": (param + optimizer-state bytes) / n, "param_bytes": .., "opt_bytes": ..}``."""
     abstract = state_lib.abstract_state(cfg, optimizer.make_optimizer(cfg))
     nbytes = lambda tree: sum(int(x.size) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
@@ -97,7 +97,7 @@ def state_bytes(cfg) -> dict[str, float]:
     return {"params": n, "param_bytes": p / n, "opt_bytes": o / n, "bytes_per_param": (p + o) / n}
 
 
-def train_batches(cfg, n: int) -> list[dict[str, np.ndarray]]:
+def train_batches(cfg: config_lib.Config, n: int) -> list[dict[str, np.ndarray]]:
     """The first ``n`` training batches of ``cfg`` (one process)."""
     it = data_lib.make_train_iterator(
         cfg.data,
@@ -110,7 +110,7 @@ def train_batches(cfg, n: int) -> list[dict[str, np.ndarray]]:
     return [next(it) for _ in range(n)]
 
 
-def train_step_runner(cfg) -> tuple[Callable[[dict], jax.Array], int]:
+def train_step_runner(cfg: config_lib.Config) -> tuple[Callable[[dict], jax.Array], int]:
     """``(run, temp_bytes)``: ``run(batch) -> loss`` advances the trainer's jitted step on one device;
     ``temp_bytes`` is XLA's compiled scratch memory of that step (activations, gradients, temporaries)."""
     one_device = config_lib.MeshConfig(data=1, fsdp=1, tensor=1)

@@ -29,11 +29,11 @@ Public API
     :mod:`lpt.sharding`.
 ``matmul_formats``: the registry of matmul formats (``get``, ``register``, ``names``): each format's GEMM, shape
     check, diagnostics probe and lab view in one object.
-``ModelSpec`` / ``PrecisionSpec``: the typed ``model`` section and the model's precision (dtypes, storage,
-    per-layer matmuls, attention, PQT; type, default, allowed values and doc of every key); ``model_spec(cfg)`` /
-    ``precision_spec(cfg)`` build them from a ConfigDict or a partial mapping (ValueError naming a bad key). The
-    trainer's ``precision`` section adds the optimizer's update rule and derives ``storage`` from it
-    (:mod:`lpt.train.recipe`).
+``ModelSpec`` / ``Precision``: the typed ``model`` and ``precision`` sections (type, default, allowed values and
+    doc of every key). ``Precision`` is the whole precision recipe: dtypes, each projection's matmul format,
+    attention, PQT, and the optimizer's update rule, from which the parameters' storage follows (``store_dtype``);
+    ``model_spec(mapping)`` and ``lpt.options.build(Precision, mapping)`` build them from a partial mapping
+    (ValueError naming a bad key).
 ``from_pretrained(path, *, param_dtype="float32") -> (model, model_cfg)``
     a Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 / Mistral directory (config.json + safetensors) as an lpt model
     (f32 params and compute, or bf16 params and compute) and its ``config.model``; lower-level pieces in
@@ -49,7 +49,7 @@ See docs/models_and_data.md for the precision recipe.
 """
 
 from lpt.models import matmul_formats, partitioning, probes
-from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
+from lpt.models.config import ModelSpec, Precision, model_spec
 from lpt.models.decode import KVCache, decode_step, init_cache, prefill
 from lpt.models.diagnostics import activation_diagnostics, diagnostics
 from lpt.models.flops import flops_per_token, matmul_params, param_count
@@ -59,7 +59,7 @@ from lpt.models.transformer import Transformer, build_model
 __all__ = [
     "KVCache",
     "ModelSpec",
-    "PrecisionSpec",
+    "Precision",
     "Transformer",
     "activation_diagnostics",
     "build_model",
@@ -73,7 +73,6 @@ __all__ = [
     "model_spec",
     "param_count",
     "partitioning",
-    "precision_spec",
     "prefill",
     "probes",
     "save_pretrained",

@@ -17,14 +17,14 @@ from flax import nnx
 
 import lpt.attention
 from lpt.models import probes
-from lpt.models.config import ModelSpec, PrecisionSpec
+from lpt.models.config import ModelSpec, Precision
 from lpt.models.decode import cached_attention
 from lpt.models.layers import RMSNorm, block_linears, rope, rope_inv_freq
 from lpt.sharding import constrain
 
 
 def attend(
-    q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: PrecisionSpec, sliding_window: int = 0
+    q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, prec: Precision, sliding_window: int = 0
 ) -> jax.Array:
     """Causal GQA attention by the recipe: ``lpt.attention.dot_product_attention`` with its impl / stable / beta.
 
@@ -44,9 +44,9 @@ def attend(
 
 
 class Attention(nnx.Module):
-    """x -> (q, k, v) projections (layer kind "qkv") -> [RoPE] -> causal GQA attention -> out projection ("out")."""
+    """x -> (q, k, v) projections (projection "qkv") -> [RoPE] -> causal GQA attention -> out projection ("out")."""
 
-    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, prec: Precision, *, block: int | str, rngs: nnx.Rngs):
         D, H, K, Dh = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_width
         self.spec, self.prec = spec, prec
         mk = block_linears(spec, prec, path=f"blocks/{block}/attn", rngs=rngs)

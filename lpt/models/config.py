@@ -1,17 +1,20 @@
-"""The typed ``model`` and ``precision`` sections of a config, and the hashable specs the model is built from.
+"""The typed ``model`` and ``precision`` sections of a config: what the model is built from.
 
 Each section is a frozen dataclass whose fields carry their type, default, allowed values and doc (``lpt.options``);
 the trainer's config (``lpt.train.config``) is made of them, so ``--help``, the command-line parser and validation
-come from these definitions. :func:`model_spec` and :func:`precision_spec` build them from a ConfigDict or a
-(partial) mapping; the checks that only the model knows (divisible heads, an even RoPE head dim) run on
-construction, so users who build models without the trainer get the same one-line errors.
+come from these definitions. :func:`model_spec` builds the model section from a (partial) mapping, and
+``lpt.options.build(Precision, mapping)`` the precision one; the checks that only a section knows (divisible heads,
+an even RoPE head dim, an update rule that fits the param dtype) run on construction, so users who build models
+without the trainer get the same one-line errors.
 
-The model's precision (:class:`PrecisionSpec`) is dtypes and per-layer kinds only: ``storage="float32"`` stores
-every parameter in float32 and each layer views it through ``param_dtype`` (round-to-nearest-even, straight-through
-gradient) and then ``compute_dtype``; ``storage="param_dtype"`` stores the parameters in ``param_dtype`` itself
-(an optimizer that rounds into them keeps them there). GaussWS bitwidth parameters are always float32. The trainer's
-``precision`` section adds the optimizer's knobs to the same fields and derives ``storage`` from its update rule
-(:mod:`lpt.train.recipe`); the model knows nothing of optimizers.
+:class:`Precision` is the whole precision recipe of a run, one section: the layers read its dtypes, each
+projection's matmul format (``qkv``, ``out``, ``up``, ``down``, ``lm_head``: :data:`PROJECTIONS`), attention and PQT;
+the optimizer (:mod:`lpt.train.optimizer`) reads its update rule and Adam's moment storage. Where the parameters are
+stored follows from the update rule (:attr:`Precision.store_dtype`): ``"f32_master"`` stores every parameter in
+float32 and each layer views it through ``param_dtype`` (round-to-nearest-even, straight-through gradient) and then
+``compute_dtype``; every other rule rounds each update into parameters stored in ``param_dtype`` itself. GaussWS
+bitwidth parameters are always float32. The names of the update rules, moment roundings and moment dtypes are
+:mod:`lpt.optim`'s. ``model.kind`` is the model family ("llama" or "gpt2").
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from lpt.models import matmul_formats
+from lpt.optim.adam import MOMENT_DTYPES, MOMENT_ROUNDINGS
+from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
+from lpt.optim.moments8 import MOMENT8
+from lpt.optim.recipes import UPDATE_RULES as ROUNDING_RULES
 from lpt.options import above, at_least, build, option, section
 
 PARAM_DTYPES = {
@@ -29,14 +36,14 @@ PARAM_DTYPES = {
     "float8_e5m2": jnp.float8_e5m2,
 }
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-STORAGES = ("float32", "param_dtype")  # float32 masters viewed through param_dtype, or param_dtype itself
-KINDS = ("llama", "gpt2")
-LAYER_KINDS = ("qkv", "out", "up", "down", "lm_head")
-BLOCK_KINDS = LAYER_KINDS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
+KINDS = ("llama", "gpt2")  # model.kind: the model family
+PROJECTIONS = ("qkv", "out", "up", "down", "lm_head")  # the model's matmuls: each has its format in precision.matmul
+BLOCK_PROJECTIONS = PROJECTIONS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
 FP8_IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")  # lpt.fp8.blockwise.IMPLS (lpt.fp8 loads kernels: not imported)
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
 PQT_METHODS = ("none", "gaussws", "diffq")
-PQT_LAYER_KINDS = ("qkv", "out", "up", "down")
+PQT_PROJECTIONS = ("qkv", "out", "up", "down")
+UPDATE_RULES = ("f32_master", *ROUNDING_RULES)  # f32 master weights, or a rule of lpt.optim that rounds into params
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # the model keys that shape the parameters: a fine-tune (init_from) must keep the source's values
 SHAPE_KEYS = (
@@ -142,7 +149,7 @@ class ModelSpec:
 
 @section("precision.matmul")
 class Matmul:
-    """``precision.matmul``: the matmul format of each layer kind (:mod:`lpt.models.matmul_formats`)."""
+    """``precision.matmul``: the matmul format of each projection (:mod:`lpt.models.matmul_formats`)."""
 
     qkv: str = option(
         "bf16",
@@ -157,7 +164,7 @@ class Matmul:
 
 
 @section("precision.attention")
-class Attention:
+class AttentionConfig:
     """``precision.attention``: the attention implementation and its numerics."""
 
     impl: str = option(
@@ -176,7 +183,7 @@ class Pqt:
     """``precision.pqt``: pseudo-quantization training."""
 
     method: str = option("none", 'pseudo-quantization training: "none" | "gaussws" | "diffq"', PQT_METHODS)
-    layers: tuple[str, ...] = option((), 'layer kinds that get PQT, e.g. "out,down"', PQT_LAYER_KINDS)
+    layers: tuple[str, ...] = option((), 'projections that get PQT, e.g. "out,down"', PQT_PROJECTIONS)
     b_init: float = option(6.0, "initial learnable bitwidth", bounds=above(0))
     b_target: float = option(4.0, "bitwidth the aux loss and weight decay pull towards; != b_init", bounds=above(0))
     loss_weight: float = option(0.0, "weight of the bitwidth aux loss (0 = none)", bounds=at_least(0))
@@ -190,9 +197,9 @@ class Pqt:
 
 
 @section("precision")
-class Numerics:
-    """The numerics of the layers that every precision recipe sets: view and compute dtypes, the per-layer matmuls,
-    attention and PQT (the fields :class:`PrecisionSpec` and the trainer's ``precision`` section share)."""
+class Precision:
+    """The ``precision`` section: the layers' numerics (view and compute dtypes, each projection's matmul format,
+    attention, PQT) and how the optimizer's update reaches the parameters (see the module docstring)."""
 
     param_dtype: str = option(
         "float32", "dtype the layers see the weights in (and store them in, unless stored as f32)", tuple(PARAM_DTYPES)
@@ -215,8 +222,46 @@ class Numerics:
         'blocks whose low-precision ("fp8", "mxfp8", "nvfp4", ...) matmuls run as "bf16": indices, negative from the '
         'end ("-2,-1")',
     )
-    attention: Attention = option(Attention(), "attention")
+    attention: AttentionConfig = option(AttentionConfig(), "attention")
     pqt: Pqt = option(Pqt(), "pseudo-quantization training")
+    update_rule: str = option("f32_master", "f32_master | nearest | kahan | stochastic | norm_preserving", UPDATE_RULES)
+    moment_rounding: str = option(
+        "stochastic", '16-bit Adam moments: "stochastic" (unbiased) | "nearest"', MOMENT_ROUNDINGS
+    )
+    update_impl: str = option("xla", 'kahan only: the fused step in "xla" or the "pallas" kernel', UPDATE_IMPLS)
+    moment_dtype: str = option(
+        "auto",
+        'Adam moments: "auto" (16-bit params: their dtype; else float32), a 16/32-bit float, or 8 bits with a '
+        "block scale (float8_e4m3fn: m and sqrt(v) in e4m3 with an f32 scale per 128; lpt.optim.moments8)",
+        ("auto", *MOMENT_DTYPES, *MOMENT8),
+    )
+
+    def check(self):
+        if self.update_impl == "pallas" and (self.update_rule != "kahan" or self.param_dtype != "bfloat16"):
+            raise ValueError(
+                f"precision.update_impl='pallas' runs the fused bf16 AdamW + Kahan kernel: it needs "
+                f"precision.update_rule='kahan' and precision.param_dtype='bfloat16', got {self.update_rule!r} and "
+                f"{self.param_dtype!r} (use precision.update_impl='xla')"
+            )
+        if self.update_rule != "f32_master" and self.param_dtype == "float32":
+            raise ValueError(
+                f"precision.update_rule={self.update_rule!r} rounds each update into low-precision params, but "
+                f"precision.param_dtype='float32'; set precision.param_dtype=bfloat16 (or float16, float8_*) with it, "
+                f"or use precision.update_rule=f32_master for f32 params"
+            )
+        lpt_adamw = self.update_rule != "f32_master" and not self.param_dtype.startswith("float8")
+        if self.moment_dtype not in ("auto", "float32") and not lpt_adamw:
+            raise ValueError(
+                f"config key precision.moment_dtype={self.moment_dtype!r} needs 16-bit params with a rounding update "
+                f"rule; with update_rule={self.update_rule!r} and param_dtype={self.param_dtype!r} the moments are "
+                "float32 (use 'auto' or 'float32')"
+            )
+
+    @property
+    def store_dtype(self):
+        """dtype the parameters are stored in: float32 masters under ``update_rule="f32_master"``, else
+        ``param_dtype`` (the update rule rounds into them)."""
+        return jnp.float32 if self.update_rule == "f32_master" else PARAM_DTYPES[self.param_dtype]
 
     @property
     def view_dtype(self):
@@ -227,11 +272,13 @@ class Numerics:
     def compute(self):
         return COMPUTE_DTYPES[self.compute_dtype]
 
-    def matmul_for(self, layer_kind: str) -> str:
-        return getattr(self.matmul, layer_kind)
+    def matmul_for(self, projection: str) -> str:
+        """The matmul format of ``projection`` (one of :data:`PROJECTIONS`)."""
+        return getattr(self.matmul, projection)
 
-    def pqt_for(self, layer_kind: str) -> str:
-        return self.pqt.method if layer_kind in self.pqt.layers else "none"
+    def pqt_for(self, projection: str) -> str:
+        """The PQT method of ``projection``: ``pqt.method`` when it is one of ``pqt.layers``, else "none"."""
+        return self.pqt.method if projection in self.pqt.layers else "none"
 
     def fp8_options(self) -> dict:
         """``lpt.fp8.blockwise_dot``'s options for this recipe's "fp8" matmuls: the GEMM implementation ("auto"
@@ -263,22 +310,8 @@ class Numerics:
         return tuple(sorted(out))
 
 
-@section("precision")
-class PrecisionSpec(Numerics):
-    """The model's precision: :class:`Numerics` and the storage of the parameters."""
-
-    storage: str = option(
-        "float32", '"float32": float32 master weights, viewed through param_dtype | "param_dtype"', STORAGES
-    )
-
-    @property
-    def store_dtype(self):
-        """dtype the parameters are stored in."""
-        return jnp.float32 if self.storage == "float32" else PARAM_DTYPES[self.param_dtype]
-
-
 def matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
-    """The ``(K, N)`` of every weight of each layer kind's matmuls; lm_head only when ``vocab_size`` is known."""
+    """The ``(K, N)`` of every weight of each projection's matmuls; lm_head only when ``vocab_size`` is known."""
     D, F, Dh = spec.d_model, spec.d_ff, spec.head_width
     return {
         "qkv": ((D, spec.n_heads * Dh), (D, spec.n_kv_heads * Dh)),
@@ -289,26 +322,26 @@ def matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
     }
 
 
-def check_matmul_blocks(spec: ModelSpec, numerics: Numerics) -> None:
-    """Raise ValueError for a layer kind whose matmul format refuses the shape of one of its weights (a K or N that
+def check_matmul_blocks(spec: ModelSpec, numerics: Precision) -> None:
+    """Raise ValueError for a projection whose matmul format refuses the shape of one of its weights (a K or N that
     is not a multiple of the format's block: :meth:`lpt.models.matmul_formats.MatmulFormat.check_shape`), naming
     the key and the layer, and for ``bf16_layers`` that are not block indices or that name blocks without a
     low-precision matmul."""
-    formats = {k: matmul_formats.get(numerics.matmul_for(k)) for k in LAYER_KINDS}
+    formats = {k: matmul_formats.get(numerics.matmul_for(k)) for k in PROJECTIONS}
     numerics.bf16_blocks(spec.n_layers)
-    if numerics.bf16_layers and not any(formats[k].low_precision for k in BLOCK_KINDS):
+    if numerics.bf16_layers and not any(formats[k].low_precision for k in BLOCK_PROJECTIONS):
         low = tuple(n for n in matmul_formats.names() if matmul_formats.get(n).low_precision)
         raise ValueError(
             f"precision.bf16_layers={','.join(numerics.bf16_layers)} keeps blocks in bf16, but no block matmul is "
-            f"low-precision (precision.matmul.{{{','.join(BLOCK_KINDS)}}} are all bf16); set one to one of "
+            f"low-precision (precision.matmul.{{{','.join(BLOCK_PROJECTIONS)}}} are all bf16); set one to one of "
             f"{low} or leave bf16_layers empty"
         )
-    for kind, shapes in matmul_shapes(spec).items():
+    for projection, shapes in matmul_shapes(spec).items():
         for k, n in shapes:
-            formats[kind].check_shape(kind, k, n, numerics)
+            formats[projection].check_shape(projection, k, n, numerics)
 
 
-def check_attention(spec: ModelSpec, numerics: Numerics) -> None:
+def check_attention(spec: ModelSpec, numerics: Precision) -> None:
     """Raise ValueError, naming the key, when ``precision.attention.impl="mosaic_gpu"`` cannot train this model: the
     Hopper kernels take 16-bit q, k, v (``compute_dtype="bfloat16"``) and, for the backward, a head width in
     :data:`lpt.kernels.flash_attention.mosaic_gpu.BACKWARD_HEAD_DIMS`."""
@@ -329,14 +362,10 @@ def check_attention(spec: ModelSpec, numerics: Numerics) -> None:
         )
 
 
-def model_spec(model_cfg=None) -> ModelSpec:
-    """The model section from a ConfigDict or a (partial) mapping; the vocabulary size must be known (> 0)."""
+def model_spec(model_cfg: ModelSpec | None = None) -> ModelSpec:
+    """The model section (a ModelSpec, returned as is, or a partial mapping of its keys); the vocabulary size must be
+    known (> 0)."""
     spec = build(ModelSpec, model_cfg)
     if spec.vocab_size <= 0:
         raise ValueError(f"config key model.vocab_size={spec.vocab_size!r} must be a positive int to build a model")
     return spec
-
-
-def precision_spec(precision_cfg=None) -> PrecisionSpec:
-    """The precision section from a ConfigDict or a (partial) mapping (missing keys: their defaults)."""
-    return build(PrecisionSpec, precision_cfg)

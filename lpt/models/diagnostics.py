@@ -3,7 +3,7 @@
 ``diagnostics(model)`` returns a dict of float32 scalars:
 
 * PQT (when ``precision.pqt.method != "none"``): ``pqt/all/bt_mean``, ``pqt/all/frac_le{5,9,12}``, ``pqt/bt_min``,
-  ``pqt/bt_max``, ``pqt/bt_mean/<kind>`` (see :func:`lpt.models.pqt_wiring.pqt_diagnostics`).
+  ``pqt/bt_max``, ``pqt/bt_mean/<projection>`` (see :func:`lpt.models.pqt_wiring.pqt_diagnostics`).
 * FP8 weights (when ``param_dtype`` is an fp8 format): ``params/fp8_saturated_frac`` = fraction of matmul-kernel
   entries whose ``param_dtype`` view sits at ±max (saturated), and ``params/fp8_zero_frac`` = fraction that are 0
   (underflowed or dead).
@@ -12,10 +12,10 @@ Empty dict for a plain f32/bf16 model.
 
 ``activation_diagnostics(model, tokens_BT, *, key=None)`` runs one forward pass with the layers' probes on
 (:mod:`lpt.models.probes`) and returns the activation statistics: ``attn/repeated_max_frac``,
-``attn/repeated_max_frac_max`` always, and for every layer kind the statistics its matmul format's probe records
-(:mod:`lpt.models.matmul_formats`; "fp8": ``fp8/<kind>/{x,w}_{underflow,subnormal}_frac``,
-``fp8/<kind>/x_scale_range_log2`` and ``fp8/<kind>/snr_db``; "mxfp8", "nvfp4": their block-scale health and
-``fp8/<kind>/snr_db``). Jittable; costs about one forward pass plus, per attention layer, the logits of a few
+``attn/repeated_max_frac_max`` always, and for every projection the statistics its matmul format's probe records
+(:mod:`lpt.models.matmul_formats`; "fp8": ``fp8/<projection>/{x,w}_{underflow,subnormal}_frac``,
+``fp8/<projection>/x_scale_range_log2`` and ``fp8/<projection>/snr_db``; "mxfp8", "nvfp4": their block-scale health and
+``fp8/<projection>/snr_db``). Jittable; costs about one forward pass plus, per attention layer, the logits of a few
 sequences and, per FP8 or block-scaled matmul, one extra quantization and a reference GEMM: call it on logging steps
 only.
 """

@@ -10,10 +10,10 @@ n_heads`` unless ``config.model.head_dim`` sets another.
 
 from __future__ import annotations
 
-from lpt.models.config import model_spec
+from lpt.models.config import ModelSpec, model_spec
 
 
-def matmul_params(model_cfg) -> int:
+def matmul_params(model_cfg: ModelSpec) -> int:
     """Weights that enter a matmul (see module docstring)."""
     s = model_spec(model_cfg)
     attn = s.d_model * s.head_width * (2 * s.n_heads + 2 * s.n_kv_heads)  # q, o + k, v
@@ -21,7 +21,7 @@ def matmul_params(model_cfg) -> int:
     return s.n_layers * (attn + mlp) + s.d_model * s.vocab_size
 
 
-def param_count(model_cfg) -> int:
+def param_count(model_cfg: ModelSpec) -> int:
     """All trainable parameters of ``build_model(model_cfg, ...)`` without PQT bitwidths."""
     s = model_spec(model_cfg)
     D = s.d_model
@@ -36,7 +36,7 @@ def param_count(model_cfg) -> int:
     return n
 
 
-def flops_per_token(model_cfg, seq_len: int) -> float:
+def flops_per_token(model_cfg: ModelSpec, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token at ``seq_len``: ``6 N + 12 L H Dh T`` (T: ``seq_len``, or the
     sliding window when it is shorter)."""
     if not isinstance(seq_len, int) or seq_len <= 0:

@@ -43,7 +43,8 @@ import numpy as np
 from flax import nnx
 
 from lpt import numerics
-from lpt.models.config import ModelSpec, model_spec, precision_spec
+from lpt.models.config import ModelSpec, Precision, model_spec
+from lpt.options import build
 from lpt.models.hf_config import (
     ARCHITECTURES,
     check_token_ids,
@@ -83,7 +84,7 @@ _SAVE_DTYPES = {
 # both with the XLA attention and Qiu & Yao's stable row-max shift
 _PRECISIONS = {
     "float32": {"param_dtype": "float32", "compute_dtype": "float32"},
-    "bfloat16": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "storage": "param_dtype"},
+    "bfloat16": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "update_rule": "nearest"},  # stored in bf16
 }
 
 # non-weight tensors some checkpoints carry: skipped on load
@@ -138,7 +139,7 @@ def _mapping(spec: ModelSpec) -> list[tuple[str, tuple[str, ...], str]]:
 def _lpt_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """``{"a/b/c": shape}`` of the model's parameters in the unrolled layout (abstract: nothing is computed)."""
     unrolled = dataclasses.replace(spec, scan_layers=False, remat=False)
-    model = nnx.eval_shape(lambda: Transformer(unrolled, precision_spec({}), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(unrolled, Precision(), rngs=nnx.Rngs(0)))
     flat = _flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     return {k: tuple(v.shape) for k, v in flat.items()}
 
@@ -219,7 +220,7 @@ def _gpt2_name(name: str) -> str:
 # loading
 
 
-def load_params(path: str | Path, model_cfg) -> dict:
+def load_params(path: str | Path, model_cfg: ModelSpec) -> dict:
     """The weights of a Hugging Face model directory as lpt parameters for ``model_cfg``: a nested dict of float32
     numpy arrays shaped like ``nnx.to_pure_dict`` of ``nnx.split(model, nnx.Param, ...)``'s params for that config
     (block indices as int keys; with ``scan_layers`` the blocks stacked on a leading axis). No PQT bitwidths.
@@ -271,11 +272,11 @@ def load_params(path: str | Path, model_cfg) -> dict:
     return _nest(flat)
 
 
-def model_from_params(model_cfg, precision_cfg, params: dict) -> Transformer:
+def model_from_params(model_cfg: ModelSpec, precision_cfg: Precision, params: dict) -> Transformer:
     """The lpt model of ``model_cfg`` / ``precision_cfg`` with ``params`` (a pure dict as from :func:`load_params`)
     stored in the recipe's storage dtype: float32 -> storage by round-to-nearest-even (exact when the values came
     from a file in that dtype). Nothing is drawn at random."""
-    spec, prec = model_spec(model_cfg), precision_spec(precision_cfg)
+    spec, prec = model_spec(model_cfg), build(Precision, precision_cfg)
     abstract = nnx.eval_shape(lambda: Transformer(spec, prec, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     want = _flatten(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
@@ -316,7 +317,7 @@ def from_pretrained(path: str | Path, *, param_dtype: str = "float32") -> tuple[
 def save_params(
     path: str | Path,
     params: dict,
-    model_cfg,
+    model_cfg: ModelSpec,
     *,
     tokenizer_file: str | Path | None = None,
     token_ids: dict | None = None,

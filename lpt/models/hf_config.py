@@ -143,7 +143,7 @@ def generation_config(token_ids: dict) -> dict:
     return {k: token_ids[k] for k in TOKEN_KEYS if token_ids.get(k) is not None}
 
 
-def hf_family(model_cfg) -> str:
+def hf_family(model_cfg: ModelSpec) -> str:
     """The Hugging Face family that writes ``config.model``: "gpt2"; for kind "llama" "qwen2" with ``qkv_bias``,
     "qwen3" with ``qk_norm``, else "mistral" with a ``sliding_window`` and "llama" without (a Mistral whose window
     masks nothing is written as the Llama it is). ValueError for a model no architecture holds: ``qkv_bias`` and
@@ -168,7 +168,7 @@ def hf_family(model_cfg) -> str:
     return "llama"
 
 
-def hf_config(model_cfg, *, dtype: str = "float32", token_ids: dict | None = None) -> dict:
+def hf_config(model_cfg: ModelSpec, *, dtype: str = "float32", token_ids: dict | None = None) -> dict:
     """The ``config.json`` dict of ``config.model`` (the inverse of :func:`read_config`), for the architecture of
     :func:`hf_family`. The RoPE goes both into ``rope_theta`` / ``rope_scaling`` (transformers 4) and
     ``rope_parameters`` (transformers 5); ``sliding_window`` into Mistral's ``sliding_window`` and Qwen's

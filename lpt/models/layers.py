@@ -23,7 +23,7 @@ from flax import nnx
 
 from lpt import numerics
 from lpt.models import matmul_formats, pqt_wiring, probes
-from lpt.models.config import ModelSpec, PrecisionSpec
+from lpt.models.config import ModelSpec, Precision
 
 
 def make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtype, *, const: float | None = None):
@@ -99,7 +99,7 @@ def _exact_cast(src, dst) -> bool:
     return dst == jnp.bfloat16 and src in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
-def view_weight(w: jax.Array, prec: PrecisionSpec, dtype=None) -> jax.Array:
+def view_weight(w: jax.Array, prec: Precision, dtype=None) -> jax.Array:
     """The weight as a layer uses it: storage -> ``param_dtype`` (RNE, straight-through) -> ``dtype``.
 
     ``dtype`` defaults to the compute dtype; float32 norms pass ``jnp.float32``. Casts that cannot be exact
@@ -134,36 +134,36 @@ def in_block(index, n_layers: int):
 def matmul(
     x: jax.Array,
     w: jax.Array,
-    kind: str,
+    format_name: str,
     out_dtype,
     *,
     name: str = "matmul",
     w_axes: tuple | None = None,
     key: jax.Array | None = None,
     path: str = "",
-    prec: PrecisionSpec | None = None,
+    prec: Precision | None = None,
 ) -> jax.Array:
-    """``x[..., K] @ w[K, N]`` with the matmul format ``kind`` (:func:`lpt.models.matmul_formats.get`): its GEMM's
+    """``x[..., K] @ w[K, N]`` with the matmul format ``format_name`` (:func:`lpt.models.matmul_formats.get`): its GEMM's
     float32 accumulator, rounded once to ``out_dtype``.
 
-    In a block of ``prec.bf16_layers`` (:func:`in_block`) a low-precision ``kind`` runs as "bf16": decided at trace
+    In a block of ``prec.bf16_layers`` (:func:`in_block`) a low-precision ``format_name`` runs as "bf16": decided at trace
     time for a Python index, by ``lax.cond`` on a scanned one (only the chosen branch runs); a diagnostics pass
     computes both and selects, so that the low-precision statistics are recorded outside the cond.
 
     ``w_axes`` (the weight's logical axes) tells the FP8 kernels how to split ``w`` under a mesh; ``key`` (the step
     key, None in evaluation), ``path`` (the layer path) and ``prec`` go to the format's GEMM
-    (:meth:`lpt.models.matmul_formats.MatmulFormat.gemm`). ``name`` (the layer kind, e.g. "qkv") labels the
+    (:meth:`lpt.models.matmul_formats.MatmulFormat.gemm`). ``name`` (the projection, e.g. "qkv") labels the
     statistics the format records in a diagnostics pass (:mod:`lpt.models.probes`); outside one nothing is recorded
     and no operation is added.
     """
     kw = dict(name=name, w_axes=w_axes, key=key, path=path, prec=prec)
     block = getattr(_BLOCK, "value", None)
-    if not matmul_formats.get(kind).low_precision or prec is None or not prec.bf16_layers or block is None:
-        return _matmul(x, w, kind, out_dtype, **kw)
+    if not matmul_formats.get(format_name).low_precision or prec is None or not prec.bf16_layers or block is None:
+        return _matmul(x, w, format_name, out_dtype, **kw)
     index, n_layers = block
     chosen = prec.bf16_blocks(n_layers)
     plain = lambda x, w: _matmul(x, getattr(w, "w", w), "bf16", out_dtype, **kw)  # a GemmWeight's weight, or w
-    low = lambda x, w: _matmul(x, w, kind, out_dtype, **kw)
+    low = lambda x, w: _matmul(x, w, format_name, out_dtype, **kw)
     if isinstance(index, int):
         return plain(x, w) if index in chosen else low(x, w)
     keep = jnp.isin(index, jnp.asarray(chosen, jnp.int32))
@@ -172,18 +172,18 @@ def matmul(
     return jax.lax.cond(keep, plain, low, x, w)
 
 
-def _matmul(x, w, kind: str, out_dtype, *, name, w_axes, key, path, prec) -> jax.Array:
-    fmt = matmul_formats.get(kind)
+def _matmul(x, w, format_name: str, out_dtype, *, name, w_axes, key, path, prec) -> jax.Array:
+    fmt = matmul_formats.get(format_name)
     y_f32 = fmt.gemm(x, w, w_axes=w_axes, key=key, path=path, prec=prec)
     if y_f32.dtype != jnp.float32:
-        raise TypeError(f"matmul format {kind!r} returned {y_f32.dtype}; a format's gemm returns the f32 accumulator")
+        raise TypeError(f"matmul format {format_name!r} returned {y_f32.dtype}; a format's gemm returns the f32 accumulator")
     if probes.active():  # diagnostics pass only (trace-time switch)
         fmt.probe(name, x, w, y_f32)
     return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype (RNE)
 
 
 class Linear(nnx.Module):
-    """``y = x @ W (+ b)`` for one layer kind ("qkv", "out", "up", "down", "lm_head").
+    """``y = x @ W (+ b)`` for one projection ("qkv", "out", "up", "down", "lm_head").
 
     ``path`` (e.g. "blocks/3/mlp/down") names the layer; PQT layers fold it into the step key, so their noise
     depends on (seed, step, layer path) only.
@@ -195,15 +195,15 @@ class Linear(nnx.Module):
         d_out: int,
         *,
         axes: tuple,
-        layer_kind: str,
+        projection: str,
         std: float,
-        prec: PrecisionSpec,
+        prec: Precision,
         path: str,
         use_bias: bool = False,
         rngs: nnx.Rngs,
     ):
-        self.layer_kind, self.prec, self.path, self.axes = layer_kind, prec, path, tuple(axes)
-        self.pqt_method = prec.pqt_for(layer_kind) if layer_kind != "lm_head" else "none"
+        self.projection, self.prec, self.path, self.axes = projection, prec, path, tuple(axes)
+        self.pqt_method = prec.pqt_for(projection) if projection != "lm_head" else "none"
         self.kernel = make_param(rngs.params(), (d_in, d_out), std, axes, prec.store_dtype)
         self.bias = make_param(None, (d_out,), 0.0, axes[1:], prec.store_dtype, const=0.0) if use_bias else None
         self.bitwidth = None if self.pqt_method == "none" else pqt_wiring.make_bitwidth((d_in, d_out), prec)
@@ -222,9 +222,9 @@ class Linear(nnx.Module):
             w = view_weight(stored, self.prec)
         if prepared is not None:
             w = prepared._replace(w=w)  # the codes as made, the gradient to the weight's view
-        kind = self.prec.matmul_for(self.layer_kind)
+        format_name = self.prec.matmul_for(self.projection)
         y = matmul(
-            x, w, kind, out_dtype, name=self.layer_kind, w_axes=self.axes, key=key, path=self.path, prec=self.prec
+            x, w, format_name, out_dtype, name=self.projection, w_axes=self.axes, key=key, path=self.path, prec=self.prec
         )
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)
@@ -237,7 +237,7 @@ def fp8_linears(model: nnx.Module) -> list[tuple[tuple, Linear]]:
     return [
         (tuple(path), m)
         for path, m in nnx.iter_graph(model)
-        if isinstance(m, Linear) and m.prec.matmul_for(m.layer_kind) == "fp8"
+        if isinstance(m, Linear) and m.prec.matmul_for(m.projection) == "fp8"
     ]
 
 
@@ -267,21 +267,21 @@ def with_gemm_weights(params: dict, prepared: dict) -> dict:
     return out
 
 
-def block_linears(spec: ModelSpec, prec: PrecisionSpec, *, path: str, rngs: nnx.Rngs):
-    """The maker of one block's projections: ``make(d_in, d_out, axes, layer_kind, name, residual=False,
+def block_linears(spec: ModelSpec, prec: Precision, *, path: str, rngs: nnx.Rngs):
+    """The maker of one block's projections: ``make(d_in, d_out, axes, projection, name, residual=False,
     bias=False)`` is the :class:`Linear` at layer path ``f"{path}/{name}"``, with a bias for GPT-2 or when ``bias``
     (Qwen2's q, k, v), init std ``spec.init_std``, or ``init_std / sqrt(2 n_layers)`` for a ``residual`` projection
     (one that writes the residual stream: "out" and "down", as GPT-2)."""
     std, residual_std = spec.init_std, spec.init_std / math.sqrt(2 * spec.n_layers)
 
     def make(
-        d_in: int, d_out: int, axes: tuple, layer_kind: str, name: str, *, residual: bool = False, bias: bool = False
+        d_in: int, d_out: int, axes: tuple, projection: str, name: str, *, residual: bool = False, bias: bool = False
     ) -> Linear:
         return Linear(
             d_in,
             d_out,
             axes=axes,
-            layer_kind=layer_kind,
+            projection=projection,
             std=residual_std if residual else std,
             prec=prec,
             path=f"{path}/{name}",
@@ -295,7 +295,7 @@ def block_linears(spec: ModelSpec, prec: PrecisionSpec, *, path: str, rngs: nnx.
 class Embed(nnx.Module):
     """Token (or position) embedding table ``E[V, D]``; lookup returns compute-dtype rows."""
 
-    def __init__(self, num: int, dim: int, *, axes: tuple, std: float, prec: PrecisionSpec, rngs: nnx.Rngs):
+    def __init__(self, num: int, dim: int, *, axes: tuple, std: float, prec: Precision, rngs: nnx.Rngs):
         self.prec = prec
         self.embedding = make_param(rngs.params(), (num, dim), std, axes, prec.store_dtype)
 
@@ -307,7 +307,7 @@ class RMSNorm(nnx.Module):
     """``y = x / sqrt(mean(x²) + eps) * g`` over the last axis, with the statistics in float32. ``axes``: the
     logical axis of ``g`` ("embed" for the residual stream, "head_dim" for Qwen3's per-head q / k norms)."""
 
-    def __init__(self, dim: int, *, eps: float, prec: PrecisionSpec, axes: tuple = ("embed",)):
+    def __init__(self, dim: int, *, eps: float, prec: Precision, axes: tuple = ("embed",)):
         self.prec = prec
         self.eps = eps
         self.scale = make_param(None, (dim,), 0.0, axes, prec.store_dtype, const=1.0)
@@ -322,7 +322,7 @@ class RMSNorm(nnx.Module):
 class LayerNorm(nnx.Module):
     """``y = (x - mean) / sqrt(var + eps) * g + b`` with the statistics in float32."""
 
-    def __init__(self, dim: int, *, eps: float, prec: PrecisionSpec):
+    def __init__(self, dim: int, *, eps: float, prec: Precision):
         self.prec = prec
         self.eps = eps
         self.scale = make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=1.0)

@@ -1,12 +1,12 @@
 """The matmul formats of the model's layers: one object per format, registered by name.
 
-``precision.matmul.<kind>`` names a format; :func:`get` returns its :class:`MatmulFormat`, which owns everything the
+``precision.matmul.<projection>`` names a format; :func:`get` returns its :class:`MatmulFormat`, which owns everything the
 rest of lpt asks of a format:
 
 * ``gemm(x, w, *, w_axes, key, path, prec)``: the differentiable ``x[..., K] @ w[K, N]`` of a layer, returning the
   float32 accumulator (:func:`lpt.models.layers.matmul` rounds it once to the layer's output dtype);
-* ``block(numerics)`` and ``check_shape(layer_kind, k, n, numerics)``: the multiple that K and N of every weight must
-  be (:func:`lpt.models.config.check_matmul_blocks` asks each layer kind's format);
+* ``block(numerics)`` and ``check_shape(projection, k, n, numerics)``: the multiple that K and N of every weight must
+  be (:func:`lpt.models.config.check_matmul_blocks` asks each projection's format);
 * ``probe(name, x, w, y_f32)``: the statistics the diagnostics pass records (:mod:`lpt.models.probes`);
 * ``low_precision``: whether ``precision.bf16_layers`` runs it as "bf16" in the chosen blocks;
 * the lab's per-GEMM view (``python -m lpt.lab formats``): ``quantized_operands(x, w, g, *, key, prec)`` (x, w and
@@ -44,7 +44,7 @@ from lpt.pqt.keys import layer_key
 
 if TYPE_CHECKING:
     from lpt.fp8.block_diagnostics import BlockHealth
-    from lpt.models.config import Numerics
+    from lpt.models.config import Precision
 
 __all__ = ["NAMES", "MatmulFormat", "get", "names", "register", "unregister"]
 
@@ -53,41 +53,41 @@ class MatmulFormat:
     """One matmul format. A subclass sets :attr:`name` and defines :meth:`gemm`; the other methods have the defaults
     of a format without blocks, statistics or a lab view."""
 
-    name: str = ""  # the value of precision.matmul.<kind>
+    name: str = ""  # the value of precision.matmul.<projection>
     low_precision: bool = True  # precision.bf16_layers runs it as "bf16" in the blocks it names
 
-    def gemm(self, x: jax.Array, w, *, w_axes: tuple | None, key, path: str, prec: Numerics | None) -> jax.Array:
+    def gemm(self, x: jax.Array, w, *, w_axes: tuple | None, key, path: str, prec: Precision | None) -> jax.Array:
         """``x[..., K] @ w[K, N]`` as the float32 accumulator, differentiable in x and w. ``x`` is in the compute
         dtype; ``w`` is the weight's compute-dtype view (or, for "fp8" layers of ``optim.fp8_gather="step"``, an
         :class:`lpt.fp8.GemmWeight`); ``w_axes`` its logical axes; ``key`` the step key (None in evaluation);
         ``path`` the layer path; ``prec`` the model's numerics (None: the format's defaults)."""
         raise NotImplementedError(f"matmul format {self.name!r} defines no gemm")
 
-    def block(self, numerics: Numerics) -> int:
+    def block(self, numerics: Precision) -> int:
         """The multiple that K and N of every weight this format multiplies must be (1: any)."""
         return 1
 
-    def check_shape(self, layer_kind: str, k: int, n: int, numerics: Numerics) -> None:
-        """Raise ValueError, naming the config key and the weight, when a ``k x n`` weight of ``layer_kind`` does
+    def check_shape(self, projection: str, k: int, n: int, numerics: Precision) -> None:
+        """Raise ValueError, naming the config key and the weight, when a ``k x n`` weight of ``projection`` does
         not fit the format's blocks."""
         b = self.block(numerics)
         if k % b or n % b:
             raise ValueError(
-                f"precision.matmul.{layer_kind}={self.name!r} needs K and N multiples of {b}, but the model's "
-                f"{layer_kind} weight is {k}x{n}; change the model's widths or use another matmul for {layer_kind}"
+                f"precision.matmul.{projection}={self.name!r} needs K and N multiples of {b}, but the model's "
+                f"{projection} weight is {k}x{n}; change the model's widths or use another matmul for {projection}"
             )
 
     def probe(self, name: str, x: jax.Array, w, y_f32: jax.Array) -> None:
-        """Record the statistics of one GEMM ``y_f32 = gemm(x, w)`` of layer kind ``name`` into
+        """Record the statistics of one GEMM ``y_f32 = gemm(x, w)`` of projection ``name`` into
         :func:`lpt.models.probes.current` (called only while a diagnostics pass is traced). Default: none."""
 
-    def quantized_operands(self, x, w, g, *, key, prec: Numerics) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def quantized_operands(self, x, w, g, *, key, prec: Precision) -> tuple[jax.Array, jax.Array, jax.Array]:
         """f32 ``x [M, K]``, ``w [K, N]`` and ``g [M, N]`` (dY) quantized and dequantized as the format's GEMMs
         take them (g as the dX GEMM does), K and N multiples of :meth:`block`; ``key``: the call's key as given
         to :meth:`emulated_gemm`."""
         raise NotImplementedError(f"matmul format {self.name!r} defines no quantized operands")
 
-    def emulated_gemm(self, x, w, *, key, prec: Numerics) -> jax.Array:
+    def emulated_gemm(self, x, w, *, key, prec: Precision) -> jax.Array:
         """f32 ``x [M, K] @ w [K, N]`` with the format's three GEMMs computed by XLA on every platform (no kernel),
         differentiable; ``key`` is used as given (no layer path is folded in)."""
         raise NotImplementedError(f"matmul format {self.name!r} defines no emulated gemm")
@@ -116,13 +116,13 @@ class Bf16(MatmulFormat):
 class BlockwiseFp8(MatmulFormat):
     """DeepSeek-V3's blockwise FP8 (:func:`lpt.fp8.blockwise_dot`).
 
-    Its probe records, per layer kind ``<kind>``, with the operands quantized exactly as ``blockwise_dot`` does
-    (e4m3, 1×128 tiles of x along K, 128×128 blocks of w, f32 amax scales): ``fp8/<kind>/x_underflow_frac``
-    (nonzero entries flushed to 0 / all entries), ``fp8/<kind>/x_subnormal_frac`` (nonzero entries whose scaled
+    Its probe records, per projection ``<projection>``, with the operands quantized exactly as ``blockwise_dot`` does
+    (e4m3, 1×128 tiles of x along K, 128×128 blocks of w, f32 amax scales): ``fp8/<projection>/x_underflow_frac``
+    (nonzero entries flushed to 0 / all entries), ``fp8/<projection>/x_subnormal_frac`` (nonzero entries whose scaled
     value ``|x / s|`` lands below e4m3's smallest normal 2⁻⁶, flushed ones included, / all entries: they keep fewer
-    than 3 mantissa bits), ``fp8/<kind>/w_underflow_frac``, ``fp8/<kind>/w_subnormal_frac`` (same for the weight),
-    ``fp8/<kind>/x_scale_range_log2`` (max over the layers of ``log2(max tile scale / min nonzero tile scale)``: the
-    dynamic range that per-tile scaling absorbs and one per-tensor scale would not) and ``fp8/<kind>/snr_db``
+    than 3 mantissa bits), ``fp8/<projection>/w_underflow_frac``, ``fp8/<projection>/w_subnormal_frac`` (same for the weight),
+    ``fp8/<projection>/x_scale_range_log2`` (max over the layers of ``log2(max tile scale / min nonzero tile scale)``: the
+    dynamic range that per-tile scaling absorbs and one per-tensor scale would not) and ``fp8/<projection>/snr_db``
     (``10 log10(Σ y_ref² / Σ (y_fp8 − y_ref)²)`` with ``y_ref`` the same GEMM on the compute-dtype operands with f32
     accumulation, i.e. what "bf16" computes). Saturation is not reported: with amax scaling the largest entry of
     every tile maps to ±448 exactly, so clipping cannot happen (only f32 round-off of ``amax / (amax / 448)``, which
@@ -185,13 +185,13 @@ class BlockScaled(MatmulFormat):
     e8m0 scales) or "nvfp4" (e2m1 in 1×16 blocks and 16×16 weight tiles, e4m3 scales and an f32 tensor scale, with
     the random Hadamard transform of dW's inputs and stochastic rounding of the gradients, ``prec``'s switches).
 
-    Its probe records, per layer kind ``<kind>``, with x and w blocked as the forward GEMM blocks them
-    (:func:`lpt.fp8.block_diagnostics.gemm_block_health`): ``<name>/<kind>/x_scale_saturated_frac`` (blocks whose
+    Its probe records, per projection ``<projection>``, with x and w blocked as the forward GEMM blocks them
+    (:func:`lpt.fp8.block_diagnostics.gemm_block_health`): ``<name>/<projection>/x_scale_saturated_frac`` (blocks whose
     scale lies above the scale format's largest: e8m0 for MXFP8, e4m3 after the f32 tensor scale for NVFP4; inf /
-    NaN blocks included), ``<name>/<kind>/x_scale_underflow_frac`` (non-zero blocks whose scale falls below the
-    scale format's smallest normal: clamped at 2^-127, or an e4m3 subnormal or zero), ``<name>/<kind>/x_clipped_frac``
+    NaN blocks included), ``<name>/<projection>/x_scale_underflow_frac`` (non-zero blocks whose scale falls below the
+    scale format's smallest normal: clamped at 2^-127, or an e4m3 subnormal or zero), ``<name>/<projection>/x_clipped_frac``
     (blocks whose maximum saturates at the element format's max: MXFP8's floor rule clips about one block in seven),
-    the same three for ``w``, each over all blocks of the kind; and ``fp8/<kind>/snr_db`` against the compute-dtype
+    the same three for ``w``, each over all blocks of the projection; and ``fp8/<projection>/snr_db`` against the compute-dtype
     GEMM as for "fp8".
     """
 
@@ -266,7 +266,7 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-NAMES = LiveChoices(names)  # the allowed values of precision.matmul.<kind>: every format registered at the time
+NAMES = LiveChoices(names)  # the allowed values of precision.matmul.<projection>: every format registered at the time
 
 
 def get(name: str) -> MatmulFormat:

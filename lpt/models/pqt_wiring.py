@@ -1,7 +1,7 @@
 """PQT (Ahn & Yoo, Gaussian Weight Sampling) inside the model, built on :mod:`lpt.pqt`: bitwidth parameters, noisy
 weights, loss, diagnostics.
 
-Each linear layer of a kind listed in ``precision.pqt.layers`` owns a :class:`lpt.pqt.PQTBitwidth` ``b_i``
+Each linear layer of a projection listed in ``precision.pqt.layers`` owns a :class:`lpt.pqt.PQTBitwidth` ``b_i``
 (float32, one per 32×32 tile, initialised to 1; ``b_t = b_target + b_i · (b_init − b_target)``, Eq. 11). In training
 (a step key is given) the layer uses ``ŵ = lpt.pqt.apply_pqt(w_view, b_i, key, method, path)`` in the compute dtype,
 where ``w_view`` is the weight seen through ``param_dtype`` and ``path`` (e.g. "blocks/3/mlp/down") is folded into
@@ -16,12 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lpt import pqt
-from lpt.models.config import PrecisionSpec
+from lpt.models.config import Precision
 
 BLOCK = 32
 
 
-def make_bitwidth(shape: tuple[int, int], prec: PrecisionSpec):
+def make_bitwidth(shape: tuple[int, int], prec: Precision):
     """A ``PQTBitwidth`` (b_i = 1 per tile, f32, replicated logical axes) for a kernel of ``shape``."""
     grid = pqt.block_grid(shape, BLOCK)
     return pqt.PQTBitwidth(
@@ -36,7 +36,7 @@ def make_bitwidth(shape: tuple[int, int], prec: PrecisionSpec):
     )
 
 
-def sample(w_view: jax.Array, bitwidth, key: jax.Array, *, method: str, path: str, prec: PrecisionSpec) -> jax.Array:
+def sample(w_view: jax.Array, bitwidth, key: jax.Array, *, method: str, path: str, prec: Precision) -> jax.Array:
     """ŵ of Ahn & Yoo (GaussWS), Eq. 3 in the compute dtype (:func:`lpt.pqt.apply_pqt`)."""
     return pqt.apply_pqt(w_view, bitwidth, key, method=method, path=path, compute_dtype=prec.compute)
 
@@ -53,7 +53,7 @@ _KIND_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "out", "up": "up", "gate": 
 
 def pqt_diagnostics(model) -> dict[str, jax.Array]:
     """``pqt/all/bt_mean``, ``pqt/all/frac_le{5,9,12}`` (from :func:`lpt.pqt.bitwidth_stats`), ``pqt/bt_min``,
-    ``pqt/bt_max`` and ``pqt/bt_mean/<kind>`` (unweighted tile mean per layer kind)."""
+    ``pqt/bt_max`` and ``pqt/bt_mean/<projection>`` (unweighted tile mean per projection)."""
     if model.prec.pqt.method == "none":
         return {}
     out = {k: v for k, v in pqt.bitwidth_stats(model).items() if k.startswith("pqt/all/")}

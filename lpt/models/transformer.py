@@ -15,7 +15,8 @@ from flax import nnx
 
 from lpt.models import layers, pqt_wiring, probes
 from lpt.models.attention_block import Attention
-from lpt.models.config import ModelSpec, PrecisionSpec, model_spec, precision_spec
+from lpt.models.config import ModelSpec, Precision, model_spec
+from lpt.options import build
 from lpt.models.decode import KVCache
 from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, block_linears, init_state, matmul, view_weight
 from lpt.sharding import constrain
@@ -27,7 +28,7 @@ _BTF = ("batch", "length", "mlp")
 class MLP(nnx.Module):
     """Llama: ``down(silu(gate(x)) * up(x))``; GPT-2: ``down(gelu_tanh(up(x)))``. Nonlinearity in float32."""
 
-    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, prec: Precision, *, block: int | str, rngs: nnx.Rngs):
         D, F = spec.d_model, spec.d_ff
         self.kind, self.prec = spec.kind, prec
         mk = block_linears(spec, prec, path=f"blocks/{block}/mlp", rngs=rngs)
@@ -47,7 +48,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, block: int | str, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, prec: Precision, *, block: int | str, rngs: nnx.Rngs):
         Norm = RMSNorm if spec.kind == "llama" else LayerNorm
         self.norm1 = Norm(spec.d_model, eps=spec.norm_eps, prec=prec)
         self.attn = Attention(spec, prec, block=block, rngs=rngs)
@@ -72,7 +73,7 @@ def _layers_metadata(spec: ModelSpec) -> dict:
     return {nnx.PARTITION_NAME: "layers", "kernel_shape": spec.n_layers}
 
 
-def _stacked_blocks(spec: ModelSpec, prec: PrecisionSpec, rngs: nnx.Rngs) -> Block:
+def _stacked_blocks(spec: ModelSpec, prec: Precision, rngs: nnx.Rngs) -> Block:
     """One :class:`Block` whose parameters carry a leading ``n_layers`` axis (logical name "layers")."""
 
     @nnx.split_rngs(splits=spec.n_layers)
@@ -149,7 +150,7 @@ class Transformer(nnx.Module):
     tokens per row with a :class:`lpt.models.decode.KVCache` (generation; no weight noise).
     """
 
-    def __init__(self, spec: ModelSpec, prec: PrecisionSpec, *, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, prec: Precision, *, rngs: nnx.Rngs):
         self.spec, self.prec = spec, prec
         D, V = spec.d_model, spec.vocab_size
         self.embed = Embed(V, D, axes=("vocab", "embed"), std=spec.init_std, prec=prec, rngs=rngs)
@@ -171,7 +172,7 @@ class Transformer(nnx.Module):
                 D,
                 V,
                 axes=("embed", "vocab"),
-                layer_kind="lm_head",
+                projection="lm_head",
                 std=spec.init_std,
                 prec=prec,
                 path="lm_head",
@@ -244,14 +245,14 @@ class Transformer(nnx.Module):
         return pqt_wiring.aux_loss(self)
 
 
-def build_model(model_cfg, precision_cfg, *, rngs: nnx.Rngs) -> Transformer:
+def build_model(model_cfg: ModelSpec, precision_cfg: Precision, *, rngs: nnx.Rngs) -> Transformer:
     """Build the transformer of ``config.model`` with the recipe ``config.precision`` (see lpt.models.config).
 
     Weights: N(0, init_std²); the "out" and "down" projections N(0, init_std² / (2 n_layers)) (GPT-2); norm scales
     1, biases 0; drawn from ``rngs.params()`` by :func:`lpt.models.layers.init_state` (one flat draw). Works
     inside ``jax.jit`` (e.g. with ``out_shardings`` for a sharded init) and under ``nnx.eval_shape``.
     """
-    spec, prec = model_spec(model_cfg), precision_spec(precision_cfg)
+    spec, prec = model_spec(model_cfg), build(Precision, precision_cfg)
     key = rngs.params()
     abstract = nnx.eval_shape(lambda: Transformer(spec, prec, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)

@@ -168,7 +168,7 @@ class Checkpointer:
             ) from None
 
     def restore_latest(
-        self, abstract: TrainState, config=None, layout_of=None, corpus: dict | None = None
+        self, abstract: TrainState, config: config_lib.Config | None = None, layout_of=None, corpus: dict | None = None
     ) -> tuple[TrainState, dict] | None:
         """Restore the newest readable checkpoint onto ``abstract``'s shardings (None if there is none).
 

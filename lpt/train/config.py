@@ -37,11 +37,10 @@ import lpt.configs
 from lpt import options
 from lpt.data.pipeline import DataConfig
 from lpt.data.tokenizer import load_tokenizer
-from lpt.models.config import LAYER_KINDS, SHAPE_KEYS, ModelSpec, check_attention, check_matmul_blocks
+from lpt.models.config import PROJECTIONS, SHAPE_KEYS, ModelSpec, Precision, check_attention, check_matmul_blocks
 from lpt.models.hf_config import read_config as read_hf_config
 from lpt.options import SEED, Range, above, at_least, option, section
 from lpt.train.guard import BAD_STEPS
-from lpt.train.recipe import PrecisionConfig
 
 _CONFIGS = Path(lpt.configs.__file__).parent  # the shipped configs (a link to the repository's configs/)
 
@@ -166,7 +165,7 @@ class Config:
     ``ml_collections.ConfigDict`` stays at the edges (config files, ``config.json``), parsed here."""
 
     model: ModelSpec = option(ModelSpec(), "architecture and size")
-    precision: PrecisionConfig = option(PrecisionConfig(), "the precision recipe")
+    precision: Precision = option(Precision(), "the precision recipe")
     data: DataConfig = option(DataConfig(), "the data")
     optim: OptimConfig = option(OptimConfig(), "the optimizer")
     train: TrainConfig = option(TrainConfig(), "the training run")
@@ -183,7 +182,7 @@ class Config:
             raise ValueError(f"train.global_batch={t.global_batch} is not divisible by optim.microbatches={o.microbatches}")
         check_matmul_blocks(self.model, p)
         check_attention(self.model, p)
-        noisy = [k for k in LAYER_KINDS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
+        noisy = [k for k in PROJECTIONS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
         if o.fp8_gather == "step" and noisy:
             raise ValueError(
                 f"optim.fp8_gather='step' quantizes each FP8 weight once per step, but precision.pqt.method="

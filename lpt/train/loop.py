@@ -174,7 +174,7 @@ def _train(
     log.info("compiled the train step in %.1f s", compile_seconds)
     writer = metrics.MetricsWriter(workdir, enabled=is_main, drop_after=start)  # forget steps a crash re-runs
     if is_main:
-        resolved = json.dumps(cfg.to_dict(), indent=2)
+        resolved = json.dumps(cfg.to_dict(), indent=2, sort_keys=True)  # keys sorted, as config.json always had them
         (workdir / "config.json").write_text(resolved + "\n")
         writer.text("config", resolved, start)
     logger = _Logger(cfg, writer, ckpt, start, disable=not is_main)

@@ -17,14 +17,15 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from lpt import sharding
-from lpt.models.config import LAYER_KINDS
+from lpt.models.config import PROJECTIONS, Precision
+from lpt.train.config import MeshConfig
 from lpt.sharding import logical_to_mesh
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # mesh axes the global batch is split over
 
 
-def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) with a -1 entry filled so that the product equals ``num_devices``."""
     sizes = [int(mesh_cfg.data), int(mesh_cfg.fsdp), int(mesh_cfg.tensor)]
     known = math.prod(s for s in sizes if s != -1)
@@ -43,7 +44,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
-def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The ("data", "fsdp", "tensor") mesh over ``devices`` (default: all devices of all processes)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
@@ -97,7 +98,7 @@ def check_batch(global_batch: int, microbatches: int, mesh: Mesh) -> None:
         )
 
 
-def check_platform(precision, platform: str) -> None:
+def check_platform(precision: Precision, platform: str) -> None:
     """Raise ValueError when the recipe needs another platform than the mesh's devices' (``"cpu"``, ``"gpu"``,
     ``"tpu"``): ``precision.fp8_impl="mosaic_gpu"`` and ``precision.attention.impl="mosaic_gpu"`` compile for CUDA
     GPUs only."""
@@ -107,7 +108,7 @@ def check_platform(precision, platform: str) -> None:
             f"config key precision.attention.impl='mosaic_gpu' is the Hopper flash-attention kernel and compiles for "
             f"CUDA GPUs only; this mesh's devices are {platform}: use 'xla' or 'pallas'"
         )
-    fp8 = any(p.matmul_for(k) == "fp8" for k in LAYER_KINDS)
+    fp8 = any(p.matmul_for(k) == "fp8" for k in PROJECTIONS)
     if fp8 and p.fp8_impl == "mosaic_gpu" and platform != "gpu":
         raise ValueError(
             f"config key precision.fp8_impl='mosaic_gpu' is the Hopper wgmma kernel and compiles for CUDA GPUs only; "

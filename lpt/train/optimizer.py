@@ -1,7 +1,7 @@
 """The optimizer of a config: AdamW with the learning-rate schedule, clipping and ``precision.update_rule``.
 
 ``precision.update_rule`` decides how the AdamW update reaches the stored params (this module builds the optimizer of
-each rule; :mod:`lpt.train.recipe` derives the parameters' storage from the same rule):
+each rule; :attr:`lpt.models.Precision.store_dtype` derives the parameters' storage from the same rule):
 
 * ``"f32_master"``: params are float32; ``optax.chain(clip, optax.adamw)`` with f32 moments and plain
   ``optax.apply_updates``.

@@ -25,12 +25,12 @@ import lpt.optim as O
 from lpt.train import config as config_lib
 from lpt.train import optimizer
 from lpt.train import state as state_lib
-from lpt.train.recipe import PrecisionConfig
+from lpt.models import Precision
 
 log = logging.getLogger("lpt.train")
 
 
-def stored_moments(precision: PrecisionConfig) -> str:
+def stored_moments(precision: Precision) -> str:
     """The concrete name of the moments' storage of ``precision``: its ``moment_dtype``, with "auto" resolved to the
     params' dtype (lpt's AdamW keeps moments there)."""
     return precision.param_dtype if precision.moment_dtype == "auto" else precision.moment_dtype

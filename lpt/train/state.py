@@ -26,7 +26,6 @@ from lpt import models
 from lpt.models.partitioning import logical_axes_of
 from lpt.train import guard as guard_lib
 from lpt.train import mesh as mesh_lib
-from lpt.train import recipe
 from lpt.train.config import Config
 
 
@@ -66,7 +65,7 @@ class ModelDef:
 
 def _build(cfg: Config, seed: int) -> nnx.Module:
     with nnx.use_eager_sharding(False):
-        return models.build_model(cfg.model, recipe.model_precision(cfg.precision), rngs=nnx.Rngs(seed))
+        return models.build_model(cfg.model, cfg.precision, rngs=nnx.Rngs(seed))
 
 
 def make_model_def(cfg: Config) -> ModelDef:

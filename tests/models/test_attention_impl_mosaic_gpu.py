@@ -66,14 +66,14 @@ def test_train_step_runs_attention_as_mosaic_gpu_kernels(topology, batch):
 
 def test_a_mesh_of_another_platform_refuses_it():
     cfg = tiny_config({**MOSAIC, "train.global_batch": "4"})
-    mesh_lib.check_platform(cfg, "gpu")
+    mesh_lib.check_platform(cfg.precision, "gpu")
     for platform in ("cpu", "tpu"):
         with pytest.raises(ValueError) as e:
-            mesh_lib.check_platform(cfg, platform)
+            mesh_lib.check_platform(cfg.precision, platform)
         message = str(e.value)
         assert "\n" not in message and message.startswith("config key precision.attention.impl='mosaic_gpu'")
         assert f"CUDA GPUs only; this mesh's devices are {platform}: use 'xla' or 'pallas'" in message
-    mesh_lib.check_platform(tiny_config({"precision.attention.impl": "pallas"}), "cpu")  # the others run anywhere
+    mesh_lib.check_platform(tiny_config({"precision.attention.impl": "pallas"}).precision, "cpu")  # the others run anywhere
 
 
 @pytest.mark.parametrize(
@@ -93,9 +93,9 @@ def test_validation_refuses_what_the_kernels_cannot_train(overrides, needle):
 
 def test_the_default_trains_with_the_hopper_kernels_on_an_h100():
     """``precision.attention.impl`` defaults to "auto", which picks the Hopper kernels for an H100 mesh."""
-    from lpt.models.config import Attention
+    from lpt.models.config import AttentionConfig
 
-    assert Attention().impl == "auto"
+    assert AttentionConfig().impl == "auto"
     default = {k: v for k, v in MOSAIC.items() if k != "precision.attention.impl"}
     found = hlo.kernels(_compiled_step("h100:1x1x1", default))
     assert found.get("mosaic_gpu_v2") == 3 * LAYERS and "__gpu$xla.gpu.triton" not in found, found

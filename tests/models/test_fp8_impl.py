@@ -42,10 +42,10 @@ def test_the_chosen_kernel_runs_every_fp8_gemm():
 def test_mosaic_gpu_needs_a_gpu_mesh():
     fp8_up = {"precision.matmul.up": "fp8", "model.d_model": "128", "model.d_ff": "128"}  # K, N multiples of 128
     cfg = tiny_config({**fp8_up, "precision.fp8_impl": "mosaic_gpu"})
-    mesh_lib.check_platform(cfg, "gpu")
+    mesh_lib.check_platform(cfg.precision, "gpu")
     with pytest.raises(ValueError, match=r"fp8_impl='mosaic_gpu' is the Hopper wgmma kernel.*devices are cpu"):
-        mesh_lib.check_platform(cfg, "cpu")
-    mesh_lib.check_platform(tiny_config({"precision.fp8_impl": "mosaic_gpu"}), "cpu")  # no fp8 matmul: no kernel
+        mesh_lib.check_platform(cfg.precision, "cpu")
+    mesh_lib.check_platform(tiny_config({"precision.fp8_impl": "mosaic_gpu"}).precision, "cpu")  # no fp8 matmul: no kernel
 
 
 def _mesh_text(topology: str, impl: str | None) -> str:
@@ -69,9 +69,9 @@ def _mesh_text(topology: str, impl: str | None) -> str:
 def test_the_default_is_auto_the_wgmma_kernel_on_a_hopper_gpu_and_xla_on_a_blackwell():
     """``precision.fp8_impl`` defaults to "auto": on an H100 every FP8 GEMM is the wgmma kernel, with e4m3
     gradients, as ``"mosaic_gpu"`` gives; on a B200 (no wgmma) the XLA twin, with e5m2 gradients."""
-    from lpt.models.config import Numerics
+    from lpt.models.config import Precision
 
-    assert Numerics().fp8_impl == "auto"
+    assert Precision().fp8_impl == "auto"
     gemms = _cuda_text("mosaic_gpu").count(MARKERS["mosaic_gpu"])
     h100 = _mesh_text("h100:1x1x1", None)
     assert gemms > 0 and h100.count(MARKERS["mosaic_gpu"]) == gemms and "f8E5M2" not in h100

@@ -12,7 +12,7 @@ import pytest
 
 from lpt import numerics
 from lpt.models import matmul_formats, probes
-from lpt.models.config import Matmul, ModelSpec, Numerics, check_matmul_blocks
+from lpt.models.config import Matmul, ModelSpec, Precision, check_matmul_blocks
 from lpt.train import config as config_lib
 from lpt.train.loop import train
 
@@ -91,8 +91,8 @@ def test_the_format_owns_its_shape_check(w4):
     check_matmul_blocks(ModelSpec(d_model=128, d_ff=384), _numerics(up=w4.name))  # multiples of 8: accepted
 
 
-def _numerics(**matmul) -> Numerics:
-    return Numerics(matmul=Matmul(**matmul))
+def _numerics(**matmul) -> Precision:
+    return Precision(matmul=Matmul(**matmul))
 
 
 def test_unknown_names_are_one_line_errors_naming_every_registered_format(w4):

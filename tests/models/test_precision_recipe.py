@@ -10,6 +10,7 @@ from float_bounds import assert_within, transformer_logits_sigma
 import lpt.models as M
 from lpt.models import layers
 from lpt.models.attention_block import attend
+from lpt.options import build
 
 CFG = dict(kind="llama", vocab_size=256, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)
 TOKENS = np.array([[1, 50, 99, 200, 3, 7, 11, 13]], np.int32)
@@ -41,12 +42,12 @@ def test_bf16_storage_equals_f32_master_viewed_in_bf16():
     ISA): the logits agree within 12σ of tests/float_bounds.py's rounding error model and, through the
     straight-through view, the gradients up to the bf16 rounding of the stored-bf16 gradient; the view rounding is
     real: an f32-viewed model differs by more than that."""
-    view, st_view, g_view = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "storage": "float32"})
-    stored, st_stored, g_stored = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "storage": "param_dtype"})
+    view, st_view, g_view = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "update_rule": "f32_master"})
+    stored, st_stored, g_stored = _forward_and_grad(CFG, {"param_dtype": "bfloat16", "update_rule": "nearest"})
     plain, _ = _forward(CFG, {"param_dtype": "float32"})
     assert {x.dtype for x in jax.tree.leaves(st_stored)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(st_view)} == {jnp.dtype(jnp.float32)}
-    model = M.build_model(CFG, {"param_dtype": "bfloat16", "storage": "param_dtype"}, rngs=nnx.Rngs(0))
+    model = M.build_model(CFG, {"param_dtype": "bfloat16", "update_rule": "nearest"}, rngs=nnx.Rngs(0))
     _, sigma = transformer_logits_sigma(model, TOKENS)
     assert_within(view, stored, 12 * sigma, "logits")
     assert np.abs(view - plain).max() > 1e-5 and np.any(np.abs(view - plain) > 12 * sigma)  # bf16 weights show
@@ -61,7 +62,7 @@ def test_bf16_storage_equals_f32_master_viewed_in_bf16():
 
 
 def test_fp8_storage_dtypes_and_saturation_diagnostics():
-    prec = {"param_dtype": "float8_e4m3fn", "storage": "param_dtype", "compute_dtype": "bfloat16"}
+    prec = {"param_dtype": "float8_e4m3fn", "update_rule": "nearest", "compute_dtype": "bfloat16"}
     model = M.build_model(CFG, prec, rngs=nnx.Rngs(0))
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     assert dtypes == {jnp.dtype(jnp.float8_e4m3fn)}
@@ -88,10 +89,10 @@ def test_round_ste_is_rne_with_identity_gradient_under_jit():
 
 
 def test_fp8_matmul_switch_uses_blockwise_fp8():
-    prec_fp8 = M.precision_spec({"matmul": {"up": "fp8"}})
-    prec_bf16 = M.precision_spec({})
+    prec_fp8 = build(M.Precision, {"matmul": {"up": "fp8"}})
+    prec_bf16 = build(M.Precision, {})
     rngs = nnx.Rngs(0)
-    lin = layers.Linear(128, 128, axes=("embed", "mlp"), layer_kind="up", std=0.05, prec=prec_fp8, path="t", rngs=rngs)
+    lin = layers.Linear(128, 128, axes=("embed", "mlp"), projection="up", std=0.05, prec=prec_fp8, path="t", rngs=rngs)
     x = jax.random.normal(jax.random.key(1), (4, 128), jnp.float32)
     g, st = nnx.split(lin)
     y = np.asarray(jax.jit(lambda s, x: nnx.merge(g, s)(x))(st, x))
@@ -111,7 +112,7 @@ def test_attention_switches_reach_lpt_attention(monkeypatch):
         return q
 
     monkeypatch.setattr(lpt.attention, "dot_product_attention", spy)
-    prec = M.precision_spec({"attention": {"impl": "pallas", "stable": False, "beta": 2.0}})
+    prec = build(M.Precision, {"attention": {"impl": "pallas", "stable": False, "beta": 2.0}})
     q = jnp.ones((1, 4, 2, 8), jnp.float32)
     attend(q, q[:, :, :1], q[:, :, :1], prec, sliding_window=3)
     assert seen == {"causal": True, "stable": False, "beta": 2.0, "impl": "pallas", "sliding_window": 3}
@@ -121,9 +122,9 @@ PQT = {"compute_dtype": "bfloat16", "pqt": {"method": "gaussws", "layers": ("out
 
 
 def test_pqt_linear_noise_only_with_a_key():
-    prec = M.precision_spec(PQT)
+    prec = build(M.Precision, PQT)
     lin = layers.Linear(
-        64, 32, axes=("mlp", "embed"), layer_kind="down", std=0.05, prec=prec, path="t", rngs=nnx.Rngs(0)
+        64, 32, axes=("mlp", "embed"), projection="down", std=0.05, prec=prec, path="t", rngs=nnx.Rngs(0)
     )
     x = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32).astype(jnp.bfloat16)
     g, st = nnx.split(lin)

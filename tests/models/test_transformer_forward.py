@@ -137,7 +137,7 @@ def test_gqa_equals_repeated_kv_heads():
     q = jax.random.normal(kq, (B, T, H, Dh), jnp.float32)
     k = jax.random.normal(kk, (B, T, K, Dh), jnp.float32)
     v = jax.random.normal(kv, (B, T, K, Dh), jnp.float32)
-    prec = M.precision_spec({})
+    prec = M.Precision()
     f = jax.jit(lambda q, k, v: attend(q, k, v, prec))
     gqa = np.asarray(f(q, k, v))
     mha = np.asarray(f(q, jnp.repeat(k, H // K, axis=2), jnp.repeat(v, H // K, axis=2)))
