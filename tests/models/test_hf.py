@@ -240,7 +240,7 @@ def test_save_pretrained_round_trip(cfg, tmp_path, request):
     assert np.abs(ref).max() > 1.0 and diff <= TOL
     # and back: the same bits, in the unrolled layout (from_pretrained) and in the model's own (load_params)
     back, back_cfg = M.from_pretrained(tmp_path / "hf")
-    assert {k: back_cfg[k] for k in cfg if k not in ("scan_layers", "rope_scaling")} == {
+    assert {k: getattr(back_cfg, k) for k in cfg if k not in ("scan_layers", "rope_scaling")} == {
         k: v for k, v in cfg.items() if k not in ("scan_layers", "rope_scaling")
     }
     original = nnx.to_pure_dict(nnx.state(model, nnx.Param))
