@@ -7,9 +7,11 @@ A kernel module describes its ``pallas_call`` once, as ``build(mode) -> callable
 * ``"triton"``: compiled with Triton on CUDA GPUs,
 * ``"mosaic"``: compiled with Mosaic on TPUs.
 
-``interpret=True`` forces the interpreter everywhere; ``interpret=None`` picks per platform at lowering time with
-``jax.lax.platform_dependent`` (interpreter on CPU, Triton on CUDA, Mosaic on TPU), never by looking at
-``jax.default_backend()``, so one jitted function lowers correctly for whichever device it is compiled for.
+``interpret=True`` forces the interpreter everywhere; ``interpret=None`` picks per platform (interpreter on CPU, Triton on
+CUDA, Mosaic on TPU), never by looking at ``jax.default_backend()``: by the devices of the mesh in effect where one
+names them (the trainer's ``jax.set_mesh``, :func:`lpt.targets.lowering_for`), and then only that platform's kernel is
+traced; else at lowering time with ``jax.lax.platform_dependent``, so one jitted function lowers correctly for
+whichever device it is compiled for.
 
 The mesh side: a ``pallas_call`` cannot be partitioned by XLA (Mosaic refuses; Triton gets its operands
 all-gathered), so a kernel wrapper that runs under a multi-device mesh wraps its per-shard function in
@@ -82,11 +84,19 @@ def mode_kwargs(mode: str, *, grid_rank: int = 0, semantics: tuple[str, ...] | N
     raise ValueError(f"mode={mode!r} is not one of {MODES}")
 
 
+_MODE_OF_PLATFORM = {"cpu": "interpret", "gpu": "triton", "tpu": "mosaic"}  # a device's platform -> its mode
+
+
 def platform_call(build: Callable[[str], Callable], *args, interpret: bool | None):
-    """``build(mode)(*args)``: interpreted if ``interpret``, else per platform via ``lax.platform_dependent``."""
+    """``build(mode)(*args)``: interpreted if ``interpret``; else the mode of the platform that :func:`named_device`
+    names (the devices of the mesh in effect), so that only that platform's kernel is traced; else, when no mesh
+    names a device, every mode under ``lax.platform_dependent``, picked at lowering time."""
     check_interpret(interpret)
     if interpret:
         return build("interpret")(*args)
+    device = named_device()
+    if device is not None:
+        return build(_MODE_OF_PLATFORM[device.platform])(*args)
     return lax.platform_dependent(*args, cpu=build("interpret"), cuda=build("triton"), tpu=build("mosaic"))
 
 
@@ -108,18 +118,22 @@ def mesh_platform(mesh) -> str | None:
     return None if device is None else device.platform
 
 
-def target_device(mesh=None):
-    """The device a program is lowered for, as a kernel wrapper sees it at trace time: the first device of ``mesh``
-    (or, when None, of the ``jax.set_mesh`` mesh: an abstract mesh's abstract device, also that of an empty abstract
-    mesh that names one, as :func:`lpt.targets.lowering_for` sets), else ``jax.devices()[0]``. It has ``platform``
-    ("cpu", "gpu", "tpu") and ``device_kind``."""
+def named_device(mesh=None):
+    """The device a program is lowered for where a mesh names it, as a kernel wrapper sees it at trace time: the
+    first device of ``mesh`` (or, when None, of the ``jax.set_mesh`` mesh: an abstract mesh's abstract device, also
+    that of an empty abstract mesh that names one, as :func:`lpt.targets.lowering_for` sets); None when no mesh names
+    one. It has ``platform`` ("cpu", "gpu", "tpu") and ``device_kind``."""
     mesh = kernel_mesh(mesh)
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh.devices.flat[0]
     abstract = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if abstract.abstract_device is not None:
-        return abstract.abstract_device
-    return jax.devices()[0]
+    return abstract.abstract_device
+
+
+def target_device(mesh=None):
+    """:func:`named_device`, else ``jax.devices()[0]`` (what a program that names no mesh runs on)."""
+    device = named_device(mesh)
+    return jax.devices()[0] if device is None else device
 
 
 _HOPPER_KINDS = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")

@@ -21,13 +21,26 @@ def _double(mode):
 
 def test_interpret_true_runs_the_interpreter_and_none_picks_per_platform():
     x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    call = lambda x: dispatch.platform_call(_double, x, interpret=None)
     np.testing.assert_array_equal(dispatch.platform_call(_double, x, interpret=True), 2 * x)
-    np.testing.assert_array_equal(jax.jit(lambda x: dispatch.platform_call(_double, x, interpret=None))(x), 2 * x)
-    # None lowers all three branches and picks at lowering time: the cuda and tpu lowerings hold their kernels
+    np.testing.assert_array_equal(jax.jit(call)(x), 2 * x)
+    # no mesh names a device: all three kernels are traced, and lowering picks the platform's
+    anywhere = jax.jit(call).trace(x)
+    assert str(anywhere.jaxpr).count("pallas_call") == 3
+    assert "tpu_custom_call" in anywhere.lower(lowering_platforms=("tpu",)).as_text()
+    # a mesh that names the device (the trainer's jax.set_mesh; lowering_for): only that platform's kernel is traced
     with lowering("cuda"):  # the trace keeps the abstract mesh it ran under: the GPU the Triton lowering targets
-        cuda = jax.jit(lambda x: dispatch.platform_call(_double, x, interpret=None)).trace(x)
+        cuda = jax.jit(call).trace(x)
+        assert str(cuda.jaxpr).count("pallas_call") == 1
         assert "__gpu$xla.gpu.triton" in cuda.lower(lowering_platforms=("cuda",)).as_text()
-    assert "tpu_custom_call" in cuda.lower(lowering_platforms=("tpu",)).as_text()
+    with lowering("tpu"):
+        tpu = jax.jit(call).trace(x)
+        assert str(tpu.jaxpr).count("pallas_call") == 1 and "triton" not in str(tpu.jaxpr)
+        assert "tpu_custom_call" in tpu.lower(lowering_platforms=("tpu",)).as_text()
+    with jax.set_mesh(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])):
+        here = jax.jit(call).trace(x)
+        assert str(here.jaxpr).count("pallas_call") == 1 and "interpret=True" in str(here.jaxpr)
+        np.testing.assert_array_equal(here.lower().compile()(x), 2 * x)
 
 
 def test_mode_kwargs_and_bad_input():
@@ -54,15 +67,17 @@ def test_shard_map_is_the_function_itself_without_a_multi_device_mesh():
 
 def test_training_on_a_cpu_never_imports_the_triton_backend(tmp_path):
     """Pallas' Triton backend (deprecated since jax 0.11) is imported only by a trace of a Triton kernel: importing
-    lpt and training ``tiny_cpu`` (XLA attention and update on a CPU) leave it unloaded. It would be loaded at once if
-    dispatch imported it at its top."""
+    lpt and training ``tiny_cpu_bf16_kahan`` with the Pallas attention and update kernels leave it unloaded (under
+    the trainer's mesh of CPU devices only the interpreted kernels are traced). It would be loaded if dispatch
+    imported it at its top, or traced every platform's kernel."""
     import subprocess
     import sys
 
     script = (
         "import sys; from lpt.train import config, loop; "
-        "cfg = config.apply_overrides(config.load_config_file('tiny_cpu'), {'train.steps': '2', "
-        "'train.eval_every': '2'}); loop.train(cfg, sys.argv[1]); "
+        "cfg = config.apply_overrides(config.load_config_file('tiny_cpu_bf16_kahan'), {'train.steps': '2', "
+        "'train.eval_every': '2', 'precision.attention.impl': 'pallas', 'precision.update_impl': 'pallas'}); "
+        "loop.train(cfg, sys.argv[1]); "
         "print(sorted(m for m in sys.modules if m.startswith('jax.experimental.pallas.triton')))"
     )
     cmd = [sys.executable, "-c", script, str(tmp_path / "run")]
