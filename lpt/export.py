@@ -128,7 +128,9 @@ def export(workdir: str | Path, out: str | Path, step: int | None = None, *, ove
     return write(out, *run_params(workdir, step), overwrite=overwrite, workdir=workdir)
 
 
-def check(out: str | Path, params: dict, model_cfg: ModelSpec, *, rows: int = 2, max_len: int = 64) -> tuple[float, float]:
+def check(
+    out: str | Path, params: dict, model_cfg: ModelSpec, *, rows: int = 2, max_len: int = 64
+) -> tuple[float, float]:
     """``(max |lpt − transformers|, max |logit|)``: float32 logits of the lpt model of ``model_cfg`` with ``params``
     (a run's) against those of the Hugging Face directory ``out`` in transformers, on ``rows`` rows of random ids
     (seed 0) of ``min(max_seq_len, max_len)`` tokens. ValueError if transformers or torch is not installed."""

@@ -14,7 +14,8 @@ import pytest
 from cpu_devices import cpu_env
 
 SCRIPT = """
-import jax, ml_collections, numpy as np
+import dataclasses
+import jax, numpy as np
 from flax import nnx
 import lpt.models as M
 from lpt import eval as E, generate as G, inference
@@ -23,13 +24,12 @@ from lpt.train import config as config_lib, mesh as mesh_lib
 
 spec = dict(kind="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32)
 model = M.build_model(spec, {}, rngs=nnx.Rngs(0))
-data = config_lib.load_config_file("tiny_cpu").data
-data.seq_len = 32
+base = config_lib.load_config_file("tiny_cpu")
+data = dataclasses.replace(base.data, seq_len=32)
 assert dict(inference.inference_mesh(None).shape) == {"data": 1, "fsdp": 4, "tensor": 1}  # a Hugging Face model: FSDP
-run = config_lib.load_config_file("tiny_cpu")
-run.train.mesh.data, run.train.mesh.tensor = 2, 2
+run = config_lib.with_values(base, {"train.mesh.data": 2, "train.mesh.tensor": 2})
 assert dict(inference.inference_mesh(run).shape) == {"data": 2, "fsdp": 1, "tensor": 2}  # a run's own mesh
-run.train.mesh.data, run.train.mesh.fsdp, run.train.mesh.tensor = 1, 8, 1  # trained on 8 devices, 4 here
+run = config_lib.with_values(base, {"train.mesh.data": 1, "train.mesh.fsdp": 8, "train.mesh.tensor": 1})  # 8 devices
 assert dict(inference.inference_mesh(run).shape) == {"data": 1, "fsdp": 4, "tensor": 1}
 ref = E.evaluate(model, data, batch=8, num_batches=2)["loss"]
 prompts = [[84, 104, 101], [65], [100, 101, 102, 32, 120]]
@@ -48,7 +48,7 @@ for p, new in zip(prompts, want):
     gap = np.diff(np.take_along_axis(z[0, steps], top2, -1), axis=-1)[:, 0]
     assert np.all(gap > 6 * np.take_along_axis(sigma[0, steps], top2, -1).sum(-1)), gap
 for sizes in ((1, 4, 1), (2, 1, 2)):
-    mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(zip(("data", "fsdp", "tensor"), sizes))))
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**dict(zip(("data", "fsdp", "tensor"), sizes))))
     _, state = place(model, mesh)
     leaves = jax.tree.leaves(state)
     per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)

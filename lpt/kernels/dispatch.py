@@ -7,8 +7,8 @@ A kernel module describes its ``pallas_call`` once, as ``build(mode) -> callable
 * ``"triton"``: compiled with Triton on CUDA GPUs,
 * ``"mosaic"``: compiled with Mosaic on TPUs.
 
-``interpret=True`` forces the interpreter everywhere; ``interpret=None`` picks per platform (interpreter on CPU, Triton on
-CUDA, Mosaic on TPU), never by looking at ``jax.default_backend()``: by the devices of the mesh in effect where one
+``interpret=True`` forces the interpreter everywhere; ``interpret=None`` picks per platform (interpreter on CPU, Triton
+on CUDA, Mosaic on TPU), never by looking at ``jax.default_backend()``: by the devices of the mesh in effect where one
 names them (the trainer's ``jax.set_mesh``, :func:`lpt.targets.lowering_for`), and then only that platform's kernel is
 traced; else at lowering time with ``jax.lax.platform_dependent``, so one jitted function lowers correctly for
 whichever device it is compiled for.

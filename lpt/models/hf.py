@@ -44,7 +44,6 @@ from flax import nnx
 
 from lpt import numerics
 from lpt.models.config import ModelSpec, Precision, model_spec
-from lpt.options import build
 from lpt.models.hf_config import (
     ARCHITECTURES,
     check_token_ids,
@@ -57,6 +56,7 @@ from lpt.models.hf_config import (
 )
 from lpt.models.hf_files import FLOAT_CODES, ST_CODES, read_json, read_safetensors, read_tensors, write_safetensors
 from lpt.models.transformer import Transformer
+from lpt.options import build
 
 __all__ = [
     "ARCHITECTURES",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from lpt.models.config import ModelSpec, model_spec
 from lpt.models.hf_files import _is_index as _is_id
 from lpt.models.hf_files import read_json

@@ -15,7 +15,6 @@ becomes 0 (no window).
 
 from __future__ import annotations
 
-
 from lpt.models.config import ModelSpec, model_spec
 
 # defaults of transformers' GPT2Config / LlamaConfig / Qwen2Config / Qwen3Config / MistralConfig, for keys a

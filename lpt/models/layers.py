@@ -143,11 +143,11 @@ def matmul(
     path: str = "",
     prec: Precision | None = None,
 ) -> jax.Array:
-    """``x[..., K] @ w[K, N]`` with the matmul format ``format_name`` (:func:`lpt.models.matmul_formats.get`): its GEMM's
-    float32 accumulator, rounded once to ``out_dtype``.
+    """``x[..., K] @ w[K, N]`` with the matmul format ``format_name`` (:func:`lpt.models.matmul_formats.get`): its
+    GEMM's float32 accumulator, rounded once to ``out_dtype``.
 
-    In a block of ``prec.bf16_layers`` (:func:`in_block`) a low-precision ``format_name`` runs as "bf16": decided at trace
-    time for a Python index, by ``lax.cond`` on a scanned one (only the chosen branch runs); a diagnostics pass
+    In a block of ``prec.bf16_layers`` (:func:`in_block`) a low-precision ``format_name`` runs as "bf16": decided at
+    trace time for a Python index, by ``lax.cond`` on a scanned one (only the chosen branch runs); a diagnostics pass
     computes both and selects, so that the low-precision statistics are recorded outside the cond.
 
     ``w_axes`` (the weight's logical axes) tells the FP8 kernels how to split ``w`` under a mesh; ``key`` (the step
@@ -176,7 +176,9 @@ def _matmul(x, w, format_name: str, out_dtype, *, name, w_axes, key, path, prec)
     fmt = matmul_formats.get(format_name)
     y_f32 = fmt.gemm(x, w, w_axes=w_axes, key=key, path=path, prec=prec)
     if y_f32.dtype != jnp.float32:
-        raise TypeError(f"matmul format {format_name!r} returned {y_f32.dtype}; a format's gemm returns the f32 accumulator")
+        raise TypeError(
+            f"matmul format {format_name!r} returned {y_f32.dtype}; a format's gemm returns the f32 accumulator"
+        )
     if probes.active():  # diagnostics pass only (trace-time switch)
         fmt.probe(name, x, w, y_f32)
     return y_f32.astype(out_dtype)  # f32 accumulator -> out dtype (RNE)
@@ -224,7 +226,15 @@ class Linear(nnx.Module):
             w = prepared._replace(w=w)  # the codes as made, the gradient to the weight's view
         format_name = self.prec.matmul_for(self.projection)
         y = matmul(
-            x, w, format_name, out_dtype, name=self.projection, w_axes=self.axes, key=key, path=self.path, prec=self.prec
+            x,
+            w,
+            format_name,
+            out_dtype,
+            name=self.projection,
+            w_axes=self.axes,
+            key=key,
+            path=self.path,
+            prec=self.prec,
         )
         if self.bias is not None:
             y = y + view_weight(self.bias[...], self.prec, out_dtype)

@@ -1,7 +1,7 @@
 """The matmul formats of the model's layers: one object per format, registered by name.
 
-``precision.matmul.<projection>`` names a format; :func:`get` returns its :class:`MatmulFormat`, which owns everything the
-rest of lpt asks of a format:
+``precision.matmul.<projection>`` names a format; :func:`get` returns its :class:`MatmulFormat`, which owns everything
+the rest of lpt asks of a format:
 
 * ``gemm(x, w, *, w_axes, key, path, prec)``: the differentiable ``x[..., K] @ w[K, N]`` of a layer, returning the
   float32 accumulator (:func:`lpt.models.layers.matmul` rounds it once to the layer's output dtype);
@@ -120,13 +120,13 @@ class BlockwiseFp8(MatmulFormat):
     (e4m3, 1×128 tiles of x along K, 128×128 blocks of w, f32 amax scales): ``fp8/<projection>/x_underflow_frac``
     (nonzero entries flushed to 0 / all entries), ``fp8/<projection>/x_subnormal_frac`` (nonzero entries whose scaled
     value ``|x / s|`` lands below e4m3's smallest normal 2⁻⁶, flushed ones included, / all entries: they keep fewer
-    than 3 mantissa bits), ``fp8/<projection>/w_underflow_frac``, ``fp8/<projection>/w_subnormal_frac`` (same for the weight),
-    ``fp8/<projection>/x_scale_range_log2`` (max over the layers of ``log2(max tile scale / min nonzero tile scale)``: the
-    dynamic range that per-tile scaling absorbs and one per-tensor scale would not) and ``fp8/<projection>/snr_db``
-    (``10 log10(Σ y_ref² / Σ (y_fp8 − y_ref)²)`` with ``y_ref`` the same GEMM on the compute-dtype operands with f32
-    accumulation, i.e. what "bf16" computes). Saturation is not reported: with amax scaling the largest entry of
-    every tile maps to ±448 exactly, so clipping cannot happen (only f32 round-off of ``amax / (amax / 448)``, which
-    rounds back to 448).
+    than 3 mantissa bits), ``fp8/<projection>/w_underflow_frac``, ``fp8/<projection>/w_subnormal_frac`` (same for the
+    weight), ``fp8/<projection>/x_scale_range_log2`` (max over the layers of ``log2(max tile scale / min nonzero tile
+    scale)``: the dynamic range that per-tile scaling absorbs and one per-tensor scale would not) and
+    ``fp8/<projection>/snr_db`` (``10 log10(Σ y_ref² / Σ (y_fp8 − y_ref)²)`` with ``y_ref`` the same GEMM on the
+    compute-dtype operands with f32 accumulation, i.e. what "bf16" computes). Saturation is not reported: with amax
+    scaling the largest entry of every tile maps to ±448 exactly, so clipping cannot happen (only f32 round-off of
+    ``amax / (amax / 448)``, which rounds back to 448).
 
     Its lab view is ``blockwise_dot``'s own recipe on the XLA twin (e4m3 x and w, e5m2 dY), whatever
     ``precision.fp8_impl`` says.
@@ -189,10 +189,10 @@ class BlockScaled(MatmulFormat):
     (:func:`lpt.fp8.block_diagnostics.gemm_block_health`): ``<name>/<projection>/x_scale_saturated_frac`` (blocks whose
     scale lies above the scale format's largest: e8m0 for MXFP8, e4m3 after the f32 tensor scale for NVFP4; inf /
     NaN blocks included), ``<name>/<projection>/x_scale_underflow_frac`` (non-zero blocks whose scale falls below the
-    scale format's smallest normal: clamped at 2^-127, or an e4m3 subnormal or zero), ``<name>/<projection>/x_clipped_frac``
-    (blocks whose maximum saturates at the element format's max: MXFP8's floor rule clips about one block in seven),
-    the same three for ``w``, each over all blocks of the projection; and ``fp8/<projection>/snr_db`` against the compute-dtype
-    GEMM as for "fp8".
+    scale format's smallest normal: clamped at 2^-127, or an e4m3 subnormal or zero),
+    ``<name>/<projection>/x_clipped_frac`` (blocks whose maximum saturates at the element format's max: MXFP8's floor
+    rule clips about one block in seven), the same three for ``w``, each over all blocks of the projection; and
+    ``fp8/<projection>/snr_db`` against the compute-dtype GEMM as for "fp8".
     """
 
     def __init__(self, name: str):

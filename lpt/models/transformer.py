@@ -16,9 +16,9 @@ from flax import nnx
 from lpt.models import layers, pqt_wiring, probes
 from lpt.models.attention_block import Attention
 from lpt.models.config import ModelSpec, Precision, model_spec
-from lpt.options import build
 from lpt.models.decode import KVCache
 from lpt.models.layers import Embed, LayerNorm, Linear, RMSNorm, block_linears, init_state, matmul, view_weight
+from lpt.options import build
 from lpt.sharding import constrain
 
 _BTD = ("batch", "length", "embed")

@@ -179,7 +179,9 @@ class Config:
         if t.mesh.tensor > 1:
             check_heads(self.model, t.mesh.tensor)
         if t.global_batch % o.microbatches:
-            raise ValueError(f"train.global_batch={t.global_batch} is not divisible by optim.microbatches={o.microbatches}")
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by optim.microbatches={o.microbatches}"
+            )
         check_matmul_blocks(self.model, p)
         check_attention(self.model, p)
         noisy = [k for k in PROJECTIONS if p.matmul_for(k) == "fp8" and p.pqt_for(k) != "none"]
@@ -284,7 +286,7 @@ def from_hf(cfg: Config) -> Config:
     default_model, mine = options.to_dict(ModelSpec()), options.to_dict(cfg.model)
     model = dict(mine)
     conflicts = []
-    for key, value in source.items():
+    for key, value in sorted(source.items()):  # conflicts named in key order
         if mine[key] == default_model[key] or mine[key] == value:
             model[key] = value
         elif key in SHAPE_KEYS:

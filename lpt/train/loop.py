@@ -2,9 +2,9 @@
 -> loop (log, eval, checkpoint, SIGTERM, NaN guard) -> final eval, plot, summary.
 
 ``train(cfg, workdir)`` runs it on a :class:`lpt.train.config.Config` (``python -m lpt.train`` parses the command line
-into one and calls it; the lab and the tests call it directly). ``program(cfg, mesh)`` builds the jitted steps and the sharded layout of
-the train state without touching data or devices' memory; ``python -m lpt.train.compile`` compiles the same program
-ahead of time for a TPU or GPU topology.
+into one and calls it; the lab and the tests call it directly). ``program(cfg, mesh)`` builds the jitted steps and the
+sharded layout of the train state without touching data or devices' memory; ``python -m lpt.train.compile`` compiles the
+same program ahead of time for a TPU or GPU topology.
 
 Hooks: ``train(..., hooks=[fn, ...])`` calls ``fn(step, checkpointer)`` after each train step is dispatched, before
 the preemption check (a hook that sends SIGTERM to its own process makes the run save at that step and exit). The
@@ -108,7 +108,11 @@ def train(cfg: config_lib.Config, workdir: str | Path, *, hooks: Sequence[Hook] 
 
 
 def _train(
-    cfg: config_lib.Config, workdir: Path, hooks: Sequence[Hook], preempt: distributed.PreemptionFlag, lock: workdir_lib.WorkdirLock
+    cfg: config_lib.Config,
+    workdir: Path,
+    hooks: Sequence[Hook],
+    preempt: distributed.PreemptionFlag,
+    lock: workdir_lib.WorkdirLock,
 ) -> dict:
     t_start = time.time()
     is_main = jax.process_index() == 0
@@ -304,7 +308,15 @@ class _Logger:
     """Fetches pending step metrics, stops on a non-finite state, writes every log_every-th step (and steps with
     diagnostics) with tokens/s and MFU, and drives the progress bar."""
 
-    def __init__(self, cfg: config_lib.Config, writer: metrics.MetricsWriter, ckpt: ckpt_lib.Checkpointer, start: int, *, disable: bool):
+    def __init__(
+        self,
+        cfg: config_lib.Config,
+        writer: metrics.MetricsWriter,
+        ckpt: ckpt_lib.Checkpointer,
+        start: int,
+        *,
+        disable: bool,
+    ):
         self.cfg, self.writer, self.ckpt = cfg, writer, ckpt
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_token, self.peak = _flops_per_token(cfg), metrics.device_peak_flops()

@@ -18,8 +18,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from lpt import sharding
 from lpt.models.config import PROJECTIONS, Precision
-from lpt.train.config import MeshConfig
 from lpt.sharding import logical_to_mesh
+from lpt.train.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # mesh axes the global batch is split over

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import optax
 
 import lpt.optim
-
 from lpt.train.config import Config, OptimConfig
 
 

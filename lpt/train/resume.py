@@ -22,10 +22,10 @@ import jax
 from jax.sharding import Mesh
 
 import lpt.optim as O
+from lpt.models import Precision
 from lpt.train import config as config_lib
 from lpt.train import optimizer
 from lpt.train import state as state_lib
-from lpt.models import Precision
 
 log = logging.getLogger("lpt.train")
 
@@ -54,9 +54,7 @@ def layout_of(cfg: config_lib.Config, mesh: Mesh, current: state_lib.TrainState,
     return layout
 
 
-def convert(
-    state: state_lib.TrainState, saved: dict | None, cfg: config_lib.Config, shardings: state_lib.TrainState
-):
+def convert(state: state_lib.TrainState, saved: dict | None, cfg: config_lib.Config, shardings: state_lib.TrainState):
     """``state`` restored with ``saved``'s moment storage (a checkpoint's config dict), re-stored into ``cfg``'s with
     ``shardings`` (unchanged when the two are the same)."""
     dst = stored_moments(cfg.precision)

@@ -73,7 +73,9 @@ def test_a_mesh_of_another_platform_refuses_it():
         message = str(e.value)
         assert "\n" not in message and message.startswith("config key precision.attention.impl='mosaic_gpu'")
         assert f"CUDA GPUs only; this mesh's devices are {platform}: use 'xla' or 'pallas'" in message
-    mesh_lib.check_platform(tiny_config({"precision.attention.impl": "pallas"}).precision, "cpu")  # the others run anywhere
+    mesh_lib.check_platform(
+        tiny_config({"precision.attention.impl": "pallas"}).precision, "cpu"
+    )  # the others run anywhere
 
 
 @pytest.mark.parametrize(

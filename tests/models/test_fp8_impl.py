@@ -45,7 +45,9 @@ def test_mosaic_gpu_needs_a_gpu_mesh():
     mesh_lib.check_platform(cfg.precision, "gpu")
     with pytest.raises(ValueError, match=r"fp8_impl='mosaic_gpu' is the Hopper wgmma kernel.*devices are cpu"):
         mesh_lib.check_platform(cfg.precision, "cpu")
-    mesh_lib.check_platform(tiny_config({"precision.fp8_impl": "mosaic_gpu"}).precision, "cpu")  # no fp8 matmul: no kernel
+    mesh_lib.check_platform(
+        tiny_config({"precision.fp8_impl": "mosaic_gpu"}).precision, "cpu"
+    )  # no fp8 matmul: no kernel
 
 
 def _mesh_text(topology: str, impl: str | None) -> str:

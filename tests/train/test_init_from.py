@@ -170,7 +170,7 @@ def test_the_model_section_comes_from_the_hugging_face_directory(source, tmp_pat
     run = {"init_from.hf": str(tmp_path / "hf"), "data.seq_len": "16", "train.global_batch": "8"}
     cfg = config_lib.apply_overrides(base, run)
     for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-        assert cfg.model[key] == run_cfg.model[key], key
+        assert getattr(cfg.model, key) == getattr(run_cfg.model, key), key
     assert config_lib.apply_overrides(base, {**run, "model.max_seq_len": "16"}).model.max_seq_len == 16
     with pytest.raises(
         ValueError, match=r"model.d_ff=128 \(the source has 64\); model.n_layers=3 \(the source has 1\)"
