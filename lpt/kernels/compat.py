@@ -3,6 +3,12 @@
 * ``plgpu.load``: jax 0.10 takes the index as a positional argument; jax 0.11 deprecates passing it (the reference
   is indexed with ``ref.at[...]`` first) and makes it optional; jax 0.12 has no index argument. :func:`mgpu_load`
   loads a whole reference in each.
+* A Mosaic GPU kernel that updates operands in place: jax >= 0.12 passes them to ``plgpu.kernel`` as mutable
+  references (``jax.new_ref``, aliased in and out of the kernel); older jax cannot trace that, and there the kernel is
+  a ``pallas_call`` with ``input_output_aliases`` (deprecated for Mosaic GPU from jax 0.11). :func:`mgpu_in_place`
+  runs one kernel body either way.
+* ``lax.sqrt`` in a Mosaic GPU kernel: jax 0.10 has no lowering rule for it (jax >= 0.11 lowers it to MLIR's
+  ``math.sqrt``, IEEE-rounded); :func:`ensure_mgpu_sqrt` registers that same rule where it is missing.
 
 (``plgpu.transpose_ref(ref, perm)``, deprecated in jax 0.11, is ``ref.transpose(perm)`` in every supported version,
 which the kernels call directly.)
@@ -10,10 +16,15 @@ which the kernels call directly.)
 
 from __future__ import annotations
 
+import functools
 import inspect
 
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+_REFS_INTO_KERNELS = jax.__version_info__ >= (0, 12)  # plgpu.kernel takes jax.new_ref operands
 _LOAD_INDEX = inspect.signature(plgpu.load).parameters.get("idx")
 _LOAD_TAKES_INDEX = _LOAD_INDEX is not None and _LOAD_INDEX.default is inspect.Parameter.empty
 
@@ -23,3 +34,73 @@ def mgpu_load(ref, *, layout):
     if _LOAD_TAKES_INDEX:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
+
+
+@functools.cache
+def ensure_mgpu_sqrt() -> None:
+    """Give ``lax.sqrt_p`` a Mosaic GPU lowering (lane semantics) where jax has none: ``math.sqrt`` on the
+    fragmented array, exactly the rule of jax >= 0.11 with ``approx_math=False`` (IEEE square root)."""
+    from jax._src.lib.mlir.dialects import math as mlir_math
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu import lowering
+    from jax.experimental.mosaic import gpu as mgpu
+
+    rules = lowering.mosaic_lowering_rules[(mgpu.LoweringSemantics.Lane, gpu_core.PrimitiveSemantics.Warpgroup)]
+    if lax.sqrt_p in rules:
+        return
+
+    def sqrt_rule(ctx, x, accuracy):
+        if accuracy is not None:
+            raise NotImplementedError(f"lax.sqrt with accuracy={accuracy!r} in a Mosaic GPU kernel")
+        [aval] = ctx.avals_in
+        return lowering._ensure_fa(x, aval.dtype)._pointwise(mlir_math.sqrt)
+
+    lowering.register_lowering_rule(lax.sqrt_p, mgpu.LoweringSemantics.Lane)(sqrt_rule)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # not re-exported in jax 0.10
+
+    return InterpretGPUParams()
+
+
+def mgpu_in_place(kernel, *operands, n_in_place: int, grid, grid_names, name: str, interpret: bool = False):
+    """Run ``kernel(cta, *operand_refs, *out_refs)`` on every CTA of ``grid`` (``cta``: its index along each of
+    ``grid_names``), where the last ``n_in_place`` operands are updated in place; returns their new values.
+
+    ``out_refs`` are where the kernel writes those operands' new values: the operands' own references (jax >= 0.12),
+    or output buffers aliased to them (``pallas_call``), so that a CTA must read each block before it writes it, and
+    no other CTA may read it. ``interpret=True`` runs the Mosaic GPU interpreter (on jax < 0.12 with separate output
+    buffers: the interpreter gives every point of a ``pallas_call`` grid program id 0)."""
+    params = _interpret_params() if interpret else None
+    kept, updated = operands[:-n_in_place], operands[-n_in_place:]
+    axes = lambda: tuple(lax.axis_index(n) for n in grid_names)
+    if _REFS_INTO_KERNELS:
+        refs = [jax.new_ref(x) for x in updated]
+
+        def body(*op_refs):
+            kernel(axes(), *op_refs, *op_refs[-n_in_place:])
+
+        launch = plgpu.kernel(body, out_type=(), grid=grid, grid_names=grid_names, interpret=params, kernel_name=name)
+        launch(*kept, *refs)
+        return tuple(r[...] for r in refs)
+    out_type = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in updated]
+    if interpret:
+        body = lambda *refs: kernel(axes(), *refs)
+        return tuple(
+            plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=grid_names, interpret=params)(*operands)
+        )
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    first = len(kept)
+    return tuple(
+        pl.pallas_call(
+            lambda *refs: kernel(tuple(pl.program_id(i) for i in range(len(grid))), *refs),
+            out_shape=out_type,
+            grid=grid,
+            in_specs=[gmem] * len(operands),
+            out_specs=[gmem] * n_in_place,
+            input_output_aliases={first + i: i for i in range(n_in_place)},
+            compiler_params=plgpu.CompilerParams(),
+            name=name,
+        )(*operands)
+    )

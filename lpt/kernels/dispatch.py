@@ -5,13 +5,15 @@ A kernel module describes its ``pallas_call`` once, as ``build(mode) -> callable
 
 * ``"interpret"``: the Pallas interpreter (any platform; what runs on CPU),
 * ``"triton"``: compiled with Triton on CUDA GPUs,
-* ``"mosaic"``: compiled with Mosaic on TPUs.
+* ``"mosaic"``: compiled with Mosaic on TPUs,
+* ``"mosaic_gpu"``: compiled with Mosaic GPU on Hopper and Blackwell GPUs, for a kernel that has that variant
+  (``platform_call(..., mosaic_gpu=True)``; the others run Triton there).
 
 ``interpret=True`` forces the interpreter everywhere; ``interpret=None`` picks per platform (interpreter on CPU, Triton
-on CUDA, Mosaic on TPU), never by looking at ``jax.default_backend()``: by the devices of the mesh in effect where one
-names them (the trainer's ``jax.set_mesh``, :func:`lpt.targets.lowering_for`), and then only that platform's kernel is
-traced; else at lowering time with ``jax.lax.platform_dependent``, so one jitted function lowers correctly for
-whichever device it is compiled for.
+or Mosaic GPU on CUDA, Mosaic on TPU), never by looking at ``jax.default_backend()``: by the devices of the mesh in
+effect where one names them (the trainer's ``jax.set_mesh``, :func:`lpt.targets.lowering_for`), and then only that
+platform's kernel is traced; else at lowering time with ``jax.lax.platform_dependent``, so one jitted function lowers
+correctly for whichever device it is compiled for (its CUDA branch chosen by :func:`target_device`).
 
 The mesh side: a ``pallas_call`` cannot be partitioned by XLA (Mosaic refuses; Triton gets its operands
 all-gathered), so a kernel wrapper that runs under a multi-device mesh wraps its per-shard function in
@@ -41,7 +43,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-MODES = ("interpret", "triton", "mosaic")
+MODES = ("interpret", "triton", "mosaic", "mosaic_gpu")
 
 
 def check_auto_interpret(interpret) -> None:
@@ -87,17 +89,28 @@ def mode_kwargs(mode: str, *, grid_rank: int = 0, semantics: tuple[str, ...] | N
 _MODE_OF_PLATFORM = {"cpu": "interpret", "gpu": "triton", "tpu": "mosaic"}  # a device's platform -> its mode
 
 
-def platform_call(build: Callable[[str], Callable], *args, interpret: bool | None):
+def _gpu_mode(device, mosaic_gpu: bool) -> str:
+    """The CUDA mode for ``device``: Mosaic GPU where the kernel has it and the device runs it (or is not a GPU: a
+    program lowered for CUDA from a CPU process), else Triton."""
+    if mosaic_gpu and (getattr(device, "platform", None) != "gpu" or mosaic_gpu_target(device)):
+        return "mosaic_gpu"
+    return "triton"
+
+
+def platform_call(build: Callable[[str], Callable], *args, interpret: bool | None, mosaic_gpu: bool = False):
     """``build(mode)(*args)``: interpreted if ``interpret``; else the mode of the platform that :func:`named_device`
     names (the devices of the mesh in effect), so that only that platform's kernel is traced; else, when no mesh
-    names a device, every mode under ``lax.platform_dependent``, picked at lowering time."""
+    names a device, every mode under ``lax.platform_dependent``, picked at lowering time. ``mosaic_gpu``: ``build``
+    has a ``"mosaic_gpu"`` variant, which serves the GPUs of :func:`mosaic_gpu_target` (Triton serves the others)."""
     check_interpret(interpret)
     if interpret:
         return build("interpret")(*args)
     device = named_device()
     if device is not None:
-        return build(_MODE_OF_PLATFORM[device.platform])(*args)
-    return lax.platform_dependent(*args, cpu=build("interpret"), cuda=build("triton"), tpu=build("mosaic"))
+        mode = _MODE_OF_PLATFORM[device.platform]
+        return build(_gpu_mode(device, mosaic_gpu) if mode == "triton" else mode)(*args)
+    cuda = build(_gpu_mode(target_device(), mosaic_gpu))
+    return lax.platform_dependent(*args, cpu=build("interpret"), cuda=cuda, tpu=build("mosaic"))
 
 
 def kernel_mesh(mesh=None):
@@ -148,6 +161,21 @@ def hopper(device) -> bool:
     if cc is not None:
         return str(cc) == "9.0"
     return bool(_HOPPER_KINDS.search(str(device.device_kind)))
+
+
+_MOSAIC_GPU_KINDS = re.compile(r"\b(GH200|H100|H200|H800|H20|B100|B200|B300|GB200|GB300)\b")
+
+
+def mosaic_gpu_target(device) -> bool:
+    """Whether ``device`` is a GPU that lpt's Mosaic GPU kernels without wgmma compile for: Hopper (compute capability
+    9.0, sm_90a) or datacenter Blackwell (10.x, sm_100a), by its compute capability where the device has one, else by
+    its kind (an abstract device, a compile-only target)."""
+    if getattr(device, "platform", None) != "gpu":
+        return False
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None:
+        return str(cc).split(".")[0] in ("9", "10")
+    return bool(_MOSAIC_GPU_KINDS.search(str(device.device_kind)))
 
 
 def as_axes(axes) -> tuple[str, ...]:

@@ -163,9 +163,13 @@ def moment_bits(shape, key_words, base=None, index_map=None):
     k0, k1 = key_words
     if base is None:
         return hash_bits(jnp.stack([k0, k1]), shape)
-    idx = base + (
-        lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1]) + lax.broadcasted_iota(jnp.uint32, shape, 1)
-    )  # flat (row-major) index of each element, as hash_bits numbers them
+    if jnp.ndim(base):  # the flat index of every element (a kernel that builds it in its own register layout)
+        idx = base
+    else:  # flat (row-major) index of each element, as hash_bits numbers them
+        idx = base + (
+            lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1])
+            + lax.broadcasted_iota(jnp.uint32, shape, 1)
+        )
     if index_map is not None:
         idx = index_map(idx)
     return hash_index(idx, k0, k1)  # = hash_bits((k0, k1), leaf shape)[idx]
