@@ -17,6 +17,7 @@ from float_bounds import U32, assert_within, gamma
 from lpt import targets
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import mosaic_gpu as mg
+from lpt.kernels.flash_attention import mosaic_gpu_blocks as mgb
 from lpt.kernels.flash_attention import reference as fr
 from lpt.kernels.flash_attention import tiles
 
@@ -261,13 +262,13 @@ def test_kernel_visits_only_the_key_blocks_in_range(bk, window, monkeypatch):
     inside the interpreted kernel: every (query head, query block) visits exactly the key blocks with a visible pair,
     once: O(T·w) blocks with a window (a kernel that walked every causal block and masked would record more)."""
     visits = []
-    real = mg.block_mask
+    real = mgb.block_mask
 
     def counting(q_start, k_start, shape, causal, window, interpret):
         jax.debug.callback(lambda i, j: visits.append((int(i), int(j))), q_start // shape[0], k_start // shape[1])
         return real(q_start, k_start, shape, causal, window, interpret)
 
-    monkeypatch.setattr(mg, "block_mask", counting)
+    monkeypatch.setattr(mgb, "block_mask", counting)
     t, h = 256, 2
     x = jnp.ones((1, h, t, 64), jnp.bfloat16)
     kw = dict(policy=fm.default_policy(), causal=True, window=window, scale=1.0, block_k=bk, interpret=True)
@@ -567,7 +568,7 @@ def test_backward_visits_only_the_blocks_in_range(bk, window, monkeypatch):
     steps) exactly the query blocks with a visible pair of each key block, once per query head of its kv head:
     O(T·w) blocks with a window."""
     visits = {False: [], True: []}  # keys_first: the dK/dV kernel's [bk, bq] tiles
-    real = mg.block_mask
+    real = mgb.block_mask
 
     def counting(q_start, k_start, shape, causal, window, interpret, keys_first=False):
         rows_q, rows_k = shape[::-1] if keys_first else shape
@@ -578,7 +579,7 @@ def test_backward_visits_only_the_blocks_in_range(bk, window, monkeypatch):
         jax.debug.callback(record, q_start // rows_q, k_start // rows_k)
         return real(q_start, k_start, shape, causal, window, interpret, keys_first=keys_first)
 
-    monkeypatch.setattr(mg, "block_mask", counting)
+    monkeypatch.setattr(mgb, "block_mask", counting)
     t, h, hkv = 256, 4, 2
     q = jnp.ones((1, h, t, 64), jnp.bfloat16)
     rows = jnp.zeros((1, h, t), jnp.float32)

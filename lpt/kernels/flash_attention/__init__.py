@@ -8,6 +8,9 @@
 * ``kernel``: the entry points ``forward`` / ``backward``, which pick one of the two structures of the Pallas kernels:
   ``tpu`` (a grid axis over blocks with VMEM scratch; Mosaic TPU) and ``triton`` (an in-kernel loop over blocks;
   Pallas Triton on CUDA).
+* ``mosaic_gpu`` (the forward and the entry points), ``mosaic_gpu_backward`` (dQ, dK/dV) and ``mosaic_gpu_blocks``
+  (what they share): the Hopper kernels, Pallas Mosaic GPU (wgmma, TMA), which ``lpt.attention`` runs as
+  ``impl="mosaic_gpu"`` (and by ``impl="auto"`` on Hopper).
 
 The package imports nothing itself: ``math`` and ``reference`` load no Pallas.
 """

@@ -1,0 +1,198 @@
+"""What the Mosaic GPU flash attention kernels share (:mod:`lpt.kernels.flash_attention.mosaic_gpu` the forward,
+:mod:`lpt.kernels.flash_attention.mosaic_gpu_backward` dQ and dK/dV): tile sizes and limits, shared memory per CTA,
+the position and segment masks of a tile, the TMA copies in, the wgmma helpers (from SMEM or, in the interpreter,
+via an SMEM tile), a query program's block range, and the checks both entry points make."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from lpt.kernels import compat
+from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.tiles import key_blocks
+
+BLOCK_Q = 64  # query rows per CTA: one warpgroup's wgmma M (the backward: also the key rows of a dK/dV CTA)
+BLOCK_KS = (64, 128)  # rows per pipeline step: keys (forward, dQ; the N of S = QKᵀ) or queries (dK/dV)
+HEAD_DIMS = (64, 128, 192, 256)  # a multiple of 64 (128-byte swizzled rows of 16-bit values), wgmma N <= 256
+BACKWARD_HEAD_DIMS = (64, 128)  # D of the backward: registers (module docstring)
+BACKWARD_TILE_LIMIT = 64 * 128  # the largest D · block_k of the backward: registers (module docstring)
+STAGES = 2  # slots of each pipeline
+SMEM_LIMIT = 232448  # bytes of shared memory an H100 / H200 thread block may use (227 KiB)
+_REDUCTION_SCRATCH = 128 * 4 * 4  # Mosaic GPU's default reduction_scratch_bytes (the forward's row max and sums)
+_SMEM_ALIGNMENT = 1024  # Mosaic GPU reserves every shared-memory allocation in multiples of 1 KiB
+_BARRIER = 8  # bytes per mbarrier
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # not re-exported in jax 0.10
+
+    return InterpretGPUParams()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT
+
+
+def smem_bytes(
+    d: int, itemsize: int, o_itemsize: int, block_k: int, block_q: int = BLOCK_Q, segments: bool = False
+) -> int:
+    """Shared memory of one forward CTA: the Q block (and its query segments), the larger of the pipeline's K/V slots
+    (and kv segment slots) with Mosaic GPU's reduction scratch and the epilogue's O and lse tiles (allocated after the
+    pipeline returns), and the barriers: one for Q (and one for the query segments), one per pipeline slot. Each
+    allocation is rounded up to 1 KiB. No T in it."""
+    q = _aligned(block_q * d * itemsize) + segments * _aligned(block_q * 4)
+    pipeline = 2 * _aligned(STAGES * block_k * d * itemsize) + segments * _aligned(STAGES * block_k * 4)
+    epilogue = _aligned(block_q * d * o_itemsize) + _aligned(block_q * 4)
+    return q + max(pipeline + _REDUCTION_SCRATCH, epilogue) + _BARRIER * (1 + segments + STAGES)
+
+
+def dq_smem_bytes(d: int, itemsize: int, block_k: int, block_q: int = BLOCK_Q, segments: bool = False) -> int:
+    """Shared memory of one dQ CTA: the Q and dO blocks, its lse and δ rows (and query segments), then the larger of
+    the pipeline's K/V slots (and kv segment slots) and the epilogue's dq tile (f32), and the barriers (each
+    allocation rounded up to 1 KiB; the backward reduces nothing, so no reduction scratch). No T in it."""
+    resident = 2 * _aligned(block_q * d * itemsize) + (2 + segments) * _aligned(block_q * 4)
+    pipeline = 2 * _aligned(STAGES * block_k * d * itemsize) + segments * _aligned(STAGES * block_k * 4)
+    epilogue = _aligned(block_q * d * 4)
+    return resident + max(pipeline, epilogue) + _BARRIER * (4 + segments + STAGES)
+
+
+def dkdv_smem_bytes(d: int, itemsize: int, block_q: int, block_k: int = BLOCK_Q, segments: bool = False) -> int:
+    """Shared memory of one dK/dV CTA (``block_k`` key rows; ``block_q`` query rows per pipeline step): the K and V
+    blocks (and kv segments), then the larger of the pipeline's Q/dO slots with their lse/δ rows (and query segment
+    slots) and the epilogue's dk, dv tiles (f32), and the barriers (each allocation rounded up to 1 KiB). No T in
+    it."""
+    resident = 2 * _aligned(block_k * d * itemsize) + segments * _aligned(block_k * 4)
+    pipeline = 2 * _aligned(STAGES * block_q * d * itemsize) + (2 + segments) * _aligned(STAGES * block_q * 4)
+    epilogue = 2 * _aligned(block_k * d * 4)
+    return resident + max(pipeline, epilogue) + _BARRIER * (2 + segments + STAGES)
+
+
+def _iota(shape, dim: int, interpret: bool):
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def block_mask(q_start, k_start, shape, causal: bool, window: int, interpret: bool, keys_first: bool = False):
+    """[bq, bk] attend mask of the block whose first query / key positions are q_start / k_start
+    (:func:`lpt.kernels.flash_attention.math.position_mask`), or [bk, bq] with ``keys_first`` (the dK/dV kernel's
+    tiles); True when nothing is masked by position."""
+    if not causal:
+        return True
+    q_dim, k_dim = (1, 0) if keys_first else (0, 1)
+    q_pos = q_start + _iota(shape, q_dim, interpret)
+    k_pos = k_start + _iota(shape, k_dim, interpret)
+    return fm.position_mask(q_pos, k_pos, causal, window)
+
+
+def segment_mask(valid, q_seg, kv_seg, shape, keys_first: bool = False):
+    """``valid`` (a block's position mask, or True) and q_seg == kv_seg on the block: q_seg, kv_seg int32 vectors
+    along its query and key axis ([bq] rows and [bk] columns of a [bq, bk] tile; the other way round with
+    ``keys_first``). ``valid`` itself when there are no segments (None)."""
+    if q_seg is None:
+        return valid
+    q_dim, k_dim = (1, 0) if keys_first else (0, 1)
+    same = lax.broadcast_in_dim(q_seg, shape, (q_dim,)) == lax.broadcast_in_dim(kv_seg, shape, (k_dim,))
+    return same if valid is True else valid & same
+
+
+def _vector(ref, dim: int, interpret: bool):
+    """A [n] vector (a row statistic or segment ids) read from SMEM in the layout of a WGMMA tile reduced over
+    ``dim``: dim 1 gives a vector along the tile's rows, dim 0 along its columns (interpreter: a plain read)."""
+    if interpret:
+        return ref[...]
+    return compat.mgpu_load(ref, layout=plgpu.Layout.WGMMA.reduce(dim))
+
+
+def _copy_in(pairs, bars):
+    """TMA copies GMEM -> SMEM of (src, dst) pairs, one barrier each (``bars``: that many barriers); waits for all."""
+    for n, (src, dst) in enumerate(pairs):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[n])
+    for n in range(len(pairs)):
+        plgpu.barrier_wait(bars.at[n])
+
+
+def _mma(a, b, shape):
+    """a @ b by wgmma into a fresh f32 accumulator of ``shape``; returns it (waits for the wgmma)."""
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _mma_add(acc, a, b, interpret: bool):
+    """acc + a @ b (f32). Compiled: wgmma accumulates into ``acc`` itself (``plgpu.ACC.init``), so no second
+    accumulator tile is live (at D = 128 a second [64, D] f32 tile made ptxas spill the dK/dV kernel); the interpreter
+    cannot run ``run_state``, so there a fresh accumulator is added to ``acc``."""
+    if interpret:
+        return acc + _mma(a, b, acc.shape)
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _operand(w, scratch, interpret: bool):
+    """A wgmma A operand from registers: ``w`` itself when compiled; the interpreter's wgmma reads its operands
+    from memory, so there ``w`` is stored to the SMEM tile ``scratch`` first."""
+    if not interpret:
+        return w
+    scratch[...] = w
+    return scratch
+
+
+def _swizzled(d: int, dtype):
+    """The transforms of a [rows, D] tile of 16-bit values in SMEM that wgmma and TMA read: 8-row tiles of one
+    swizzle width, swizzled (one row of D 16-bit values: 128 bytes or more)."""
+    swizzle = plgpu.find_swizzle(d * dtype.itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+# -- the forward ---------------------------------------------------------------------------------------------------
+
+
+def _query_program(nq, nk, g, bq, bk, causal, window):
+    """This CTA's query block i (the last first: the causal blocks with the longest ranges start first), head h,
+    batch b, kv head hk = h // G (GQA), its key-block range [first, end) and its rows of Tq."""
+    i = nq - 1 - lax.axis_index("q")
+    h, b = lax.axis_index("h"), lax.axis_index("b")
+    hk = lax.div(h, jnp.int32(g))
+    first, end = key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window)
+    return i, h, b, hk, first, end, pl.ds(pl.multiple_of(i * bq, bq), bq)
+
+
+def _validate_common(q, k, v, q_seg, kv_seg, block_q, block_k, interpret) -> None:
+    """The checks the forward and the backward share."""
+    if interpret not in (True, False):
+        raise ValueError(
+            f"interpret must be True (the Mosaic GPU interpreter, on CPU) or False (compile for CUDA), got "
+            f"{interpret!r}: this kernel cannot be chosen per platform by lax.platform_dependent"
+        )
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]):
+        raise ValueError(f"need q [B, H, Tq, D] and k, v [B, Hkv, Tk, D]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError("pass both segment ids q_seg and kv_seg, or neither")
+    if q_seg is not None:
+        want = ((q.shape[0], q.shape[2]), (k.shape[0], k.shape[2]))
+        if (q_seg.shape, kv_seg.shape) != want or q_seg.dtype != jnp.int32 or kv_seg.dtype != jnp.int32:
+            raise ValueError(
+                f"need segment ids q_seg {want[0]} and kv_seg {want[1]} int32; got q_seg {q_seg.shape} {q_seg.dtype}, "
+                f"kv_seg {kv_seg.shape} {kv_seg.dtype}"
+            )
+    if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in _DTYPES:
+        raise ValueError(
+            f"q, k, v must share one dtype of {[str(t) for t in _DTYPES]} (wgmma's 16-bit operands); got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if block_q != BLOCK_Q or block_k not in BLOCK_KS:
+        raise ValueError(
+            f"block_q must be {BLOCK_Q} (one warpgroup's rows) and block_k one of {BLOCK_KS}; got block_q={block_q}, "
+            f"block_k={block_k}"
+        )
