@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from lpt.fp8.blockwise import auto_impl
+from lpt.kernels.flash_attention.mosaic_gpu import BACKWARD_HEAD_DIMS
 from lpt.models import matmul_formats
 from lpt.optim.adam import MOMENT_DTYPES, MOMENT_ROUNDINGS
 from lpt.optim.fused_adamw import IMPLS as UPDATE_IMPLS
@@ -286,8 +288,6 @@ class Precision:
         the wgmma kernel (which cannot mix FP8 formats), e4m3 output gradients."""
         impl = self.fp8_impl
         if impl == "auto":
-            from lpt.fp8.blockwise import auto_impl  # in-function: loads Pallas
-
             impl = auto_impl(jnp.float8_e4m3fn, jnp.float8_e4m3fn)
         grads = {"grad_dtype": jnp.float8_e4m3fn} if impl == "mosaic_gpu" else {}
         return {"impl": impl, **grads}
@@ -347,7 +347,6 @@ def check_attention(spec: ModelSpec, numerics: Precision) -> None:
     :data:`lpt.kernels.flash_attention.mosaic_gpu.BACKWARD_HEAD_DIMS`."""
     if numerics.attention.impl != "mosaic_gpu":
         return
-    from lpt.kernels.flash_attention.mosaic_gpu import BACKWARD_HEAD_DIMS  # in-function: loads Pallas
 
     if numerics.compute_dtype != "bfloat16":
         raise ValueError(

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lpt import numerics
+from lpt.fp8.blockwise import gemm_weight
 from lpt.models import matmul_formats, pqt_wiring, probes
 from lpt.models.config import ModelSpec, Precision
 
@@ -256,7 +257,6 @@ def fp8_gemm_weights(model: nnx.Module, params: dict) -> dict:
     model's params, stacked layers included) viewed as the layer views it, quantized and moved to the GEMM's layout
     once (:func:`lpt.fp8.blockwise.gemm_weight`); :func:`with_gemm_weights` puts them in place of the kernels. A
     layer that samples weight noise (PQT) is a ValueError: its weight changes with every key."""
-    from lpt.fp8.blockwise import gemm_weight  # in-function: lpt.fp8 loads Pallas kernels
 
     out = {}
     for path, layer in fp8_linears(model):

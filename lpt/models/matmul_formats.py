@@ -26,9 +26,6 @@ The registered formats (:func:`names`; :data:`NAMES` is the live view that the c
 
 A new format is a :class:`MatmulFormat` subclass in its own module and one :func:`register` call; the config, the
 layers, the diagnostics pass and the lab find it by name.
-
-Every import of :mod:`lpt.fp8` here is in-function: the package loads the Pallas kernels (the Mosaic GPU kernel among
-them), which a model without FP8 or block-scaled matmuls never needs.
 """
 
 from __future__ import annotations
@@ -38,12 +35,23 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from lpt.fp8 import BlockwiseConfig, block_scaled_dot, blockwise_dot
+from lpt.fp8.block_diagnostics import (
+    BlockHealth,
+    block_scale_health,
+    gemm_block_health,
+    operand_layout,
+    quantize_dequantize,
+)
+from lpt.fp8.block_scaled import BLOCKS, block_scaled_config
+from lpt.fp8.blockwise import blockwise_config
+from lpt.fp8.diagnostics import quantize_operands
+from lpt.fp8.quantize import dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
 from lpt.models import probes
 from lpt.options import LiveChoices
 from lpt.pqt.keys import layer_key
 
 if TYPE_CHECKING:
-    from lpt.fp8.block_diagnostics import BlockHealth
     from lpt.models.config import Precision
 
 __all__ = ["NAMES", "MatmulFormat", "get", "names", "register", "unregister"]
@@ -135,7 +143,6 @@ class BlockwiseFp8(MatmulFormat):
     name = "fp8"
 
     def gemm(self, x, w, *, w_axes, key, path, prec):
-        from lpt.fp8 import blockwise_dot  # in-function: lpt.fp8 loads Pallas (module docstring)
 
         # blockwise_dot returns x's dtype: hand it f32 (exact widening; it quantizes to e4m3 anyway) to get the f32
         # accumulator back
@@ -143,13 +150,10 @@ class BlockwiseFp8(MatmulFormat):
         return blockwise_dot(x.astype(jnp.float32), w, w_axes=w_axes, **options)  # compute -> f32 (exact)
 
     def block(self, numerics):
-        from lpt.fp8.blockwise import blockwise_config  # in-function: lpt.fp8 loads Pallas
 
         return blockwise_config(**numerics.fp8_options()).block
 
     def probe(self, name, x, w, y_f32):
-        from lpt.fp8 import BlockwiseConfig  # in-function: lpt.fp8 loads Pallas
-        from lpt.fp8.diagnostics import quantize_operands
 
         w = getattr(w, "w", w)  # a GemmWeight's weight, or w
         c, cfg = probes.current(), BlockwiseConfig()
@@ -166,8 +170,6 @@ class BlockwiseFp8(MatmulFormat):
         _record_snr(c, name, x, w, y_f32)
 
     def quantized_operands(self, x, w, g, *, key, prec):
-        from lpt.fp8 import BlockwiseConfig  # in-function: lpt.fp8 loads Pallas
-        from lpt.fp8.quantize import dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
 
         cfg = BlockwiseConfig()
         tiles = lambda a, dtype: dequantize_tiles(*quantize_tiles(a, dtype, block=cfg.block), block=cfg.block)
@@ -175,7 +177,6 @@ class BlockwiseFp8(MatmulFormat):
         return tiles(x, cfg.fwd_dtype), wq, tiles(g, cfg.grad_dtype)  # each fp8 -> f32 (dequantized)
 
     def emulated_gemm(self, x, w, *, key, prec):
-        from lpt.fp8 import blockwise_dot  # in-function: lpt.fp8 loads Pallas
 
         return blockwise_dot(x, w, impl="xla")  # f32 operands: the f32 result
 
@@ -206,18 +207,15 @@ class BlockScaled(MatmulFormat):
         return dict(hadamard=prec.nvfp4_hadamard, stochastic_grads=prec.nvfp4_stochastic_grads)
 
     def gemm(self, x, w, *, w_axes, key, path, prec):
-        from lpt.fp8 import block_scaled_dot  # in-function: lpt.fp8 loads Pallas
 
         key = None if key is None else layer_key(key, path)
         return block_scaled_dot(x.astype(jnp.float32), w, self.name, key=key, **self._switches(prec))  # -> f32 (exact)
 
     def block(self, numerics):
-        from lpt.fp8.block_scaled import BLOCKS  # in-function: lpt.fp8 loads Pallas
 
         return BLOCKS[self.name]
 
     def probe(self, name, x, w, y_f32):
-        from lpt.fp8.block_diagnostics import gemm_block_health  # in-function: lpt.fp8 loads Pallas
 
         c = probes.current()
         for operand, h in zip(("x", "w"), gemm_block_health(x, w, self.name), strict=True):  # int32 counts
@@ -227,8 +225,6 @@ class BlockScaled(MatmulFormat):
         _record_snr(c, name, x, w, y_f32)
 
     def quantized_operands(self, x, w, g, *, key, prec):
-        from lpt.fp8.block_diagnostics import operand_layout, quantize_dequantize  # in-function: loads Pallas
-        from lpt.fp8.block_scaled import block_scaled_config
 
         # the dX GEMM rounds g stochastically with fold_in(key, 1) (lpt.fp8.block_scaled's dgrad key)
         sr = block_scaled_config(self.name, **self._switches(prec)).stochastic_grads
@@ -241,12 +237,10 @@ class BlockScaled(MatmulFormat):
         )
 
     def emulated_gemm(self, x, w, *, key, prec):
-        from lpt.fp8 import block_scaled_dot  # in-function: lpt.fp8 loads Pallas
 
         return block_scaled_dot(x, w, self.name, key=key, impl="xla", **self._switches(prec))  # x's dtype (f32)
 
     def block_health(self, x, w, g):
-        from lpt.fp8.block_diagnostics import block_scale_health, gemm_block_health, operand_layout  # in-function
 
         return (*gemm_block_health(x, w, self.name), block_scale_health(g, self.name, **operand_layout(self.name, "g")))
 

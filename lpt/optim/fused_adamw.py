@@ -33,6 +33,8 @@ from jax import lax
 
 from lpt import sharding
 from lpt.kernels.adamw_kahan import math as K
+from lpt.kernels.dispatch import kernel_mesh
+from lpt.kernels.dispatch import mesh_platform as kernel_platform
 from lpt.numerics import change_to, round_nearest, round_stochastic
 from lpt.numerics.random import key_words, path_id
 from lpt.optim import moments8 as M8
@@ -314,8 +316,6 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
     thunk)``; ``mv`` is ``(moments, scales)`` (scales None for 16-bit moments)."""
     # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
     from lpt.kernels.adamw_kahan import sharded as sharded
-    from lpt.kernels.dispatch import kernel_mesh
-    from lpt.kernels.dispatch import mesh_platform as kernel_platform
 
     mv, scl = mv
     eight = isinstance(mdt, M8.Moment8)
