@@ -17,7 +17,8 @@ Backward (``jax.custom_vjp``), with ``g = dL/dy``:
 Every GEMM goes through the same primitive (``lpt.kernels.fp8_blockwise_matmul.kernel``): ``impl="xla"`` uses its XLA
 twin (a scan over K-chunks; no (K/B, M, N) tensor), ``impl="pallas"`` the portable Pallas kernel (interpreted on CPU,
 Triton on CUDA, Mosaic on TPU), ``impl="mosaic_gpu"`` the Hopper wgmma kernel (CUDA only; on CPU pass
-``interpret=True``; needs ``grad_dtype == fwd_dtype`` because wgmma cannot mix FP8 formats). Scales are
+``interpret=True``; on jax 0.10 it needs ``grad_dtype == fwd_dtype``, whose Mosaic GPU cannot mix FP8 formats in
+wgmma, :func:`wgmma_takes`). Scales are
 recomputed from the current tensors on every call, so there is no state to carry through scan, remat or gradient
 accumulation. The output and ``dx`` take ``x``'s dtype, ``dw`` takes ``w``'s dtype.
 
@@ -53,11 +54,20 @@ from lpt.fp8.quantize import (
     quantize_blocks,
     quantize_tiles,
 )
-from lpt.kernels import dispatch
+from lpt.kernels import compat, dispatch
 from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
 
-__all__ = ["IMPLS", "BlockwiseConfig", "GemmWeight", "auto_impl", "blockwise_dot", "gemm_weight", "scaled_matmul"]
+__all__ = [
+    "IMPLS",
+    "BlockwiseConfig",
+    "GemmWeight",
+    "auto_impl",
+    "blockwise_dot",
+    "gemm_weight",
+    "scaled_matmul",
+    "wgmma_takes",
+]
 
 IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")
 _STATIC_OPTIONS = ("impl", "block", "fwd_dtype", "grad_dtype", "scale_format", "interpret")  # of blockwise_dot
@@ -257,14 +267,20 @@ def gemm_weight(
 def auto_impl(fwd_dtype=jnp.float8_e4m3fn, grad_dtype=jnp.float8_e5m2, mesh=None) -> str:
     """The GEMMs ``impl="auto"`` runs, by the device the program is lowered for
     (:func:`lpt.kernels.dispatch.target_device` of ``mesh``): the Hopper wgmma kernel (``"mosaic_gpu"``) on a Hopper
-    GPU when the forward and gradient formats are one (wgmma cannot mix them), the Pallas kernel (Mosaic) on a TPU,
-    the XLA twin elsewhere (a CPU, another GPU, a Hopper GPU with e5m2 gradients)."""
+    GPU where it takes both formats (:func:`wgmma_takes`), the Pallas kernel (Mosaic) on a TPU, the XLA twin elsewhere
+    (a CPU, another GPU, a Hopper GPU with e5m2 gradients on jax 0.10)."""
     device = dispatch.target_device(mesh)
     if device.platform == "tpu":
         return "pallas"
-    if dispatch.hopper(device) and jnp.dtype(fwd_dtype) == jnp.dtype(grad_dtype):
+    if dispatch.hopper(device) and wgmma_takes(fwd_dtype, grad_dtype):
         return "mosaic_gpu"
     return "xla"
+
+
+def wgmma_takes(fwd_dtype, grad_dtype) -> bool:
+    """Whether the wgmma kernel runs GEMMs of these formats: one format always; an e4m3 x e5m2 mix from jax 0.11
+    (its Mosaic GPU lowers mixed FP8 wgmma; jax 0.10 does not)."""
+    return jnp.dtype(fwd_dtype) == jnp.dtype(grad_dtype) or compat.WGMMA_MIXES_FP8
 
 
 def blockwise_config(**options) -> BlockwiseConfig:
@@ -288,10 +304,10 @@ def blockwise_config(**options) -> BlockwiseConfig:
         fwd_dtype=check_fp8_dtype(cfg.fwd_dtype, "fwd_dtype"),
         grad_dtype=check_fp8_dtype(cfg.grad_dtype, "grad_dtype"),
     )
-    if cfg.impl == "mosaic_gpu" and cfg.grad_dtype != cfg.fwd_dtype:
+    if cfg.impl == "mosaic_gpu" and not wgmma_takes(cfg.fwd_dtype, cfg.grad_dtype):
         raise ValueError(
-            f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype (wgmma cannot mix FP8 formats), got "
-            f"fwd_dtype={cfg.fwd_dtype}, grad_dtype={cfg.grad_dtype}"
+            f"impl='mosaic_gpu' needs grad_dtype == fwd_dtype on jax {jax.__version__} (its wgmma cannot mix FP8 "
+            f"formats; jax >= 0.11 can), got fwd_dtype={cfg.fwd_dtype}, grad_dtype={cfg.grad_dtype}"
         )
     if cfg.interpret not in (None, True):
         raise ValueError(f"interpret must be None (choose per platform) or True, got {cfg.interpret!r}")
@@ -318,7 +334,7 @@ def blockwise_dot(
       w: weight ``[K, N]`` (any float dtype; ``dw`` has this dtype), or a :class:`GemmWeight` of one (from
         :func:`gemm_weight` with the same options): its codes are multiplied as they are, ``dw`` goes to its ``w``.
       impl: ``"xla"`` (scan over K-chunks), ``"pallas"`` (portable Pallas kernel; interpreted on CPU),
-        ``"mosaic_gpu"`` (Hopper wgmma kernel; CUDA only, or ``interpret=True``; needs grad_dtype == fwd_dtype) or
+        ``"mosaic_gpu"`` (Hopper wgmma kernel; CUDA only, or ``interpret=True``; grad_dtype == fwd_dtype on jax 0.10) or
         ``"auto"`` (by the device the program is lowered for, :func:`auto_impl`; ``interpret`` must be None).
       block: tile / block edge B and promotion interval (128 as in DeepSeek-V3). K and N must be multiples of it.
       fwd_dtype: FP8 format of x and w (float8_e4m3fn by default).

@@ -7,6 +7,8 @@
   references (``jax.new_ref``, aliased in and out of the kernel); older jax cannot trace that, and there the kernel is
   a ``pallas_call`` with ``input_output_aliases`` (deprecated for Mosaic GPU from jax 0.11). :func:`mgpu_in_place`
   runs one kernel body either way.
+* FP8 wgmma with two formats (e4m3 x e5m2): Mosaic GPU lowers it from jax 0.11 (:data:`WGMMA_MIXES_FP8`); jax 0.10
+  takes one format for both operands.
 * ``lax.sqrt`` in a Mosaic GPU kernel: jax 0.10 has no lowering rule for it (jax >= 0.11 lowers it to MLIR's
   ``math.sqrt``, IEEE-rounded); :func:`ensure_mgpu_sqrt` registers that same rule where it is missing.
 
@@ -25,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _REFS_INTO_KERNELS = jax.__version_info__ >= (0, 12)  # plgpu.kernel takes jax.new_ref operands
+WGMMA_MIXES_FP8 = jax.__version_info__ >= (0, 11)  # a Mosaic GPU wgmma of an e4m3 and an e5m2 operand
 _LOAD_INDEX = inspect.signature(plgpu.load).parameters.get("idx")
 _LOAD_TAKES_INDEX = _LOAD_INDEX is not None and _LOAD_INDEX.default is inspect.Parameter.empty
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from lpt.fp8.blockwise import auto_impl
+from lpt.fp8.blockwise import auto_impl, wgmma_takes
 from lpt.kernels.flash_attention.mosaic_gpu import BACKWARD_HEAD_DIMS
 from lpt.models import matmul_formats
 from lpt.optim.adam import MOMENT_DTYPES, MOMENT_ROUNDINGS
@@ -284,12 +284,14 @@ class Precision:
 
     def fp8_options(self) -> dict:
         """``lpt.fp8.blockwise_dot``'s options for this recipe's "fp8" matmuls: the GEMM implementation ("auto"
-        resolved for the device being traced for: :func:`lpt.fp8.blockwise.auto_impl` with e4m3 gradients) and, for
-        the wgmma kernel (which cannot mix FP8 formats), e4m3 output gradients."""
+        resolved for the device being traced for: :func:`lpt.fp8.blockwise.auto_impl`, which picks the wgmma kernel
+        on Hopper) and, where the wgmma kernel cannot mix FP8 formats (jax 0.10:
+        :func:`lpt.fp8.blockwise.wgmma_takes`), e4m3 output gradients for it; elsewhere the recipe's e5m2."""
         impl = self.fp8_impl
         if impl == "auto":
             impl = auto_impl(jnp.float8_e4m3fn, jnp.float8_e4m3fn)
-        grads = {"grad_dtype": jnp.float8_e4m3fn} if impl == "mosaic_gpu" else {}
+        mix = wgmma_takes(jnp.float8_e4m3fn, jnp.float8_e5m2)
+        grads = {"grad_dtype": jnp.float8_e4m3fn} if impl == "mosaic_gpu" and not mix else {}
         return {"impl": impl, **grads}
 
     def bf16_blocks(self, n_layers: int) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """``precision.fp8_impl``: which GEMM the model's "fp8" matmuls run. The training step's gradient lowered for CUDA
 calls the chosen kernel three times per FP8 matmul (forward, dX, dW): the Triton kernel for "pallas", the Hopper
-wgmma kernel for "mosaic_gpu" (with e4m3 output gradients: wgmma cannot mix formats), neither for "xla". A mesh of
-another platform refuses "mosaic_gpu" in one line."""
+wgmma kernel for "mosaic_gpu" (with the recipe's e5m2 output gradients where jax's wgmma mixes FP8 formats, jax >= 0.11,
+else e4m3), neither for "xla". A mesh of another platform refuses "mosaic_gpu" in one line."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,7 @@ from lowering import lowering
 from tiny_run import tiny_config
 
 import lpt.models as M
+from lpt.kernels import compat
 from lpt.train import mesh as mesh_lib
 
 CFG = dict(kind="llama", vocab_size=256, d_model=128, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=256, max_seq_len=16)
@@ -36,7 +37,8 @@ def test_the_chosen_kernel_runs_every_fp8_gemm():
     gemms = counts["pallas"]["pallas"]
     assert gemms > 0 and gemms % 3 == 0  # forward, dX and dW of each FP8 matmul
     assert counts["mosaic_gpu"] == {"pallas": 0, "mosaic_gpu": gemms}  # the same GEMMs, each a wgmma kernel
-    assert "f8E5M2" not in texts["mosaic_gpu"] and "f8E5M2" in texts["pallas"]  # e4m3 gradients with wgmma
+    assert "f8E5M2" in texts["pallas"]  # the recipe's e5m2 output gradients
+    assert ("f8E5M2" in texts["mosaic_gpu"]) == compat.WGMMA_MIXES_FP8  # wgmma: e5m2 where it mixes formats
 
 
 def test_mosaic_gpu_needs_a_gpu_mesh():
@@ -69,14 +71,15 @@ def _mesh_text(topology: str, impl: str | None) -> str:
 
 
 def test_the_default_is_auto_the_wgmma_kernel_on_a_hopper_gpu_and_xla_on_a_blackwell():
-    """``precision.fp8_impl`` defaults to "auto": on an H100 every FP8 GEMM is the wgmma kernel, with e4m3
-    gradients, as ``"mosaic_gpu"`` gives; on a B200 (no wgmma) the XLA twin, with e5m2 gradients."""
+    """``precision.fp8_impl`` defaults to "auto": on an H100 every FP8 GEMM is the wgmma kernel, with the gradients
+    ``"mosaic_gpu"`` gives (e5m2 on jax >= 0.11, e4m3 on 0.10); on a B200 (no wgmma) the XLA twin, with e5m2."""
     from lpt.models.config import Precision
 
     assert Precision().fp8_impl == "auto"
     gemms = _cuda_text("mosaic_gpu").count(MARKERS["mosaic_gpu"])
     h100 = _mesh_text("h100:1x1x1", None)
-    assert gemms > 0 and h100.count(MARKERS["mosaic_gpu"]) == gemms and "f8E5M2" not in h100
+    assert gemms > 0 and h100.count(MARKERS["mosaic_gpu"]) == gemms
+    assert ("f8E5M2" in h100) == compat.WGMMA_MIXES_FP8
     b200 = _mesh_text("b200:1x1x1", None)
     assert all(m not in b200 for m in MARKERS.values()) and "f8E5M2" in b200
 
@@ -92,7 +95,7 @@ def test_auto_names_what_it_picks():
     except ValueError as e:
         pytest.skip(f"no compile-only target: {e}")
     assert auto_impl(e4m3, e4m3, h100) == "mosaic_gpu"
-    assert auto_impl(e4m3, e5m2, h100) == "xla"  # wgmma cannot mix formats
+    assert auto_impl(e4m3, e5m2, h100) == ("mosaic_gpu" if compat.WGMMA_MIXES_FP8 else "xla")  # a mixed wgmma
     assert auto_impl(e4m3, e5m2, v5e) == "pallas"
 
 

@@ -10,7 +10,8 @@ Computes the same sum as :mod:`lpt.kernels.fp8_blockwise_matmul.kernel` (XLA twi
 
 Each CTA (one warpgroup) owns a ``block_m x block_n`` output tile. 8-bit wgmma needs both operands K-major in SMEM,
 so the wrapper passes ``b`` transposed (``[N, K]``) and the kernel views it through ``ref.transpose``; both operands
-must have the same FP8 format (e4m3 x e5m2 is not a Hopper wgmma), otherwise ValueError. The per-chunk scales
+may have different FP8 formats (e4m3 x e5m2) where jax's Mosaic GPU lowers that (jax >= 0.11,
+:data:`lpt.kernels.compat.WGMMA_MIXES_FP8`); on jax 0.10 they must share one, otherwise ValueError. The per-chunk scales
 travel as ``sa.T[c]`` (a row of M values) and ``sb[c]``, so every TMA copy is contiguous.
 
 ``interpret=True`` runs the Mosaic GPU interpreter on CPU. Two differences, neither numeric: the interpreter cannot
@@ -28,6 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from lpt.kernels import compat
 
 __all__ = ["fp8_blockwise_matmul_mgpu"]
 
@@ -102,10 +105,13 @@ def fp8_blockwise_matmul_mgpu(
     """
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"need a[M, K] and b[K, N]; got {a.shape} and {b.shape}")
-    if a.dtype != b.dtype or a.dtype not in _FP8:
+    if a.dtype not in _FP8 or b.dtype not in _FP8:
+        raise ValueError(f"a and b must be FP8 (float8_e4m3fn or float8_e5m2), got {a.dtype} and {b.dtype}")
+    if a.dtype != b.dtype and not compat.WGMMA_MIXES_FP8:
         raise ValueError(
-            f"a and b must share one FP8 format (wgmma cannot mix them), got {a.dtype} and {b.dtype}; use "
-            "grad_dtype=float8_e4m3fn or the portable kernel lpt.kernels.fp8_blockwise_matmul.kernel"
+            f"a and b must share one FP8 format on jax {jax.__version__} (its Mosaic GPU wgmma cannot mix them; "
+            f"jax >= 0.11 can), got {a.dtype} and {b.dtype}; use grad_dtype=float8_e4m3fn or the portable kernel "
+            "lpt.kernels.fp8_blockwise_matmul.kernel"
         )
     m, k = a.shape
     n = b.shape[1]
