@@ -1,12 +1,12 @@
-"""Compile the shipped pod configs for the topologies their docstrings name, and print each report.
+"""Compile the shipped pod configs for the topologies below, and print each report.
 
     python benchmarks/configs_compile.py [--only llama_1b]
 
 Runs ``python -m lpt.train.compile`` (the trainer's own step, real XLA:TPU/Mosaic or XLA:GPU/Triton compilers, no
 accelerator needed) once per (config, topology) below, one subprocess each, and prints one summary line per run plus
-the full JSON. The numbers in the configs' docstrings come from this script; ``tests/train/test_config_fit.py`` holds
-the parts that need no compile (state bytes per device, model FLOPs per step). Each llama_1b compile takes minutes on
-2 CPU cores.
+the full JSON. The numbers in docs/results.md ("Pod configs compiled for TPU", "FP8 weights gathered as codes") come
+from this script; ``tests/train/test_config_fit.py`` holds the parts that need no compile (state bytes per device,
+model FLOPs per step). Each llama_1b compile takes minutes on 2 CPU cores.
 """
 
 from __future__ import annotations

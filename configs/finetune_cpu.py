@@ -5,21 +5,16 @@ Commands (the first trains the model that the second fine-tunes; run them from t
     python -m lpt.train --config configs/tiny_cpu.py --workdir runs/tiny_cpu
     python -m lpt.train --config configs/finetune_cpu.py --workdir runs/finetune_cpu
 
-Expected result (2 CPU cores, XLA:CPU, AMD EPYC Zen 4 with AVX-512, CPython 3.11.7, 2026-11-24): the log says
-``initialised 459,392 parameters from init_from.workdir=.../runs/tiny_cpu (step 600)``; the validation loss on the
-held-out code falls from 2.1324 nats/token (the bf16-rounded start) to 1.5038 after 300 steps (600k tokens;
-evaluations at steps 50..300: 1.737, 1.646, 1.585, 1.556, 1.523, 1.504) against the unigram baseline 3.029, in about
-half a minute (26 s wall there). The same fine-tune in f32 also ends at 1.5038; with
-``--config.precision.update_rule=nearest`` it ends at 1.6166 (+7.5%, 83% of the update elements cancelled;
-``python -m lpt.lab finetune`` runs all four). Deterministic on one machine; the last digits depend on the CPU.
-It writes runs/finetune_cpu/{checkpoints/, metrics.jsonl, tensorboard/, loss.png, summary.json, config.json};
-summary.json and every checkpoint's metadata record ``init_from`` (the source run and step).
+The log names the source run and step (``initialised N parameters from init_from.workdir=...``). It writes
+runs/finetune_cpu/{checkpoints/, metrics.jsonl, tensorboard/, loss.png, summary.json, config.json}; summary.json and
+every checkpoint's metadata record ``init_from`` (the source run and step). ``python -m lpt.lab finetune`` runs the
+same fine-tune in f32 and with bf16 nearest, Kahan and stochastic rounding. Measured: docs/results.md, "Fine-tuning
+at a small learning rate".
 
 Data: the ``.py`` files of CPython's ``email`` package from the running interpreter's standard library
-(``sysconfig.get_paths()["stdlib"]``; ships with Python, no download; 20 files, 364 kB on CPython 3.11), one file per
-document, the last 10% of each file held out for validation. tiny_cpu was trained on English prose (the embedded
-``pydoc_data.topics``), so this is a domain shift from prose to code. Other Python versions ship a slightly different
-``email`` package: the numbers above then move a little.
+(``sysconfig.get_paths()["stdlib"]``; ships with Python, no download), one file per document, the last 10% of each
+file held out for validation. tiny_cpu was trained on English prose (the embedded ``pydoc_data.topics``), so this is
+a domain shift from prose to code. Other Python versions ship a slightly different ``email`` package.
 
 Recipe: the params of runs/tiny_cpu (float32) rounded to bf16 (round to nearest even); the bits that rounding drops
 go into the Kahan compensation (lpt.train.init_from), so the fine-tune starts from the f32 values. bf16 compute,

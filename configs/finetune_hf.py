@@ -1,17 +1,14 @@
 """finetune_hf: fine-tune a Hugging Face GPT-2 or Llama directory with bf16 params and Kahan updates.
 
 Command (DIR: a directory with config.json, model.safetensors and, if the model's vocabulary is not bytes,
-tokenizer.json):
+tokenizer.json; it writes the files tiny_cpu.py lists, to its --workdir):
 
     python -m lpt.train --config configs/finetune_hf.py --config.init_from.hf=DIR --workdir runs/finetune_hf
 
 The model section comes from DIR/config.json and the tokenizer from DIR/tokenizer.json (lpt.train.config.from_hf);
-override only what you mean to change (e.g. ``--config.model.max_seq_len=256``, ``--config.data.seq_len=256``).
-
-Expected result (2 CPU cores, Intel Xeon Sapphire Rapids, 2026-11-26; DIR = ``python -m lpt.export --workdir
-runs/tiny_cpu --out DIR`` after tiny_cpu's 600 steps, which end at 1.3899 there): the log says ``initialised 459,392
-parameters from init_from.hf=DIR``; on the embedded corpus the validation loss continues from the source's (its f32
-low bits in the Kahan compensation) to 1.3747, 1.3728, 1.3710, 1.3677 at steps 50..200, in about half a minute.
+override only what you mean to change (e.g. ``--config.model.max_seq_len=256``, ``--config.data.seq_len=256``). The
+params start from DIR's in bf16, their f32 low bits in the Kahan compensation. Measured (DIR exported from a
+tiny_cpu run with ``python -m lpt.export``): docs/results.md, "Fine-tuning a Hugging Face directory".
 """
 
 from lpt.train.config import defaults

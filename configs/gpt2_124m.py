@@ -1,20 +1,16 @@
 """gpt2_124m: GPT-2 small shape (12 layers, d=768, 12 heads) on your text files, bf16 params + Kahan, for GPUs/TPUs.
 
-Command (one host; see launch/ for SLURM and TPU pods):
+Command (one host; it writes the files tiny_cpu.py lists, to its --workdir; see launch/ for SLURM and TPU pods):
 
     python -m lpt.train --config configs/gpt2_124m.py --workdir runs/gpt2_124m \
         --config.data.paths='/data/openwebtext/*.txt'
 
-Expected result: not measured here (this repository is developed on CPUs). Byte-level tokens (vocab 256), so the
-model sees ~4x more tokens per word than GPT-2's BPE: 1024-byte contexts. About 86M parameters (no BPE embedding);
-6N+attention ~ 0.6 GFLOP per token, ~1.3e18 FLOPs for the 2B tokens of 4000 steps x 512 x 1024: hours on one 8-GPU
-node. Compare a bf16+nearest run (--config.precision.update_rule=nearest) to see the nearest-rounding floor of Zamirai
-et al. (Revisiting BFloat16 Training).
-
-Compiled with `python -m lpt.train.compile --config gpt2_124m --topology TOPO` (2026-11-23):
-- v5e:2x2 (v5e-4, data parallel): 12.27 GiB per chip of 15.75 (state 0.64 GiB, temps 11.59 GiB); 3.272e14 model
-  FLOPs per step; 4 Mosaic kernels (flash attention); collectives: the gradients' all-reduce only (26 per step,
-  172 MB), no all-gather; 81 s to compile on 2 CPU cores. Rerun: `python benchmarks/configs_compile.py`.
+Byte-level tokens (vocab 256), so the model sees ~4x more tokens per word than GPT-2's BPE: 1024-byte contexts. About
+86M parameters (no BPE embedding). Compare a bf16+nearest run (--config.precision.update_rule=nearest) to see the
+nearest-rounding floor of Zamirai et al. (Revisiting BFloat16 Training). ``python benchmarks/configs_compile.py``
+compiles it for a TPU v5e-4 (``python -m lpt.train.compile --config gpt2_124m --topology v5e:2x2``). Measured:
+docs/results.md, "Pod configs compiled for TPU" (memory, FLOPs, collectives; checked by
+tests/train/test_config_fit.py).
 """
 
 from lpt.train.config import defaults

@@ -1,24 +1,16 @@
 """llama_1b: a ~1B-parameter Llama-style model (16 layers, d=2048, GQA 32/8) with FSDP, bf16 + Kahan, for GPU/TPU.
 
-Command (per host; launch/slurm_gpu.sbatch and launch/tpu_pod.sh run it on every host):
+Command (per host; launch/slurm_gpu.sbatch and launch/tpu_pod.sh run it on every host; it writes the files
+tiny_cpu.py lists, to its --workdir):
 
     python -m lpt.train --config configs/llama_1b.py --workdir /mnt/shared/runs/llama_1b \
         --config.data.source=arrayrecord --config.data.paths='/data/corpus/*.array_record'
 
-Expected result: not measured here (developed on CPUs). 0.97B parameters with byte-level vocab; 8 bytes per
-parameter of param+optimizer state under bf16+Kahan (~7.8 GB) sharded over the fsdp axis, activations over data.
-FLOPs per token = 6N + attention = 6.6 GFLOP (lpt.models.flops_per_token). MFU is logged when the device peak is known.
-
-Compiled with `python -m lpt.train.compile --config llama_1b --topology TOPO` (2026-11-26; pallas flash attention,
-FP8 matmuls in qkv/out/up/down, the fused Kahan AdamW kernel, 4 microbatches of 8 sequences per v5e chip):
-- v5e:2x4 (v5e-8): 10.39 GiB per chip of 15.75 (state 0.91 GiB, temps 9.41 GiB); 3.485e15 model FLOPs per step;
-  16 Mosaic kernels; collectives per step: all-gather 2592 / 8.48 GB (the fsdp weights' e4m3 codes, per layer and
-  microbatch; 0.38x the bf16 recipe's gathers and permutes), reduce-scatter 64 / 0.54 GB; 280 s to compile on 2
-  CPU cores. With --config.optim.fp8_gather=step: all-gather 302 / 0.99 GB, 11.60 GiB per chip.
-- v5p:2x2x1 (v5p-8): 20.37 GiB per chip of 95.74 (state 1.81 GiB, temps 18.48 GiB); 3.485e15 model FLOPs per step;
-  16 Mosaic kernels; collectives per step: all-gather 2572 / 8.47 GB; 270 s to compile.
-Rerun all of these with `python benchmarks/configs_compile.py`; tests/train/test_config_fit.py holds the state bytes,
-FLOPs and HBM.
+0.97B parameters with byte-level vocab; 8 bytes per parameter of param+optimizer state under bf16+Kahan (~7.8 GB)
+sharded over the fsdp axis, activations over data. FLOPs per token = 6N + attention (lpt.models.flops_per_token). MFU
+is logged when the device peak is known. ``python benchmarks/configs_compile.py`` compiles it for a TPU v5e-8 and
+v5p-8 (``python -m lpt.train.compile --config llama_1b --topology TOPO``). Measured: docs/results.md, "FP8 weights
+gathered as codes" (memory, FLOPs, collectives; checked by tests/train/test_config_fit.py).
 """
 
 from lpt.train.config import defaults
@@ -53,7 +45,7 @@ def get_config():
 
     c.optim.lr = 3e-4  # peak lr
     c.optim.warmup_steps = 2000  # linear warmup
-    c.optim.microbatches = 4  # gradient accumulation passes per step (v5e-8: 11.3 GiB per chip; 2 passes need 17.7)
+    c.optim.microbatches = 4  # gradient accumulation passes per step (a v5e-8 chip fits 4, not 2: docs/results.md)
 
     c.train.steps = 50000  # optimizer steps (~26B tokens)
     c.train.global_batch = 256  # sequences per step (512K tokens)

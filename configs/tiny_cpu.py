@@ -4,11 +4,10 @@ Command (the README's main job):
 
     python -m lpt.train --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
-Expected result (2 CPU cores, XLA:CPU, AMD EPYC Zen 4 with AVX-512, 2026-11-23): validation loss 1.3834 nats/token
-after 600 steps (1.2M tokens; evaluations at steps 100..600: 2.273, 1.796, 1.609, 1.503, 1.415, 1.383) against the
-unigram baseline 3.367 of the validation split, in about 1-3 minutes (75 s wall there). Deterministic on one machine:
-every rerun gives the same loss; the f32 round-off, and so the last digits, depend on the CPU's vector extensions.
-It writes runs/tiny_cpu/{checkpoints/, metrics.jsonl, tensorboard/, loss.png, summary.json, config.json}.
+It writes runs/tiny_cpu/{checkpoints/, metrics.jsonl, tensorboard/, loss.png, summary.json, config.json}; the last
+log line and summary.json give the validation loss against the unigram baseline of the validation split. Every rerun
+on one machine gives the same loss; the last digits depend on the CPU's vector extensions. Measured: docs/results.md,
+"Trainer runs and recipes".
 
 Data: the English text CPython ships in ``pydoc_data.topics`` (no download), bytes as tokens (vocab 256).
 Recipe: float32 params and compute: the reference that the low-precision recipes (the other configs/tiny_cpu_*.py

@@ -1,13 +1,11 @@
-"""tiny_cpu_fp32: the float32 baseline the low-precision recipes are compared against.
+"""tiny_cpu_fp32: the float32 baseline the low-precision recipes are compared against (the same run as tiny_cpu.py).
 
-Command:
+Command (it writes the files tiny_cpu.py lists, to its --workdir):
 
     python -m lpt.train --config configs/tiny_cpu_fp32.py --workdir runs/tiny_cpu_fp32
 
-Expected result (2 CPU cores, AMD EPYC Zen 4): the same run as configs/tiny_cpu.py, validation loss 1.3834 at step
-600 (unigram baseline 3.367); with --config.optim.lr=1e-3, where the low-precision recipes are compared
-(``python -m lpt.lab recipes``): 1.404. About 65-100 s on an idle 2-core machine; the last digits depend on the CPU's
-vector extensions.
+The recipes are compared at --config.optim.lr=1e-3 (``python -m lpt.lab recipes``). Measured: docs/results.md,
+"Trainer runs and recipes" and "Lab recipes with the fixed-order δ and the guarded optimizer chain".
 """
 
 from tiny_cpu import get_config as tiny_cpu_config

@@ -1,14 +1,13 @@
 """tiny_cpu_fp8: blockwise FP8 matmuls (DeepSeek-V3 Technical Report) in every block, float32 master weights.
 
-Command:
+Command (it writes the files tiny_cpu.py lists, to its --workdir):
 
     python -m lpt.train --config configs/tiny_cpu_fp8.py --workdir runs/tiny_cpu_fp8
 
-Expected result (2 CPU cores, AMD EPYC Zen 4, 2026-11-23, ``python -m lpt.lab recipes`` at lr 1e-3, seed 0; the last
-digits depend on the CPU): with --config.optim.lr=1e-3 validation loss 1.399, -0.34% vs tiny_cpu_fp32's 1.404 (4 KV
-heads instead of 2: FP8 blocks need N = 128, a slightly larger model). FP8 is emulated on CPU (float8_e4m3fn with
-1x128 / 128x128 block scales, f32 accumulation promoted every 128 of K), so this run is slower than tiny_cpu.py.
-The LM head stays bf16 (as in DeepSeek-V3).
+4 KV heads instead of 2 (FP8 blocks need N = 128: a slightly larger model than tiny_cpu). FP8 is emulated on CPU
+(float8_e4m3fn with 1x128 / 128x128 block scales, f32 accumulation promoted every 128 of K), so this run is slower
+than tiny_cpu.py. The LM head stays bf16 (as in DeepSeek-V3). Measured: docs/results.md, "Lab recipes with the
+fixed-order δ and the guarded optimizer chain".
 """
 
 from tiny_cpu import get_config as tiny_cpu_config

@@ -1,15 +1,13 @@
 """tiny_cpu_mxfp8: MXFP8 matmuls (TransformerEngine's MXFP8BlockScaling recipe: e4m3 with an e8m0 power-of-two scale
 per 32 elements along each GEMM's contraction axis) in every block, float32 master weights, bf16 activations.
 
-Command:
+Command (it writes the files tiny_cpu.py lists, to its --workdir):
 
     python -m lpt.train --config configs/tiny_cpu_mxfp8.py --workdir runs/tiny_cpu_mxfp8
 
-Expected result (2 CPU cores, Intel Xeon with AVX-512, 2026-11-26, seed 0; the last digits depend on the CPU):
-validation loss 1.4011 after 600 steps, -0.65% vs the same model with bf16 matmuls (1.4103; seed 1: 1.3891 vs
-1.3832, +0.43%), inside the scatter of single runs. MXFP8 is emulated on the CPU (lpt.fp8.block_scaled_dot:
-dequantized blocks, f32 accumulation), so this run is slower than tiny_cpu.py. The LM head stays bf16. See
-docs/results.md ("MXFP8 and NVFP4 matmuls on the tiny LM").
+MXFP8 is emulated on the CPU (lpt.fp8.block_scaled_dot: dequantized blocks, f32 accumulation), so this run is slower
+than tiny_cpu.py. The LM head stays bf16. Measured against the same model with bf16 matmuls: docs/results.md, "MXFP8
+and NVFP4 matmuls on the tiny LM".
 """
 
 from tiny_cpu import get_config as tiny_cpu_config

@@ -22,6 +22,6 @@ docs/training.md.
 """
 
 from lpt.train.checkpoint import load_params
-from lpt.train.config import SCHEMA, apply_overrides, load_config_file, parse_args, validate
+from lpt.train.config import SCHEMA, apply_overrides, load_config_file, parse_args
 
-__all__ = ["SCHEMA", "apply_overrides", "load_config_file", "load_params", "parse_args", "validate"]
+__all__ = ["SCHEMA", "apply_overrides", "load_config_file", "load_params", "parse_args"]

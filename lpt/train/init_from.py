@@ -1,6 +1,6 @@
 """The first train state of a run: a fresh init from ``train.seed``, or the params of a model to fine-tune.
 
-``config.init_from`` names the source (at most one of the two is set; ``lpt.train.config.validate`` checks that):
+``config.init_from`` names the source (at most one of the two is set; ``lpt.train.config.InitFromConfig`` checks that):
 
 * ``init_from.workdir``: an lpt run directory (a local path or a ``gs://`` URL, :mod:`lpt.train.paths`); its
   checkpoint at ``init_from.step`` (-1 = the newest), read with :func:`lpt.train.load_params` (verified against the

@@ -1,12 +1,13 @@
-"""The pod configs' docstrings state what they were compiled for; this holds the numbers that need no compile.
+"""docs/results.md states what the pod configs compile to; this holds the numbers that need no compile.
 
-``configs/gpt2_124m.py`` and ``configs/llama_1b.py`` list, per topology, the per-chip memory from
-``python -m lpt.train.compile`` (rerun: ``benchmarks/configs_compile.py``). Recomputed here, on the topology's
+docs/results.md lists, per shipped pod config and topology (``- llama_1b on v5e:2x4 (...): ...``), the per-chip memory
+from ``python -m lpt.train.compile`` (rerun: ``benchmarks/configs_compile.py``). Recomputed here, on the topology's
 compile-only devices: the train state's bytes per chip from the trainer's own shardings (a replicated state, or a
 config change that moves it, fails), the model FLOPs per step, the chip's HBM, and that the stated total fits.
 """
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -17,16 +18,13 @@ from lpt.train import state as state_lib
 from lpt.train.compile import shard_bytes
 
 GIB = 1 << 30
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 LINE = re.compile(
-    r"^- (\S+) \([^)]*\): ([\d.]+) GiB per chip of ([\d.]+) \(state ([\d.]+) GiB, temps ([\d.]+) GiB\); "
-    r"([\d.]+e\d+) model\s+FLOPs per step",
+    r"^- (\w+) on (\S+) \([^)]*\): ([\d.]+) GiB per chip of ([\d.]+) \(state ([\d.]+) GiB, temps ([\d.]+) GiB\);\s+"
+    r"([\d.]+e\d+) model\s+FLOPs\s+per step",
     re.M,
 )
-CASES = [
-    (name, m.groups())
-    for name in ("gpt2_124m", "llama_1b")
-    for m in LINE.finditer(config_lib.resolve_config(name).read_text())
-]
+CASES = [(m.group(1), m.groups()[1:]) for m in LINE.finditer(RESULTS.read_text(encoding="utf-8"))]
 
 
 def test_every_pod_config_states_a_compile():

@@ -1,5 +1,6 @@
 """Config loading, overrides and validation; mesh resolution; clear errors for bad input (in-process, fast)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,35 @@ def test_every_config_file_loads_and_validates():
         cfg = config_lib.load_config_file(f)
         assert set(config_lib._flatten(cfg)) == set(config_lib.SCHEMA), f.name
         assert "python -m lpt.train --config configs/" in (f.read_text().split('"""')[1]), f.name
+
+
+# what a measurement looks like in a config's source: a date, "Expected result", a number with 4+ decimals, a loss, GiB
+# per chip or seconds of wall time followed by a number
+_MEASURED = re.compile(
+    r"\b\d{4}-\d{2}-\d{2}\b|Expected result|\b\d+\.\d{4,}\b|\bloss(?:es)?\b[^.\n]{0,30}?\d\.\d\d"
+    r"|\d GiB per chip|\d s wall"
+)
+_CITED = re.compile(r'docs/results\.md, "([^"]+)"(?: and "([^"]+)")?')
+
+
+def test_configs_state_no_results_and_cite_docs_results():
+    """A shipped config's source holds no dated or measured result; its docstring names, by title, the sections of
+    docs/results.md that hold them (each title the start of a heading there)."""
+    headings = [
+        line.lstrip("#").strip() for line in (ROOT / "docs" / "results.md").read_text().splitlines() if line[:1] == "#"
+    ]
+    files = sorted((ROOT / "configs").glob("*.py"))
+    assert len(files) >= 14
+    for f in files:
+        text = f.read_text()
+        found = _MEASURED.search(text)
+        assert not found, f"{f.name} states {found.group(0)!r}: measured results go to docs/results.md"
+        if f.name == "__init__.py":
+            continue
+        cited = [t for m in _CITED.finditer(" ".join(text.split('"""')[1].split())) for t in m.groups() if t]
+        assert cited, f"{f.name} names no section of docs/results.md"
+        for title in cited:
+            assert any(h.startswith(title) for h in headings), f"{f.name}: no section {title!r} in docs/results.md"
 
 
 def test_override_parsed_with_schema_type():
@@ -164,8 +194,6 @@ def test_configs_by_name_and_shipped_in_the_wheel(tmp_path):
 
 def _shown_overrides() -> list[tuple[str, dict[str, str]]]:
     """Every ``--config.KEY=VALUE`` group shown in README.md and docs/*.md: one group per (continued) line."""
-    import re
-
     groups = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = doc.read_text().replace("\\\n", " ")
