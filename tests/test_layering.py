@@ -102,3 +102,30 @@ def test_models_take_only_the_optimizers_vocabulary():
                 found.setdefault(f.name, []).extend(a.name for a in node.names)
     assert set(found) == {"config.py"}, found
     assert all(name.isupper() for name in found["config.py"]), found  # constants: names, no functions or classes
+
+
+def _imports_in_functions(source: str) -> list[str]:
+    """The lpt modules that a function body of ``source`` imports."""
+    import ast
+
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                found += [a.name for a in node.names if a.name.split(".")[0] == "lpt"]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "lpt":
+                found.append(node.module)
+    return found
+
+
+def test_no_function_imports_an_lpt_module():
+    """Every import of an lpt module stands at the top of its module: a kernel whose Pallas module must not load at
+    import time is reached through ``lpt.kernels.dispatch.kernel`` (the one place that imports kernels late)."""
+    from pathlib import Path
+
+    assert _imports_in_functions("def f():\n    from lpt.fp8 import blockwise_dot\n") == ["lpt.fp8"]  # the check sees
+    root = Path(__file__).resolve().parents[1] / "lpt"
+    late = {str(f.relative_to(root)): m for f in root.rglob("*.py") if (m := _imports_in_functions(f.read_text()))}
+    assert late == {}, late

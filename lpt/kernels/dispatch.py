@@ -34,6 +34,7 @@ lowering error.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -44,6 +45,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 MODES = ("interpret", "triton", "mosaic", "mosaic_gpu")
+
+
+def kernel(module: str, name: str) -> Callable:
+    """The kernel ``name`` of the Pallas module ``module`` (e.g. ``"lpt.kernels.adamw_kahan.kernel"``), imported when a
+    wrapper first calls it: a module above ``lpt.kernels`` imports the wrappers at its top and loads Pallas only on
+    the code path that runs a kernel (``import lpt.optim`` loads none)."""
+    return getattr(importlib.import_module(module), name)
 
 
 def check_auto_interpret(interpret) -> None:

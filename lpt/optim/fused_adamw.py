@@ -33,6 +33,7 @@ from jax import lax
 
 from lpt import sharding
 from lpt.kernels.adamw_kahan import math as K
+from lpt.kernels.adamw_kahan import sharded
 from lpt.kernels.dispatch import kernel_mesh
 from lpt.kernels.dispatch import mesh_platform as kernel_platform
 from lpt.numerics import change_to, round_nearest, round_stochastic
@@ -314,8 +315,6 @@ def _check_pallas_leaf(name, p, mdt, cdt) -> None:
 def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: bool, interpret, spec):
     """One bf16 leaf through the fused kernel: ``(update, (moments', scales'), compensation', intended update
     thunk)``; ``mv`` is ``(moments, scales)`` (scales None for 16-bit moments)."""
-    # in-function: Pallas, loaded only when the fused kernel runs (`import lpt.optim` loads no Pallas, test_layering)
-    from lpt.kernels.adamw_kahan import sharded as sharded
 
     mv, scl = mv
     eight = isinstance(mdt, M8.Moment8)

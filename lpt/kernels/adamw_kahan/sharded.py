@@ -37,10 +37,14 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lpt.kernels import dispatch
-from lpt.kernels.adamw_kahan.kernel import adamw_kahan
 from lpt.kernels.adamw_kahan.math import LANES
 
 __all__ = ["adamw_kahan_on_shards", "adamw_kahan_partitioned", "check_whole_blocks"]
+
+
+def _adamw_kahan():
+    """The Pallas kernel, loaded when a shard first runs it (importing this module loads no Pallas)."""
+    return dispatch.kernel("lpt.kernels.adamw_kahan.kernel", "adamw_kahan")
 
 
 def _options(static) -> dict:
@@ -49,12 +53,12 @@ def _options(static) -> dict:
 
 @functools.partial(custom_partitioning, static_argnums=(6,))
 def _update(g, p, c, mv, scalars, words, static):
-    return tuple(adamw_kahan(g, p, c, mv, scalars, words, **_options(static)))
+    return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, **_options(static)))
 
 
 @functools.partial(custom_partitioning, static_argnums=(7,))
 def _update8(g, p, c, mv, scales, scalars, words, static):
-    return tuple(adamw_kahan(g, p, c, mv, scalars, words, scales=scales, **_options(static)))
+    return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, scales=scales, **_options(static)))
 
 
 def check_whole_blocks(shape, spec, mesh) -> None:
@@ -107,7 +111,7 @@ def _per_shard(spec: tuple, mesh_shape, global_shape: tuple, opts: dict):
         offset = _shard_offset(spec, mesh_shape, p.shape, global_shape)
         extra = {"scales": scales[0]} if scales else {}
         kw = dict(global_shape=global_shape, offset=offset, **extra, **opts)
-        return tuple(adamw_kahan(g, p, c, mv, scalars, words, **kw))
+        return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, **kw))
 
     return run
 
@@ -158,7 +162,7 @@ def adamw_kahan_partitioned(
     dispatch.check_interpret(interpret)
     opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
     if p.ndim == 0:  # a scalar leaf has nothing to split
-        return adamw_kahan(g, p, c, mv, scalars, words, scales=scales, **opts)
+        return _adamw_kahan()(g, p, c, mv, scalars, words, scales=scales, **opts)
     static = tuple(opts.items())  # hashable: custom_partitioning's static arg
     if moments8 is None:
         return _update(g, p, c, mv, scalars, words, static)
@@ -195,7 +199,7 @@ def adamw_kahan_on_shards(
     spec = tuple(getattr(spec, "spec", spec))
     spec = spec + (None,) * (p.ndim - len(spec))
     if mesh is None or mesh.size == 1:
-        return adamw_kahan(g, p, c, mv, scalars, words, scales=scales, **opts)
+        return _adamw_kahan()(g, p, c, mv, scalars, words, scales=scales, **opts)
     for dim, axes in enumerate(spec):
         dispatch.check_divisible(f"dimension {dim} of a {tuple(p.shape)} leaf", p.shape[dim], mesh, axes)
     eight = moments8 is not None

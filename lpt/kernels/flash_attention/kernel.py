@@ -74,22 +74,7 @@ def forward(
 
 
 def backward(
-    q,
-    k,
-    v,
-    q_seg,
-    kv_seg,
-    lse,
-    do,
-    delta,
-    *,
-    causal,
-    scale,
-    block_q,
-    block_k,
-    window=0,
-    interpret=None,
-    structure=None,
+    q, k, v, q_seg, kv_seg, lse, do, delta, *, causal, scale, block_q, block_k, window=0, interpret=None, structure=None
 ):
     """Backward kernels given lse, δ [B, H, Tq] f32. Returns f32 (dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]).
     ``window``: as in :func:`forward`. ``structure`` ("grid" or "loop"; None: "grid") is the structure the
