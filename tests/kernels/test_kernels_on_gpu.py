@@ -32,7 +32,7 @@ from test_adamw_kahan_8bit import random_state8
 from test_fp8_blockwise_matmul import _operands
 
 from lpt.attention import dot_product_attention
-from lpt.fp8 import blockwise_dot
+from lpt.fp8 import blockwise, blockwise_dot
 from lpt.kernels.adamw_kahan import math as K
 from lpt.kernels.adamw_kahan.kernel import adamw_kahan
 from lpt.kernels.flash_attention import kernel as fk
@@ -226,22 +226,26 @@ def test_fp8_blockwise_triton_equals_twin(m, k, n, da, db):
 
 
 @pytest.mark.skipif(not _hopper(), reason="wgmma needs compute capability 9.0")
-def test_fp8_blockwise_mosaic_gpu_equals_twin():
-    args = _operands(1000, 2048, 1024, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
-    _fp8_check(jax.jit(fp8_blockwise_matmul_mgpu)(*args), args, "mosaic_gpu 1000x2048x1024")
+@pytest.mark.parametrize("da", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2-x-e4m3"])
+def test_fp8_blockwise_mosaic_gpu_equals_twin(da):
+    if not blockwise.wgmma_takes(da, jnp.float8_e4m3fn):
+        pytest.skip(f"jax {jax.__version__}'s wgmma cannot mix FP8 formats")
+    args = _operands(1000, 2048, 1024, da, jnp.float8_e4m3fn)
+    _fp8_check(jax.jit(fp8_blockwise_matmul_mgpu)(*args), args, f"mosaic_gpu 1000x2048x1024 {jnp.dtype(da).name}")
 
 
 @pytest.mark.parametrize("impl", ["pallas", "mosaic_gpu"])
 def test_blockwise_dot_kernels_equal_xla_with_grads(impl):
-    """``blockwise_dot(impl=...)`` vs ``impl="xla"``: forward, dX and dW (the mosaic_gpu path takes e4m3
-    gradients: wgmma cannot mix formats)."""
+    """``blockwise_dot(impl=...)`` vs ``impl="xla"``: forward, dX and dW, with the recipe's e5m2 output gradients
+    (the mosaic_gpu path: e4m3 gradients where jax's wgmma cannot mix formats, jax 0.10)."""
     if impl == "mosaic_gpu" and not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((1024, 2048)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((2048, 1024)) / 32, jnp.float32)
     g = jnp.asarray(rng.standard_normal((1024, 1024)), jnp.float32)
-    grad_dtype = jnp.float8_e4m3fn if impl == "mosaic_gpu" else jnp.float8_e5m2
+    mix = blockwise.wgmma_takes(jnp.float8_e4m3fn, jnp.float8_e5m2)
+    grad_dtype = jnp.float8_e4m3fn if impl == "mosaic_gpu" and not mix else jnp.float8_e5m2
 
     @functools.partial(jax.jit, static_argnames="impl")
     def run(x, w, impl):
