@@ -158,8 +158,13 @@ def test_llama_options_under_every_attention_impl():
         model = M.build_model(cfg, {"attention": {"impl": impl}}, rngs=nnx.Rngs(0))
         state = nnx.state(model, nnx.Param)  # biases and norm scales away from their 0 / 1 init
         nnx.update(model, jax.tree.map(lambda x: x + 0.1 * jnp.cos(jnp.arange(x.size) * 0.7).reshape(x.shape), state))
-        logits[impl] = np.asarray(nnx.jit(lambda m: m(TOKENS))(model))
-        grads = nnx.to_pure_dict(nnx.jit(nnx.grad(lambda m: jnp.mean(jnp.square(m(TOKENS)))))(model))
+
+        def loss(m):
+            out = m(TOKENS)
+            return jnp.mean(jnp.square(out)), out
+
+        grads, out = nnx.jit(nnx.grad(loss, has_aux=True))(model)  # one program: the logits and their gradients
+        logits[impl], grads = np.asarray(out), nnx.to_pure_dict(grads)
         assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
         attn = grads["blocks"][1]["attn"]
         assert attn["q_norm"]["scale"].shape == (24,) and attn["k"]["bias"].shape == (2 * 24,)

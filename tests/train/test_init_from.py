@@ -17,6 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import fault_runner
 import jax
 import numpy as np
 import pytest
@@ -92,25 +93,28 @@ def test_f32_fine_tune_starts_from_the_source_bitwise(source, tmp_path, caplog):
     assert len(adam) == 1 and int(adam[0].count) == 0
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(adam[0].mu))  # fresh moments
 
-    # the trainer: logs the origin, records it in the metadata and the summary
+    # the trainer: logs the origin and records it in the metadata; preempted after step 2 (SIGTERM: step 2 saved, a
+    # clean exit). The fine-tune keeps the source's 4-step schedule: the same train step, compiled once for both
     run = tmp_path / "ft"
-    ft = config(**{"init_from.workdir": str(source), "train.steps": "2", "train.eval_every": "2"})
+    ft = config(**{"init_from.workdir": str(source), "train.steps": "4", "train.eval_every": "2"})
     with caplog.at_level(logging.INFO, logger="lpt.train"):
-        summary = loop.train(ft, run)
+        assert loop.train(ft, run, hooks=fault_runner.hooks(sigterm_at=2)) == {"preempted_at": 2}
     assert f"from init_from.workdir={source.resolve()} (step 4)" in caplog.text
-    assert summary["init_from"] == origin
     meta = json.loads(next((run / "checkpoints" / "2" / "metadata").glob("*")).read_text())
     assert meta["init_from"] == origin and meta["step"] == 2
 
-    # a second start resumes the fine-tune's own checkpoint (step 2) and never reads the source
+    # a second start resumes the fine-tune's own checkpoint (step 2) and never reads the source; the summary records
+    # the origin
     caplog.clear()
-    again = config(**{"init_from.workdir": str(tmp_path / "no_such_run"), "train.steps": "3", "train.eval_every": "3"})
+    again = config(**{"init_from.workdir": str(tmp_path / "no_such_run"), "train.steps": "4", "train.eval_every": "2"})
     with caplog.at_level(logging.INFO, logger="lpt.train"):
         summary = loop.train(again, run)
     assert "resumed from step 2" in caplog.text and "initialised" not in caplog.text
     assert summary["init_from"] == origin
+    meta = json.loads(next((run / "checkpoints" / "4" / "metadata").glob("*")).read_text())
+    assert meta["init_from"] == origin and meta["step"] == 4
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # steps 1-2 from the first start, 3 resumed
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # steps 1-2 from the first start, 3-4 resumed
 
 
 def test_bf16_kahan_keeps_the_dropped_bits_in_the_compensation(source):
