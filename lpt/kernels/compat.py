@@ -10,7 +10,8 @@
 * FP8 wgmma with two formats (e4m3 x e5m2): Mosaic GPU lowers it from jax 0.11 (:data:`WGMMA_MIXES_FP8`); jax 0.10
   takes one format for both operands.
 * ``lax.sqrt`` in a Mosaic GPU kernel: jax 0.10 has no lowering rule for it (jax >= 0.11 lowers it to MLIR's
-  ``math.sqrt``, IEEE-rounded); :func:`ensure_mgpu_sqrt` registers that same rule where it is missing.
+  ``math.sqrt``, IEEE-rounded); :func:`ensure_mgpu_math` registers that rule where it is missing. (Mosaic GPU lowers
+  no ``floor`` in any of them: lpt's kernels take integer parts by conversions.)
 
 (``plgpu.transpose_ref(ref, perm)``, deprecated in jax 0.11, is ``ref.transpose(perm)`` in every supported version,
 which the kernels call directly.)
@@ -40,25 +41,28 @@ def mgpu_load(ref, *, layout):
 
 
 @functools.cache
-def ensure_mgpu_sqrt() -> None:
-    """Give ``lax.sqrt_p`` a Mosaic GPU lowering (lane semantics) where jax has none: ``math.sqrt`` on the
-    fragmented array, exactly the rule of jax >= 0.11 with ``approx_math=False`` (IEEE square root)."""
+def ensure_mgpu_math() -> None:
+    """Give ``lax.sqrt_p`` Mosaic GPU lowerings (lane and warpgroup semantics) where jax has none (jax 0.10): MLIR's
+    ``math.sqrt`` elementwise, as jax >= 0.11 lowers it with ``approx_math=False`` (IEEE square root)."""
     from jax._src.lib.mlir.dialects import math as mlir_math
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax._src.pallas.mosaic_gpu import lowering
     from jax.experimental.mosaic import gpu as mgpu
 
-    rules = lowering.mosaic_lowering_rules[(mgpu.LoweringSemantics.Lane, gpu_core.PrimitiveSemantics.Warpgroup)]
-    if lax.sqrt_p in rules:
-        return
+    for primitive, op in ((lax.sqrt_p, mlir_math.sqrt),):
+        for semantics in (mgpu.LoweringSemantics.Lane, mgpu.LoweringSemantics.Warpgroup):
+            if primitive in lowering.mosaic_lowering_rules[(semantics, gpu_core.PrimitiveSemantics.Warpgroup)]:
+                continue
 
-    def sqrt_rule(ctx, x, accuracy):
-        if accuracy is not None:
-            raise NotImplementedError(f"lax.sqrt with accuracy={accuracy!r} in a Mosaic GPU kernel")
-        [aval] = ctx.avals_in
-        return lowering._ensure_fa(x, aval.dtype)._pointwise(mlir_math.sqrt)
+            def rule(ctx, x, accuracy=None, op=op, semantics=semantics, name=primitive.name):
+                if accuracy is not None:
+                    raise NotImplementedError(f"lax.{name} with accuracy={accuracy!r} in a Mosaic GPU kernel")
+                [aval] = ctx.avals_in
+                if semantics == mgpu.LoweringSemantics.Lane:
+                    return lowering._ensure_fa(x, aval.dtype)._pointwise(op)
+                return op(lowering._ensure_ir_value(x, aval.dtype))
 
-    lowering.register_lowering_rule(lax.sqrt_p, mgpu.LoweringSemantics.Lane)(sqrt_rule)
+            lowering.register_lowering_rule(primitive, semantics)(rule)
 
 
 def _interpret_params():

@@ -90,16 +90,17 @@ def round_fp8(x32, dtype, rnd=None):
     ``rnd`` None: to nearest even, equal to ``lpt.numerics.round_nearest(x, dtype, saturate=True)``; else a uniform
     u32 per element: stochastic, equal to ``lpt.numerics.round_stochastic(x, dtype, key, saturate=True)`` when
     ``rnd`` is its ``hash_bits(key, x.shape)`` (both tested). Their algorithms, in operations Mosaic and Triton lower
-    (no ``lax.round``, ``sign`` or ``isfinite``; below the smallest normal, ``floor`` and the fraction's comparison with
-    1/2 round ``|x| / s`` to the nearest integer, ties to even)."""
+    (no ``lax.round``, ``floor``, ``sign`` or ``isfinite``; below the smallest normal, the integer part (a conversion to
+    int32) and the fraction's comparison with 1/2 round ``|x| / s`` to the nearest integer, ties to even)."""
     fmt = check_fp8_format(dtype)
     drop = 23 - fmt.mantissa_bits
     b = _bits(x32)
     a32 = _from_bits(b & jnp.uint32(_ABS))  # |x|
     keep = jnp.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)
     s = fmt.smallest_subnormal
-    y = a32 * jnp.float32(1.0 / s)  # |x| in units of the subnormal spacing: exact power-of-two scaling
-    fl = jnp.floor(y)
+    tiny = a32 < jnp.float32(fmt.smallest_normal)  # the subnormal range, where r_sub below is taken (False for NaN)
+    y = jnp.where(tiny, a32 * jnp.float32(1.0 / s), jnp.float32(0))  # |x| in subnormal spacings (exact; < 2^mb)
+    fl = y.astype(jnp.int32).astype(jnp.float32)  # f32 -> i32 -> f32: floor(y), y >= 0 and below 2^mantissa_bits
     if rnd is None:
         lsb = (b >> jnp.uint32(drop)) & jnp.uint32(1)
         r = _from_bits((b + jnp.uint32((1 << (drop - 1)) - 1) + lsb) & keep)
@@ -110,7 +111,7 @@ def round_fp8(x32, dtype, rnd=None):
         u = (rnd >> jnp.uint32(8)).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)  # u32 -> f32, < 2^24
         up = u < y - fl
     r_sub = _with_sign_of((fl + up.astype(jnp.float32)) * jnp.float32(s), b)  # bool -> f32
-    r = jnp.where(a32 < jnp.float32(fmt.smallest_normal), r_sub, r)
+    r = jnp.where(tiny, r_sub, r)
     big = _from_bits(_bits(r) & jnp.uint32(_ABS)) > jnp.float32(fmt.max)
     r = jnp.where(big, _from_bits(jnp.uint32(_bits_of(fmt.max)) | (b & jnp.uint32(_SIGN))), r)  # saturate
     return jnp.where((b & jnp.uint32(_EXP)) == jnp.uint32(_EXP), x32, r)  # inf and NaN pass

@@ -104,7 +104,7 @@ def adamw_kahan_mgpu(
       block_rows: rows of 128 per pipeline step, a power of two >= 8.
       interpret: False lowers for CUDA (Hopper, Blackwell); True runs the Mosaic GPU interpreter (CPU tests).
     """
-    compat.ensure_mgpu_sqrt()
+    compat.ensure_mgpu_math()
     rows, width = p2.shape
     if width % LANES or block_rows < 8 or block_rows & (block_rows - 1) or rows % block_rows:
         raise ValueError(
