@@ -65,7 +65,17 @@ def evaluate(
     ``mesh``: the variables are placed on it by their logical axes as the trainer shards them
     (:func:`lpt.models.partitioning.place`), each batch is split over its data and fsdp axes and the forward is
     traced under the trainer's rules (:func:`lpt.train.step.on_mesh`), so the kernels run per shard; None: the
-    default device."""
+    default device.
+
+    Args:
+      model: an lpt model (``model.spec`` gives ``max_seq_len`` and ``vocab_size``), e.g. from
+        :func:`lpt.inference.load_model`.
+      data_cfg: a :class:`lpt.data.DataConfig` or a partial mapping of its keys; its ``seq_len`` is the window length.
+      batch: windows per batch, a positive int (with ``mesh``, a multiple of its data × fsdp devices).
+      num_batches: batches evaluated, a positive int.
+      split: ``"validation"`` or ``"train"``.
+      mesh: a device mesh with ``data`` and ``fsdp`` axes, or None.
+    """
     data_cfg = data_lib.data_options(data_cfg)
     seq_len = data_cfg.seq_len
     if seq_len > model.spec.max_seq_len:

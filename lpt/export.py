@@ -102,7 +102,17 @@ def write(
 ) -> Path:
     """Write ``params`` as a Hugging Face directory (:func:`lpt.models.hf.save_params` with ``tokenizer_file`` and
     ``token_ids``) to a new sibling of ``out``, then swap it in for ``out`` (see the module docstring); ``out`` as
-    :func:`check_out` allows it (outside the run ``workdir``, when given)."""
+    :func:`check_out` allows it (outside the run ``workdir``, when given).
+
+    Args:
+      out: the export directory.
+      params: an lpt pure dict of parameters for ``model_cfg``.
+      model_cfg: the :class:`lpt.models.config.ModelSpec` (``config.model``) of ``params``.
+      tokenizer_file: a tokenizer.json copied into the export, or None.
+      token_ids: ``{bos_token_id, eos_token_id, pad_token_id}`` (:func:`token_ids`), or None.
+      overwrite: replace a non-empty ``out``.
+      workdir: the run directory, which ``out`` must lie outside; None: not checked.
+    """
     out = check_out(out, overwrite, workdir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -133,7 +143,15 @@ def check(
 ) -> tuple[float, float]:
     """``(max |lpt − transformers|, max |logit|)``: float32 logits of the lpt model of ``model_cfg`` with ``params``
     (a run's) against those of the Hugging Face directory ``out`` in transformers, on ``rows`` rows of random ids
-    (seed 0) of ``min(max_seq_len, max_len)`` tokens. ValueError if transformers or torch is not installed."""
+    (seed 0) of ``min(max_seq_len, max_len)`` tokens. ValueError if transformers or torch is not installed.
+
+    Args:
+      out: the Hugging Face directory written by :func:`write`.
+      params: the lpt pure dict of parameters written there.
+      model_cfg: the :class:`lpt.models.config.ModelSpec` of ``params``.
+      rows: rows of random ids.
+      max_len: the most tokens per row.
+    """
     try:
         import torch
         import transformers

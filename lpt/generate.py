@@ -143,7 +143,21 @@ def generate_tokens(
     ``mesh``: the variables are placed on it as the trainer shards them (:func:`lpt.models.partitioning.place`)
     and the steps are traced under the trainer's rules, so the batch and the KV cache split over the data and fsdp
     axes and the heads over tensor. The batch is filled up to a multiple of data*fsdp with copies of the last prompt,
-    whose tokens are dropped; the other rows draw the same tokens as without a mesh."""
+    whose tokens are dropped; the other rows draw the same tokens as without a mesh.
+
+    Args:
+      model: an lpt model with ``decode`` (``model.spec`` gives ``vocab_size`` and ``max_seq_len``).
+      prompts: one list of token ids per row, each id in ``[0, vocab_size)``, at most ``max_seq_len`` long.
+      max_new_tokens: N, a positive int up to ``max_seq_len − P + 1``; None: that most.
+      temperature: 0 draws greedily (argmax); > 0 divides the logits (:class:`Sampling`).
+      top_k: keep the k largest logits, in ``[0, vocab or the model's vocabulary]``; 0: off.
+      top_p: nucleus mass in (0, 1]; 1: off.
+      seed: the sampling key's seed.
+      stop_tokens: token ids that end a row.
+      vocab: sample only ids below it, at most the model's vocabulary; 0: all.
+      on_token: ``on_token(row, token)`` per kept token, or None.
+      mesh: a device mesh with ``data``, ``fsdp`` and ``tensor`` axes, or None: no mesh.
+    """
     spec = model.spec
     sampling = Sampling(float(temperature), top_k, float(top_p), vocab)
     sampling.check(spec.vocab_size)
@@ -251,7 +265,18 @@ def generate(
 
     Stops at the tokenizer's separator (end-of-text) token; samples only ids the tokenizer has.
     ``on_text(row, text)`` receives each row's new text as soon as it is decoded (:class:`TextStream`),
-    ``on_token(row, token)`` each new token id; ``mesh`` as for :func:`generate_tokens`."""
+    ``on_token(row, token)`` each new token id; ``mesh`` as for :func:`generate_tokens`.
+
+    Args:
+      model: an lpt model with ``decode``, whose vocabulary holds the tokenizer's.
+      tokenizer: a tokenizer of :mod:`lpt.data.tokenizer` (``encode``, ``decode``, ``separator``, ``vocab_size``).
+      prompts: the prompt texts, a non-empty list; an empty prompt is the separator alone.
+      max_new_tokens, temperature, top_k, top_p, seed: as :func:`generate_tokens` (here ``temperature`` 1.0 by
+        default).
+      on_text: ``on_text(row, text)`` per piece of new text, or None.
+      on_token: ``on_token(row, token)`` per new token id, or None.
+      mesh: as :func:`generate_tokens`.
+    """
     ids = encode_prompts(tokenizer, prompts)
     if tokenizer.vocab_size > model.spec.vocab_size:
         raise ValueError(

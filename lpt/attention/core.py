@@ -355,6 +355,7 @@ def dot_product_attention(
     """Attention over q [B, Tq, H, D], k and v [B, Tk, Hkv, D] (H % Hkv == 0); returns [B, Tq, H, D] in q.dtype.
 
     Args:
+      q, k, v: the shapes above, sharing one dtype: bfloat16, float16 or float32.
       causal: key j is visible to query i only if j <= i (needs Tq == Tk).
       sliding_window: w > 0 (needs causal): query i sees only the w keys i − w < j <= i (Jiang et al., "Mistral 7B";
         transformers' convention). The flash kernel visits only the key blocks that meet the window, so its work

@@ -30,6 +30,12 @@ def repeated_max_fraction(
     ``tie_tol`` of the row max.
 
     Shapes as :func:`lpt.attention.dot_product_attention`; rows without any visible key are not counted.
+
+    Args:
+      q, k: [B, Tq, H, D] and [B, Tk, Hkv, D] (H % Hkv == 0), as :func:`lpt.attention.dot_product_attention`.
+      causal, sliding_window, kv_mask, segment_ids, scale: the masks and the logit scale, as
+        :func:`lpt.attention.dot_product_attention`.
+      tie_tol: a logit within this of its row max (f32, after scaling) counts as a tie.
     """
     opts = core._Options(causal=causal, sliding_window=sliding_window, scale=scale)  # only the masks and the scale
     q_t, k_t, _, q_seg, kv_seg, cfg = core._canonical(q, k, k, opts, kv_mask=kv_mask, segment_ids=segment_ids)
@@ -62,7 +68,13 @@ def residual_output(
     key=None,
     block_k=None,
 ):
-    """The O that the backward of :func:`dot_product_attention` (impl="xla") uses for δ, as f32 [B, Tq, H, D]."""
+    """The O that the backward of :func:`dot_product_attention` (impl="xla") uses for δ, as f32 [B, Tq, H, D].
+
+    Args:
+      q, k, v: [B, Tq, H, D], [B, Tk, Hkv, D] each, as :func:`lpt.attention.dot_product_attention`.
+      causal, stable, beta, policy, kv_mask, segment_ids, scale, key, block_k: as
+        :func:`lpt.attention.dot_product_attention` (``key`` only for ``policy.residual == "stochastic"``).
+    """
     opts = core._Options(causal=causal, stable=stable, beta=beta, policy=policy, scale=scale, block_k=block_k)
     q_t, k_t, v_t, q_seg, kv_seg, cfg = core._canonical(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     o32, _ = core._forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
@@ -72,8 +84,14 @@ def residual_output(
 
 def delta_error(q, k, v, do, **options):
     """δ_policy − δ_f32 per row, f32 [B, T, H]: δ from the O the policy keeps for the backward, minus δ from the
-    f32 softmax attention of the same (rounded) inputs. ``do`` is [B, T, H, D] like the output; ``options`` are
-    :func:`residual_output`'s (causal, stable, beta, policy, kv_mask, segment_ids, scale, key, block_k)."""
+    f32 softmax attention of the same (rounded) inputs.
+
+    Args:
+      q, k, v: [B, T, H, D], [B, T, Hkv, D] each, as :func:`lpt.attention.dot_product_attention`.
+      do: [B, T, H, D] like the output: its cotangent.
+      **options: :func:`residual_output`'s (causal, stable, beta, policy, kv_mask, segment_ids, scale, key,
+        block_k); causal, kv_mask, segment_ids and scale also reach the f32 reference.
+    """
     o_res = residual_output(q, k, v, **options)
     kw = {n: options[n] for n in ("causal", "kv_mask", "segment_ids", "scale") if n in options}
     o_true = core.dot_product_attention(

@@ -94,7 +94,15 @@ def fingerprint(
     source: str, files: list[str], validation_fraction: float, tokenizer: str = "bytes", validation_split: str = "tail"
 ) -> str:
     """Cache key; ``tokenizer`` is the tokenizer's identity (a "bytes" cache keeps the key it had without one, and a
-    "tail" split the key it had without a split)."""
+    "tail" split the key it had without a split).
+
+    Args:
+      source: the data source (``config.data.source``).
+      files: the input file paths; each one's absolute path, size and mtime enter the key.
+      validation_fraction: share of the text held out for validation.
+      tokenizer: the tokenizer's ``identity`` (``"bytes"`` or ``"sha256:..."``).
+      validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
+    """
     stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
     fields = [CACHE_VERSION, source, stats, float(validation_fraction)]
     if tokenizer != "bytes":
@@ -216,7 +224,16 @@ def encoded_parts(
     (``[separator]``, 1 byte) if the part is not empty, then the same for the validation part (with ``"docs"`` one of
     the parts is the whole document, :func:`document_fraction`). ``name`` names the document in errors. With the
     bytes tokenizer the pieces are :func:`document_parts` (any bytes; the uint8 ids are the bytes), so the stream is
-    the one :func:`build_or_open` writes."""
+    the one :func:`build_or_open` writes.
+
+    Args:
+      tokenizer: a tokenizer of :mod:`lpt.data.tokenizer` (``identity``, ``separator``, ``encode``).
+      doc: the document as bytes, or the path of a file holding it (read in pieces).
+      validation_fraction: share held out for validation (of each document for ``"tail"``, of the documents for
+        ``"docs"``).
+      name: the document's name in errors.
+      validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
+    """
     validation_fraction = document_fraction(doc, validation_fraction, validation_split)
     if tokenizer.identity == "bytes":
         for split, pieces in zip(SPLITS, document_parts(doc, validation_fraction), strict=True):
@@ -462,6 +479,15 @@ def build_or_open(
 
     ``documents()`` yields the documents in order, each as bytes or as the path of a file holding it; it is only
     called when the cache does not exist yet. ``inputs``: the input files, recorded in ``meta.json``.
+
+    Args:
+      key: the cache's fingerprint (:func:`fingerprint`), its directory name under the cache root.
+      documents: called with no arguments, yields the documents as bytes or file paths.
+      validation_fraction: share held out for validation.
+      separator: the byte written after each non-empty part (0..255).
+      cache_dir: the cache root; None: ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data`` (:func:`cache_root`).
+      validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
+      inputs: the input file paths.
     """
 
     def write(tmp: str) -> None:
@@ -517,7 +543,17 @@ def build_or_open_tokens(
     """Memory-mapped token streams of ``tokenizer`` (uint16 / uint32, :func:`lpt.data.tokenizer.token_dtype`), their
     counts (``counts.npy``) and text bytes for the fingerprint ``key``. ``documents()`` yields ``(name, bytes or file
     path)`` in order; it is only called when the cache does not exist yet. ``inputs``: the input files, recorded in
-    ``meta.json``."""
+    ``meta.json``.
+
+    Args:
+      key: the cache's fingerprint (:func:`fingerprint`), its directory name under the cache root.
+      documents: called with no arguments, yields ``(name, document)``; ``name`` appears in errors.
+      validation_fraction: share held out for validation.
+      tokenizer: a tokenizer of :mod:`lpt.data.tokenizer`; ids outside its ``vocab_size`` are a ValueError.
+      cache_dir: the cache root; None: ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data`` (:func:`cache_root`).
+      validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
+      inputs: the input file paths.
+    """
     dtype = token_dtype(tokenizer.vocab_size)
     suffix = _suffix(dtype)
 

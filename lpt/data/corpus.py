@@ -270,6 +270,13 @@ def load_corpus(
     cache (:mod:`lpt.data.cache`), looked up by the files' current fingerprint and the tokenizer's identity on every
     call; ``"prepared"`` opens the directory ``paths`` and checks that ``tokenizer`` and ``validation_fraction`` are
     the ones it was prepared with.
+
+    Args:
+      source: one of :data:`SOURCES` (``config.data.source``).
+      paths: glob of the input files of a file source, or the prepared directory; unused for ``"embedded"``.
+      validation_fraction: share held out for validation, in (0, 1).
+      cache_dir: root of the on-disk cache of the file sources; None: ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data``.
+      tokenizer: ``config.data.tokenizer``: ``"bytes"`` or a tokenizer file (:func:`lpt.data.tokenizer.load_tokenizer`).
     """
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"config.data.validation_fraction={validation_fraction!r} must be in (0, 1)")

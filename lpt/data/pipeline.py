@@ -157,6 +157,16 @@ def make_train_iterator(
     that yielded ``start`` batches, whatever the process count or worker count of either. ``worker_count > 0``
     prefetches in that many worker processes (grain ``mp_prefetch``); the batches are the same for every worker
     count.
+
+    Args:
+      data_cfg: a :class:`DataConfig`, or a partial mapping of its keys (:func:`data_options`).
+      seq_len: tokens per row (windows of ``seq_len + 1`` tokens).
+      global_batch: rows per global batch, divisible by ``process_count``.
+      process_index, process_count: this process and the number of processes; this process gets the
+        ``global_batch / process_count`` consecutive rows of each global batch from row
+        ``process_index · global_batch / process_count`` on.
+      seed: mixed with ``data.shuffle_seed`` into the shuffle seed.
+      start: the first global batch index (an int >= 0): the step to resume at.
     """
     opts = data_options(data_cfg)
     _check_batch(global_batch, process_index, process_count)
@@ -186,7 +196,17 @@ def make_eval_batches(
     split: str = "validation",
 ) -> list[dict[str, np.ndarray]]:
     """The first ``num_batches`` global batches of ``batch`` consecutive windows of ``split`` (no shuffling), this
-    process's rows of each. ValueError if the split has fewer than ``batch · num_batches`` windows."""
+    process's rows of each. ValueError if the split has fewer than ``batch · num_batches`` windows.
+
+    Args:
+      data_cfg: a :class:`DataConfig`, or a partial mapping of its keys (:func:`data_options`).
+      seq_len: tokens per row (windows of ``seq_len + 1`` tokens).
+      batch: rows per global batch, divisible by ``process_count``.
+      num_batches: how many global batches.
+      process_index, process_count: this process and the number of processes; each gets its ``batch / process_count``
+        consecutive rows of every batch.
+      split: ``"train"`` or ``"validation"``.
+    """
     opts = data_options(data_cfg)
     local = _check_batch(batch, process_index, process_count)
     if split not in ("train", "validation"):

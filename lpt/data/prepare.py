@@ -321,7 +321,24 @@ def prepare(
     """Prepare (or finish preparing) ``out`` (see the module docstring); returns the manifest plus ``"tokenized"``:
     the indices of the shards this call tokenized. ``workers == 1`` tokenizes in this process. ``source``,
     ``text_field`` and ``validation_split`` left at None take the input's format, ``"text"`` and that format's
-    split."""
+    split.
+
+    Args:
+      tokenizer: ``"bytes"`` or a tokenizer file (:func:`lpt.data.tokenizer.load_tokenizer`); ``--tokenizer``.
+      input: glob of the input files (``~`` expanded, ``**`` recursive); ``--input``.
+      out: the directory to write (created if missing); ``--out``.
+      source: the input format, one of the file sources (``text``, ``arrayrecord``, ``jsonl``, ``parquet``); None:
+        from the file names.
+      text_field: the field of a jsonl / parquet record that holds the text; not for the other formats. None:
+        ``"text"``.
+      validation_fraction: share held out for validation, in (0, 1).
+      validation_split: ``"tail"`` or ``"docs"`` (:data:`lpt.data.cache.VALIDATION_SPLITS`); None: the format's.
+      max_bad_records: bad records skipped over all shards (an int >= 0) before it stops with a ValueError.
+      workers: tokenizing processes, >= 1.
+      shard_mb: input MiB per shard, > 0 (a larger file is a shard of its own).
+      record_tokens: token ids per ArrayRecord record, >= 1.
+      progress: show the tqdm bar over the input bytes.
+    """
     if source is not None and source not in SOURCES:
         raise ValueError(f"--source {source!r} is not supported; allowed: {list(SOURCES)}")
     if validation_split is not None and validation_split not in cache.VALIDATION_SPLITS:

@@ -48,7 +48,16 @@ def train_tokenizer(
     progress: bool = True,
 ) -> dict:
     """Train the BPE (see the module docstring), save it to ``out``; returns ``{"vocab_size", "seconds",
-    "train_bytes"}``."""
+    "train_bytes"}``.
+
+    Args:
+      vocab_size: ids in total, an int >= 257.
+      out: the tokenizer.json to write (must end in ``.json``; neither an input file nor matched by ``input``).
+      input: glob of UTF-8 text files, one document each; None: the embedded corpus.
+      validation_fraction: the tail of each document not trained on, in (0, 1).
+      min_frequency: pairs seen fewer times are not merged.
+      progress: show the ``tokenizers`` trainer's progress bar.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if not isinstance(vocab_size, int) or vocab_size < 257:

@@ -152,7 +152,16 @@ def quantize_dequantize(
     rounding: str = "nearest",
     key=None,
 ) -> jax.Array:
-    """``x`` quantized in ``recipe`` (blocks as in :func:`block_scale_health`) and dequantized, as f32."""
+    """``x`` quantized in ``recipe`` (blocks as in :func:`block_scale_health`) and dequantized, as f32.
+
+    Args:
+      x: floating-point array.
+      recipe: ``"mxfp8"`` or ``"nvfp4"``.
+      axis: the blocked axis (1x32 MXFP8 or 1x16 NVFP4 blocks); its length a multiple of the block length.
+      block_shape: ``(rows, cols)`` 2-D tiles on the last two axes instead (NVFP4: only (16, 16)); ``axis`` stays -1.
+      rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (needs ``key``); the codes only.
+      key: JAX PRNG key for ``rounding="stochastic"``.
+    """
     _check_recipe(recipe)
     q = dict(block_shape=block_shape, rounding=rounding, key=key)
     if recipe == "mxfp8":

@@ -165,7 +165,15 @@ class MxScales(NamedTuple):
 def mx_block_exponents(
     x, elem_dtype, block_size: int = 32, axis: int = -1, *, block_shape: tuple[int, int] | None = None
 ) -> MxScales:
-    """The block maxima and unclamped scale exponents :func:`mx_quantize` computes for ``x`` (same arguments)."""
+    """The block maxima and unclamped scale exponents :func:`mx_quantize` computes for ``x`` (same arguments).
+
+    Args:
+      x: floating-point array.
+      elem_dtype: float8_e4m3fn, float8_e5m2 or float4_e2m1fn.
+      block_size: elements per block along ``axis``.
+      axis: the blocked axis; its length a multiple of ``block_size``.
+      block_shape: ``(rows, cols)`` 2-D tiles on the last two axes instead; ``axis`` stays -1.
+    """
     elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
     x = check_float(x)
     tiles = block_tiles(x.shape, axis, block_size, block_shape)
@@ -242,6 +250,12 @@ def mx_dequantize(
     Exact in f32 (a power-of-two scaling on the bits): f32 subnormal results are returned as such, although XLA
     flushes them to zero in any later arithmetic. A NaN scale makes its block NaN; inf / NaN codes stay inf / NaN.
     ``scales`` is ``float8_e8m0fnu`` or ``uint8`` (the e8m0 byte: biased exponent, 0xFF = NaN).
+
+    Args:
+      codes: float8_e4m3fn, float8_e5m2 or float4_e2m1fn, at least 1-D.
+      scales: one per block: codes' shape with each blocked axis divided by its block length.
+      block_size, axis, block_shape: the blocks, as given to :func:`mx_quantize`.
+      dtype: floating-point output dtype (f32 exact; others rounded to nearest even).
     """
     codes = jnp.asarray(codes)
     if codes.dtype not in MX_ELEM_DTYPES:
@@ -368,7 +382,15 @@ def nvfp4_dequantize(
 
     ``codes · block_scales`` is exact in f32 (a 2-bit by 4-bit significand product, at least 2^-10 when non-zero);
     the multiplication by ``tensor_scale`` rounds once, to nearest even, so the f32 result is the f32 nearest to the
-    exact product. NaN scales give NaN."""
+    exact product. NaN scales give NaN.
+
+    Args:
+      codes: float4_e2m1fn, at least 1-D.
+      block_scales: float8_e4m3fn, codes' shape with each blocked axis divided by 16.
+      tensor_scale: one float (any shape of size 1).
+      axis, block_shape: the blocks, as given to :func:`nvfp4_quantize`.
+      dtype: floating-point output dtype (f32 as computed; others rounded to nearest even from f32).
+    """
     codes = jnp.asarray(codes)
     if codes.dtype != jnp.float4_e2m1fn:
         raise ValueError(f"codes must be float4_e2m1fn, got dtype {codes.dtype}")

@@ -89,7 +89,14 @@ class BlockwiseConfig(NamedTuple):
 
 
 def scaled_matmul(a, sa, b, sb, cfg: BlockwiseConfig) -> jax.Array:
-    """``sum_c (a_c @ b_c) * sa[:, c] * sb[c, :]`` in f32 with the implementation chosen by ``cfg.impl``."""
+    """``sum_c (a_c @ b_c) * sa[:, c] * sb[c, :]`` in f32 with the implementation chosen by ``cfg.impl``.
+
+    Args:
+      a, b: FP8 codes ``a[M, K]`` and ``b[K, N]``.
+      sa, sb: f32 scales ``sa[M, K/chunk]``, ``sb[K/chunk, N]`` (chunk = ``cfg.block``).
+      cfg: a :class:`BlockwiseConfig`; its ``impl`` (``"xla"``, ``"pallas"``, else ``"mosaic_gpu"``), ``block`` and
+        ``interpret`` are used.
+    """
     if cfg.impl == "xla":
         return fp8_blockwise_matmul_reference(a, sa, b, sb, chunk=cfg.block)
     if cfg.impl == "pallas":
@@ -231,7 +238,14 @@ def gemm_weight(
     GEMMs are those of ``blockwise_dot(x, w)``, bit for bit, without quantizing or gathering ``w`` again.
 
     On a multi-device mesh the axes come from the sharding rules (Auto mesh axes, :mod:`lpt.sharding`); on Explicit
-    axes it is a ValueError (``blockwise_dot`` follows the operands' own shardings there, which depend on x)."""
+    axes it is a ValueError (``blockwise_dot`` follows the operands' own shardings there, which depend on x).
+
+    Args:
+      w: floating-point weight ``[..., K, N]``, K and N multiples of ``block``.
+      block, fwd_dtype, scale_format: as :func:`blockwise_dot` (pass the same there).
+      w_axes: logical names of ``w``'s (K, N) dims, as :func:`blockwise_dot`; None: replicated.
+      mesh: the mesh; None: the mesh of ``jax.set_mesh`` if one is set, else whole arrays.
+    """
     w = jnp.asarray(w)
     cfg = blockwise_config(block=block, fwd_dtype=fwd_dtype, scale_format=scale_format)
     if w.ndim < 2 or not jnp.issubdtype(w.dtype, jnp.floating):

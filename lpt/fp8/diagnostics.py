@@ -40,7 +40,13 @@ def quantize_operands(x, w, *, block: int = 128, fwd_dtype=jnp.float8_e4m3fn, sc
     """``(x2_f32, w_f32, x_tiles, w_blocks)``: the operands of ``x[..., K] @ w[K, N]`` as f32 (``x`` flattened to
     ``[M, K]``) and quantized exactly as :func:`lpt.fp8.blockwise_dot`'s forward does (``x`` in 1×block tiles along
     K, ``w`` in block×block blocks), each as ``(codes, scales, QuantStats)``. Shared by
-    :func:`fp8_gemm_diagnostics` and the "fp8" matmul format's probe (:mod:`lpt.models.matmul_formats`)."""
+    :func:`fp8_gemm_diagnostics` and the "fp8" matmul format's probe (:mod:`lpt.models.matmul_formats`).
+
+    Args:
+      x: floating-point activations ``[..., K]``.
+      w: floating-point weight ``[K, N]``.
+      block, fwd_dtype, scale_format: as :func:`lpt.fp8.blockwise_dot`.
+    """
     w_f32 = jnp.asarray(w).astype(jnp.float32)  # w dtype -> f32 (exact for bf16 / f32)
     x2_f32 = jnp.asarray(x).reshape(-1, w_f32.shape[0]).astype(jnp.float32)  # x dtype -> f32 (exact for bf16 / f32)
     qx, sx = quantize_tiles(x2_f32, fwd_dtype, axis=-1, block=block, scale_format=scale_format)
@@ -64,6 +70,12 @@ def fp8_gemm_diagnostics(
     Returns a dict of scalars: ``x_saturated``, ``x_underflowed``, ``w_saturated``, ``w_underflowed`` (element
     counts; with amax scaling saturation only happens for non-finite or f32 round-off cases, underflow is the real
     loss in a tile with a large dynamic range), ``rel_err_vs_bf16`` and ``snr_db_vs_bf16`` of the FP8 output.
+
+    Args:
+      x: floating-point activations ``[..., K]``.
+      w: floating-point weight ``[K, N]``.
+      block, fwd_dtype, scale_format: as :func:`lpt.fp8.blockwise_dot`.
+      impl: the FP8 GEMM's ``impl`` in :func:`lpt.fp8.blockwise_dot`.
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     x2 = x.reshape(-1, w.shape[0])

@@ -107,6 +107,13 @@ def quantize_tiles(x, dtype=jnp.float8_e4m3fn, *, axis: int = -1, block: int = 1
 
     Returns ``(q, scale)``: ``q`` has x's shape in ``dtype``; ``scale`` is f32 with ``x.shape[axis] // block`` in
     place of ``axis``. Raises ValueError if ``x.shape[axis]`` is not a multiple of ``block``.
+
+    Args:
+      x: floating-point array.
+      dtype: FP8 format of ``q`` (float8_e4m3fn or float8_e5m2).
+      axis: the tiled axis.
+      block: tile length.
+      scale_format: ``"f32"`` (scale = amax / max) or ``"pow2"`` (rounded up to a power of two).
     """
     dtype = check_fp8_dtype(dtype)
     x = _check_float(x, "x")
@@ -124,7 +131,14 @@ def quantize_tiles(x, dtype=jnp.float8_e4m3fn, *, axis: int = -1, block: int = 1
 
 
 def dequantize_tiles(q, scale, *, axis: int = -1, block: int = 128, dtype=jnp.float32) -> jax.Array:
-    """Inverse of :func:`quantize_tiles`: ``q * scale`` (each scale repeated over its tile), cast to ``dtype``."""
+    """Inverse of :func:`quantize_tiles`: ``q * scale`` (each scale repeated over its tile), cast to ``dtype``.
+
+    Args:
+      q: FP8 codes.
+      scale: f32 scales, ``q.shape[axis] // block`` in place of ``axis``.
+      axis, block: as given to :func:`quantize_tiles`.
+      dtype: output dtype.
+    """
     axis = axis % q.ndim
     s = jnp.repeat(scale, block, axis=axis)
     return (q.astype(jnp.float32) * s).astype(dtype)  # fp8 -> f32 exact; product f32 -> dtype
@@ -173,6 +187,13 @@ def quantization_stats(x, q, scale, *, axis: int | None = -1, block: int = 128) 
     """Saturation / underflow / subnormal counts for ``q, scale = quantize_*(x)``.
 
     ``axis=None`` means ``scale`` is per-block of a 2-D weight (``quantize_blocks``) or a scalar (per-tensor).
+
+    Args:
+      x: the floating-point array that was quantized.
+      q: its FP8 codes.
+      scale: its f32 scales (tiles, blocks or a scalar).
+      axis: the tiled axis of :func:`quantize_tiles`; None: blocks of :func:`quantize_blocks` or a per-tensor scale.
+      block: tile / block length.
     """
     x32 = _check_float(x, "x").astype(jnp.float32)  # any float -> f32
     if scale.ndim == 0:

@@ -160,7 +160,15 @@ def gemm_errors(x, w, g, key, fmt: str) -> dict[str, jax.Array]:
     y, dx, dw against the f32-accumulated GEMMs of the unquantized operands, and for a format with block scales
     ``{"health/<operand>": [saturated, underflow, clipped, blocks]}`` (int32) of x, w and dy. The matmul format
     (:mod:`lpt.models.matmul_formats`) quantizes and multiplies, with K and N zero-padded to its block (zeros raise
-    no block amax: exact for the blocks; a no-op where they are multiples already)."""
+    no block amax: exact for the blocks; a no-op where they are multiples already).
+
+    Args:
+      x: f32 ``[M, K]`` activations holding compute-dtype values.
+      w: f32 ``[K, N]`` weight holding compute-dtype values.
+      g: f32 ``[M, N]``, dL/dy.
+      key: PRNG key of the format's stochastic rounding and Hadamard signs.
+      fmt: a key of :data:`GEMM_FORMATS` (static).
+    """
     format_name, switches = GEMM_FORMATS[fmt]
     f, prec = matmul_formats.get(format_name), Precision(**switches)
     b, n = f.block(prec), w.shape[1]
@@ -235,7 +243,17 @@ def _compare(xs, lower: str, higher: str, same: str) -> str:
 
 
 def findings(lm, names, seeds, table, formats, n_params: int, tokens: int) -> list[str]:
-    """Bullet points: which of NVIDIA's findings the numbers reproduce, and what this scale cannot test."""
+    """Bullet points: which of NVIDIA's findings the numbers reproduce, and what this scale cannot test.
+
+    Args:
+      lm: ``{(run, seed): {"eval_loss", ...}}`` of :func:`lm_runs`.
+      names: the LM runs trained (keys of :data:`RUNS`).
+      seeds: the seeds trained.
+      table: ``{(kind, fmt): {quantity: [signal, noise]}}`` of :func:`gemm_table`.
+      formats: the GEMM formats in ``table`` (keys of :data:`GEMM_FORMATS`).
+      n_params: parameters of the LM.
+      tokens: training tokens per run.
+    """
     out = []
     if len(seeds) < 2:
         out.append("**One seed**: no seed-to-seed scatter, so no loss difference below can be told from noise.")

@@ -51,7 +51,15 @@ def _fp6_blocks(w: np.ndarray, block: int = 32) -> np.ndarray:
 
 def train_toy(method: str | None, steps: int, lam: float = 0.0, d: int = 64, seed: int = 0):
     """Returns (MSE curve, b_t curve, clean MSE, FP6 MSE) for plain (None), "gaussws" or "diffq", trained on
-    MSE + Eq. 12's ``lam · mean_tiles |b_t − b_target|``."""
+    MSE + Eq. 12's ``lam · mean_tiles |b_t − b_target|``.
+
+    Args:
+      method: None (no weight noise), ``"gaussws"`` or ``"diffq"``.
+      steps: Adam steps.
+      lam: λ of Eq. 12's bitwidth term.
+      d: width of the square linear layer.
+      seed: seed of the teacher, the layer and the batches.
+    """
     rng = np.random.default_rng(seed)
     w_star = jnp.asarray(rng.standard_normal((d, d)) / np.sqrt(d), jnp.float32)
     layer = GaussWSLinear(d, d, method=method or "gaussws", rngs=nnx.Rngs(seed), pqt_path="toy")

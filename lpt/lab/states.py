@@ -51,7 +51,18 @@ QUICK_LM = ("fp32", "kahan_bf16", "kahan_e4m3")
 
 
 def least_squares(moments: str, weights: str, rounding: str, seed: int, steps: int = 1500, lr: float = 3e-3):
-    """One run of the least-squares problem; returns ``{"loss": final, "curve", "v_err", "underflow"}``."""
+    """One run of the least-squares problem; returns ``{"loss": final, "curve", "v_err", "underflow"}``.
+
+    Args:
+      moments: the moment dtype: ``"float32"`` (with ``weights="f32"``: optax's adamw), ``"bfloat16"`` or an 8-bit
+        moment format (keys of ``lpt.optim.moments8.MOMENT8``); see :data:`MOMENTS`.
+      weights: ``"f32"`` (only with float32 moments), ``"kahan"`` (:func:`lpt.optim.kahan_adamw`) or an update rule of
+        :func:`lpt.optim.adamw` (``"stochastic"``, ``"nearest"``) on bf16 weights.
+      rounding: ``moment_rounding`` of the moments (``"stochastic"`` or ``"nearest"``); unused for optax's adamw.
+      seed: seed of the problem.
+      steps: optimizer steps.
+      lr: learning rate.
+    """
     rng = np.random.default_rng(seed)
     A = jnp.asarray(rng.standard_normal((512, 64)) * np.logspace(-2, 2, 64)[None, :], jnp.float32)
     b = A @ jnp.asarray(rng.standard_normal(64), jnp.float32) + 0.01 * jnp.asarray(rng.standard_normal(512))
@@ -113,7 +124,15 @@ def _lm_config(name: str, lr: str, seed: int, quick: bool):
 
 
 def lm_runs(names, lrs, seeds, workdir: Path, quick: bool) -> dict:
-    """Train (or re-read) every ``name × lr × seed``; ``{(name, lr, seed): {"eval_loss", "train", "eval"}}``."""
+    """Train (or re-read) every ``name × lr × seed``; ``{(name, lr, seed): {"eval_loss", "train", "eval"}}``.
+
+    Args:
+      names: LM runs (keys of :data:`LM_RUNS`).
+      lrs: learning rates as config strings (``"1e-3"``).
+      seeds: training seeds.
+      workdir: the directory holding one run directory per ``name × lr × seed``.
+      quick: the short budget of ``--quick``.
+    """
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     out = {}
     for name in tqdm([(n, lr, s) for n in names for lr in lrs for s in seeds], desc="states: LM runs", leave=False):

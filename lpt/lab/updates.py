@@ -25,7 +25,15 @@ RULES = O.UPDATE_RULES
 
 
 def least_squares_curves(steps: int, d: int = 64, n: int = 256, sigma: float = 0.05, lr: float = 0.01):
-    """Loss per step of SGD on 0.5‖Aw − b‖² for f32 and bf16 + each update rule."""
+    """Loss per step of SGD on 0.5‖Aw − b‖² for f32 and bf16 + each update rule.
+
+    Args:
+      steps: SGD steps.
+      d: parameters.
+      n: rows of A.
+      sigma: standard deviation of the noise in b.
+      lr: learning rate.
+    """
     rng = np.random.default_rng(0)
     A = jnp.asarray(rng.standard_normal((n, d)) / np.sqrt(n), jnp.float32)
     b = A @ jnp.asarray(rng.uniform(0.5, 2.0, d), jnp.float32) + sigma * jnp.asarray(

@@ -30,6 +30,12 @@ def attend(
 
     ``q[B, T, H, Dh]``, ``k, v[B, T, K, Dh]`` (query head h uses kv head ``h // (H / K)``); returns q's dtype.
     ``sliding_window`` > 0: each query sees only its own and the ``sliding_window − 1`` previous keys.
+
+    Args:
+      q_BTHD: queries [B, T, H, Dh] in the compute dtype.
+      k_BSKD, v_BSKD: keys and values [B, T, K, Dh] (H % K == 0).
+      prec: the model's :class:`lpt.models.config.Precision`; ``prec.attention`` gives impl, stable and beta.
+      sliding_window: keys each query sees (its own included); 0: all earlier keys.
     """
     return lpt.attention.dot_product_attention(
         q_BTHD,
@@ -90,7 +96,15 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The T new tokens' attention over this layer's cache (:mod:`lpt.models.decode`): their k, v are written
         at slots ``index … index + T − 1`` of ``k_BSKD`` / ``v_BSKD``, then each query attends the keys of
-        ``mask_BTS`` (masked float32 softmax). Returns ``(y_BTD, k_BSKD, v_BSKD)``; no weight noise."""
+        ``mask_BTS`` (masked float32 softmax). Returns ``(y_BTD, k_BSKD, v_BSKD)``; no weight noise.
+
+        Args:
+          x_BTD: the T new tokens' inputs [B, T, D].
+          k_BSKD, v_BSKD: this layer's cache [B, S, K, Dh], in the compute dtype.
+          index: int32 scalar, the first slot written.
+          positions_BT: int32 [B, T] absolute positions of the new tokens (RoPE).
+          mask_BTS: bool [B, T, S], the slots each new token attends (:meth:`lpt.models.decode.KVCache.mask`).
+        """
         B, T, _ = x_BTD.shape
         H, Dh = self.spec.n_heads, self.spec.head_width
         q, k, v = self._qkv(x_BTD, None, positions_BT)

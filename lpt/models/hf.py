@@ -338,6 +338,13 @@ def save_params(
     a tied model writes no ``lm_head.weight``. ValueError on a missing or mis-shaped parameter, naming it, on a
     token id that is not an id of the model's vocabulary and on a model no architecture holds
     (:func:`lpt.models.hf_config.hf_family`); nothing is written then.
+
+    Args:
+      path: the directory to write.
+      params: an lpt pure dict of parameters for ``model_cfg``.
+      model_cfg: the model's :class:`lpt.models.config.ModelSpec` (or a partial mapping of its keys).
+      tokenizer_file: a tokenizer.json to copy, or None.
+      token_ids: special token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``; eos may be a list), or None.
     """
     spec = model_spec(model_cfg)
     ids = {}

@@ -33,6 +33,14 @@ def make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtyp
     ``store_dtype`` float32 keeps the draw as is; a narrower dtype rounds it to nearest even (fp8 saturates). The
     init recipe is kept as metadata (``init_std`` or ``init_const``) so that :func:`init_state` can redraw every
     parameter from one flat normal draw (see there).
+
+    Args:
+      key: PRNG key of the normal draw; None with ``const``.
+      shape: the parameter's shape.
+      std: standard deviation of the draw.
+      axes: logical axis names, one per dim of ``shape``.
+      store_dtype: the storage dtype.
+      const: fill with this constant instead of drawing.
     """
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match parameter shape {shape}")
@@ -156,6 +164,18 @@ def matmul(
     (:meth:`lpt.models.matmul_formats.MatmulFormat.gemm`). ``name`` (the projection, e.g. "qkv") labels the
     statistics the format records in a diagnostics pass (:mod:`lpt.models.probes`); outside one nothing is recorded
     and no operation is added.
+
+    Args:
+      x: ``[..., K]`` in the compute dtype.
+      w: ``[K, N]``, the weight's compute-dtype view (or an :class:`lpt.fp8.GemmWeight` for "fp8").
+      format_name: a registered matmul format (:func:`lpt.models.matmul_formats.names`).
+      out_dtype: dtype of the result.
+      name: the projection, labelling the diagnostics statistics.
+      w_axes: the weight's logical axes; None: replicated.
+      key: the step key; None in evaluation.
+      path: the layer path.
+      prec: the model's :class:`lpt.models.config.Precision` (``bf16_layers``, the format's switches); None: the
+        format's defaults, and no ``bf16_layers``.
     """
     kw = dict(name=name, w_axes=w_axes, key=key, path=path, prec=prec)
     block = getattr(_BLOCK, "value", None)
@@ -190,6 +210,17 @@ class Linear(nnx.Module):
 
     ``path`` (e.g. "blocks/3/mlp/down") names the layer; PQT layers fold it into the step key, so their noise
     depends on (seed, step, layer path) only.
+
+    Args:
+      d_in, d_out: the kernel's shape ``[d_in, d_out]``.
+      axes: logical axes of the kernel (the bias takes ``axes[1:]``).
+      projection: "qkv", "out", "up", "down" or "lm_head": picks the matmul format and the PQT method from ``prec``
+        ("lm_head" has no PQT).
+      std: init standard deviation of the kernel.
+      prec: the model's :class:`lpt.models.config.Precision` (storage dtype, compute dtype, formats).
+      path: the layer path.
+      use_bias: add a bias (zeros at init).
+      rngs: ``nnx.Rngs`` for the init draw.
     """
 
     def __init__(
@@ -303,7 +334,15 @@ def block_linears(spec: ModelSpec, prec: Precision, *, path: str, rngs: nnx.Rngs
 
 
 class Embed(nnx.Module):
-    """Token (or position) embedding table ``E[V, D]``; lookup returns compute-dtype rows."""
+    """Token (or position) embedding table ``E[V, D]``; lookup returns compute-dtype rows.
+
+    Args:
+      num, dim: the table's shape ``[num, dim]``.
+      axes: logical axes of the table.
+      std: init standard deviation.
+      prec: the model's :class:`lpt.models.config.Precision` (storage and compute dtypes).
+      rngs: ``nnx.Rngs`` for the init draw.
+    """
 
     def __init__(self, num: int, dim: int, *, axes: tuple, std: float, prec: Precision, rngs: nnx.Rngs):
         self.prec = prec

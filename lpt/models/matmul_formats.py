@@ -65,10 +65,17 @@ class MatmulFormat:
     low_precision: bool = True  # precision.bf16_layers runs it as "bf16" in the blocks it names
 
     def gemm(self, x: jax.Array, w, *, w_axes: tuple | None, key, path: str, prec: Precision | None) -> jax.Array:
-        """``x[..., K] @ w[K, N]`` as the float32 accumulator, differentiable in x and w. ``x`` is in the compute
-        dtype; ``w`` is the weight's compute-dtype view (or, for "fp8" layers of ``optim.fp8_gather="step"``, an
-        :class:`lpt.fp8.GemmWeight`); ``w_axes`` its logical axes; ``key`` the step key (None in evaluation);
-        ``path`` the layer path; ``prec`` the model's numerics (None: the format's defaults)."""
+        """``x[..., K] @ w[K, N]`` as the float32 accumulator, differentiable in x and w.
+
+        Args:
+          x: ``[..., K]`` in the compute dtype.
+          w: the weight's compute-dtype view (or, for "fp8" layers of ``optim.fp8_gather="step"``, an
+            :class:`lpt.fp8.GemmWeight`).
+          w_axes: its logical axes.
+          key: the step key (None in evaluation).
+          path: the layer path.
+          prec: the model's numerics (None: the format's defaults).
+        """
         raise NotImplementedError(f"matmul format {self.name!r} defines no gemm")
 
     def block(self, numerics: Precision) -> int:
@@ -90,9 +97,14 @@ class MatmulFormat:
         :func:`lpt.models.probes.current` (called only while a diagnostics pass is traced). Default: none."""
 
     def quantized_operands(self, x, w, g, *, key, prec: Precision) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """f32 ``x [M, K]``, ``w [K, N]`` and ``g [M, N]`` (dY) quantized and dequantized as the format's GEMMs
-        take them (g as the dX GEMM does), K and N multiples of :meth:`block`; ``key``: the call's key as given
-        to :meth:`emulated_gemm`."""
+        """f32 ``x``, ``w`` and ``g`` quantized and dequantized as the format's GEMMs take them (g as the dX GEMM
+        does).
+
+        Args:
+          x, w, g: f32 ``x [M, K]``, ``w [K, N]`` and ``g [M, N]`` (dY), K and N multiples of :meth:`block`.
+          key: the call's key as given to :meth:`emulated_gemm`.
+          prec: the model's numerics.
+        """
         raise NotImplementedError(f"matmul format {self.name!r} defines no quantized operands")
 
     def emulated_gemm(self, x, w, *, key, prec: Precision) -> jax.Array:

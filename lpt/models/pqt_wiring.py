@@ -37,7 +37,16 @@ def make_bitwidth(shape: tuple[int, int], prec: Precision):
 
 
 def sample(w_view: jax.Array, bitwidth, key: jax.Array, *, method: str, path: str, prec: Precision) -> jax.Array:
-    """ŵ of Ahn & Yoo (GaussWS), Eq. 3 in the compute dtype (:func:`lpt.pqt.apply_pqt`)."""
+    """ŵ of Ahn & Yoo (GaussWS), Eq. 3 in the compute dtype (:func:`lpt.pqt.apply_pqt`).
+
+    Args:
+      w_view: the weight's view in ``prec.view_dtype``.
+      bitwidth: the layer's :class:`lpt.pqt.PQTBitwidth`.
+      key: the step key.
+      method: "gaussws" or "diffq".
+      path: the layer path folded into ``key``.
+      prec: the model's :class:`lpt.models.config.Precision` (its compute dtype).
+    """
     return pqt.apply_pqt(w_view, bitwidth, key, method=method, path=path, compute_dtype=prec.compute)
 
 

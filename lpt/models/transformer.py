@@ -96,6 +96,15 @@ def run_blocks(blocks, x, layer, xs=(), *, key: jax.Array | None, spec: ModelSpe
     In a diagnostics pass (:func:`lpt.models.probes.active`) there is no remat (no backward). In a scan each layer
     collects its statistics into its own collector, returned as a scan output and reduced over the layers into the
     caller's (no tracer leaves the scan); in a loop the layers record into the caller's collector directly.
+
+    Args:
+      blocks: the model's blocks: one stacked :class:`Block` (``spec.scan_layers``) or an ``nnx.List``.
+      x: the carried activations.
+      layer: ``layer(block, x, key_i, xs_i) -> (x, y_i)``.
+      xs: a pytree with a leading layer axis, sliced per layer.
+      key: the weight-noise step key, or None.
+      spec: the :class:`lpt.models.config.ModelSpec` (``scan_layers``, ``n_layers``).
+      remat: recompute each layer's activations in the backward pass.
     """
     probed = probes.active()
     remat = remat and not probed

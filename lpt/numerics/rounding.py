@@ -124,7 +124,10 @@ def round_stochastic(x, dtype, key, *, saturate: bool | None = None, out_dtype=N
     element instead of threefry's 20 rounds, with the key words mixed first, so a raw ``jax.random.key(seed)``
     serves as well as a derived key; ``rng="threefry"``: ``jax.random.bits``). Both are sharding-invariant.
 
-    Args: as :func:`round_nearest`, plus ``key``, a JAX PRNG key (typed or raw uint32), and ``rng``.
+    Args:
+      x, dtype, saturate, out_dtype: as :func:`round_nearest`.
+      key: a JAX PRNG key (typed or raw uint32).
+      rng: ``"hash"`` or ``"threefry"`` (above).
     """
     fmt = get_format(dtype)
     x32 = _as_f32(x)

@@ -92,6 +92,17 @@ def scale_by_adam(
     rounding keyed by ``(seed, step, leaf path, moment)`` or nearest rounding; bf16 moments share one hash word
     per element (m from its top 16 bits, v from its low 16: :func:`lpt.kernels.adamw_kahan.math.round_moments`).
     The update ``u`` is f32.
+
+    Args:
+      b1, b2: decay rates of m and v.
+      eps: added to ``sqrt(v̂ + eps_root)``.
+      eps_root: added to ``v̂`` inside the square root.
+      mu_dtype: dtype of m (as optax); None: ``moment_dtype``'s rule. Not with 8-bit moments.
+      nesterov: Nesterov momentum (NAdam).
+      moment_dtype: "float32", "bfloat16", "float16" or an 8-bit name of :data:`lpt.optim.moments8.MOMENT8`; None:
+        the param dtype (:func:`moment_dtype_of`).
+      rounding: "stochastic" or "nearest" (:data:`MOMENT_ROUNDINGS`).
+      seed: seed of the stochastic rounding keys.
     """
     if rounding not in MOMENT_ROUNDINGS:
         raise ValueError(f"rounding must be one of {MOMENT_ROUNDINGS}, got {rounding!r}")

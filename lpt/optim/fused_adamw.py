@@ -184,6 +184,24 @@ def kahan_adamw(
     f32 temporaries of <= 3 leaves exist at a time (see ``_runtime_one``); on a multi-device mesh that element costs
     one scalar all-reduce + all-gather per leaf and step: pass False there to avoid them (the transient is then 4
     bytes/param of the whole tree) or use ``impl="pallas"``.
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      b1, b2, eps: Adam's decay rates and epsilon, as :func:`lpt.optim.scale_by_adam`; Python numbers with
+        ``impl="pallas"``.
+      weight_decay: decoupled weight decay; a Python number with ``impl="pallas"``.
+      mask, weight_decay_mask: the decay mask (above); give at most one.
+      grad_clip: global-norm clip applied first; None: no clipping.
+      moment_dtype: as :func:`lpt.optim.scale_by_adam`; None: the param dtype.
+      moment_rounding: "stochastic" or "nearest".
+      compensation_dtype: dtype of the Kahan compensation; None: the param's own (as
+        :func:`lpt.optim.kahan_summation`).
+      seed: seed of the stochastic rounding keys.
+      diagnostics: keep an :class:`lpt.optim.leaves.UpdateDiagnostics` of the last step in the state.
+      impl: "xla" or "pallas".
+      interpret: ``impl="pallas"`` only (above).
+      sequential_leaves: the XLA path's leaf chaining (above).
+      param_specs: ``impl="pallas"`` only: a tree like the params of PartitionSpecs or NamedShardings (above).
     """
     weight_decay_mask = decay_mask(mask, weight_decay_mask)
     if moment_rounding not in MOMENT_ROUNDINGS:

@@ -112,6 +112,15 @@ def map_leaves(
     leaves; an input's leaf may be any object), and ``new_state_leaves`` one new leaf per state tree. ``intended``
     is the f32 update the rule meant to apply, or a zero-argument function computing it (called only with
     ``diagnostics``). Returns ``(deltas, new_states, diagnostics_or_None)``, ``new_states`` a tree per state.
+
+    Args:
+      rule: the rule's name in errors.
+      fn: the per-leaf function (above).
+      updates: the updates tree.
+      params: the params tree; its structure is the reference.
+      *states: state trees, one new leaf each per call of ``fn``.
+      inputs: further trees passed to ``fn`` leaf by leaf.
+      diagnostics: summarize ``(intended, delta)`` over the leaves (:func:`summarize`).
     """
     check_trees(rule, updates, params)
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -99,7 +99,15 @@ def encode(x32, fmt: str, block: int, *, sqrt: bool, key=None):
     The block math is :func:`lpt.kernels.fp8_codes_math.encode_blocks` (the fused kernel's too); stochastic
     rounding draws ``hash_bits(key, blocked shape)``: one word per element of the zero-padded ``(..., blocks,
     block)`` array, numbered by its flat index (a leaf's own flat index when its last axis is a multiple of
-    ``block``), the bits ``lpt.numerics.round_stochastic(z, fmt, key)`` draws."""
+    ``block``), the bits ``lpt.numerics.round_stochastic(z, fmt, key)`` draws.
+
+    Args:
+      x32: the f32 moment (any shape).
+      fmt: the FP8 format of the codes ("float8_e4m3fn" or "float8_e5m2").
+      block: elements per block of the last axis.
+      sqrt: encode ``sqrt(x32)`` (the second moment).
+      key: PRNG key of the stochastic rounding; None: nearest.
+    """
     y = jnp.sqrt(x32) if sqrt else x32
     yb = _blocked(y, block)
     codes, scale = encode_blocks(yb, fmt, None if key is None else hash_bits(key, yb.shape))
@@ -107,7 +115,13 @@ def encode(x32, fmt: str, block: int, *, sqrt: bool, key=None):
 
 
 def decode(codes, scales, fmt: str, block: int, *, sqrt: bool):
-    """Inverse of :func:`encode` (up to its rounding): ``(codes uint8, scales f32) -> f32``."""
+    """Inverse of :func:`encode` (up to its rounding): ``(codes uint8, scales f32) -> f32``.
+
+    Args:
+      codes: uint8 codes of :func:`encode`.
+      scales: their f32 scales, one per block.
+      fmt, block, sqrt: as given to :func:`encode`.
+    """
     codes32 = _blocked(codes.astype(jnp.uint32), block)  # u8 -> u32
     y = _unblocked(decode_blocks(codes32, scales[..., None], fmt), codes.shape)
     return y * y if sqrt else y
@@ -125,7 +139,13 @@ def unpack_codes(codes):
 
 def store(spec: Moment8, m32, v32, *, km=None, kv=None):
     """Both f32 moments -> ``(m_codes, v_codes, scales)``: uint8 codes like the moments, and one complex64 per block
-    (m's scale real, v's imaginary). Keys ``km``/``kv`` give stochastic rounding, none nearest."""
+    (m's scale real, v's imaginary). Keys ``km``/``kv`` give stochastic rounding, none nearest.
+
+    Args:
+      spec: the :class:`Moment8` (formats, ``v_sqrt``, block).
+      m32, v32: the f32 first and second moments, one shape.
+      km, kv: PRNG keys of m's and v's stochastic rounding; None: nearest.
+    """
     b = spec.block_of(m32.shape)
     mc, ms = encode(m32, spec.m_format, b, sqrt=False, key=km)
     vc, vs = encode(v32, spec.v_format, b, sqrt=spec.v_sqrt, key=kv)

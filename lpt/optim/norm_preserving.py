@@ -34,7 +34,14 @@ class NormPreservingState(NamedTuple):
 
 
 def norm_preserving_step(p, u32, *, iterations: int = 24, min_scale: float = 2.0**-4, max_scale: float = 2.0**16):
-    """Return ``(new_p_f32, alpha)`` with ``||new_p - p|| ≈ ||u||``, ``new_p = round_nearest(p + alpha·u)``."""
+    """Return ``(new_p_f32, alpha)`` with ``||new_p - p|| ≈ ||u||``, ``new_p = round_nearest(p + alpha·u)``.
+
+    Args:
+      p: the low-precision param.
+      u32: the f32 update, p's shape.
+      iterations: bisection steps on log2(alpha).
+      min_scale, max_scale: the range of alpha.
+    """
     p32 = p.astype(jnp.float32)  # param dtype -> f32 (exact)
     target = jnp.sqrt(jnp.sum(u32 * u32))
 

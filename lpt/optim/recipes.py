@@ -130,6 +130,21 @@ def adamw(
 
     The positional arguments and ``nesterov`` are ``optax.adamw``'s (``eps_root``, ``mu_dtype`` and ``nesterov`` go
     to :func:`lpt.optim.scale_by_adam`); the keywords after them are lpt's.
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      b1, b2, eps, eps_root: as :func:`lpt.optim.scale_by_adam`.
+      mu_dtype: dtype of m (as optax); None: ``moment_dtype``'s rule.
+      weight_decay: decoupled weight decay.
+      mask, weight_decay_mask: the decay mask (above); give at most one.
+      nesterov: Nesterov momentum (NAdam).
+      update: one of :data:`UPDATE_RULES`.
+      moment_dtype: as :func:`lpt.optim.scale_by_adam`; None: the param dtype.
+      moment_rounding: "stochastic" or "nearest".
+      grad_clip: global-norm clip applied first; None: no clipping.
+      seed: seed of the moments' rounding keys; the update rule gets ``seed + 1``.
+      diagnostics: the update rule keeps an :class:`lpt.optim.leaves.UpdateDiagnostics` of the last step.
+      compensation_dtype: dtype of the Kahan compensation (``update="kahan"``); None: the param's own.
     """
     parts = [] if grad_clip is None else [optax.clip_by_global_norm(grad_clip)]
     parts += [

@@ -41,7 +41,14 @@ def init_bitwidth(
     block: int = 32,
     b_i: float = 1.0,
 ) -> PQTBitwidth:
-    """A :class:`PQTBitwidth` of shape ``block_grid(kernel_shape, block)`` filled with ``b_i`` (f32; seed: 1)."""
+    """A :class:`PQTBitwidth` of shape ``block_grid(kernel_shape, block)`` filled with ``b_i`` (f32; seed: 1).
+
+    Args:
+      kernel_shape: the kernel's shape ``[..., in, out]``.
+      b_init, b_target: finite, different; stored as metadata (Eq. 11).
+      block: square tile size.
+      b_i: the initial value of every b_i.
+    """
     kernel_shape = tuple(int(s) for s in kernel_shape)
     grid = block_grid(kernel_shape, block)
     if not (np.isfinite(b_init) and np.isfinite(b_target)) or b_init == b_target:

@@ -182,12 +182,19 @@ def gaussws(w, bitwidth, key, *, block: int = 32, compute_dtype=jnp.bfloat16):
     R = :func:`lpt.pqt.rounded_normal`. Gradients (Eq. 4): ∂L/∂w = ∂L/∂ŵ;
     ∂L/∂b_t = −ln2 · max_blk(|w|) · 2^(1−b_t) · Σ_blk(∂L/∂ŵ ⊙ R), with R regenerated from ``key``.
     See :func:`pqn_sample` for the arguments and the module docstring for dtypes and ragged shapes.
+
+    Args:
+      w, bitwidth, key, block, compute_dtype: as :func:`pqn_sample`.
     """
     return pqn_sample(w, bitwidth, key, method="gaussws", block=block, compute_dtype=compute_dtype)
 
 
 def diffq(w, bitwidth, key, *, block: int = 32, compute_dtype=jnp.bfloat16):
-    """The DiffQ baseline of Ahn & Yoo: :func:`gaussws` with R ~ U(−0.5, 0.5) in bf16 (:func:`symmetric_uniform`)."""
+    """The DiffQ baseline of Ahn & Yoo: :func:`gaussws` with R ~ U(−0.5, 0.5) in bf16 (:func:`symmetric_uniform`).
+
+    Args:
+      w, bitwidth, key, block, compute_dtype: as :func:`pqn_sample`.
+    """
     return pqn_sample(w, bitwidth, key, method="diffq", block=block, compute_dtype=compute_dtype)
 
 

@@ -90,6 +90,18 @@ class GaussWSLinear(nnx.Module):
     Params: ``kernel`` ``nnx.Param [in, out]`` (``param_dtype``), ``bitwidth`` :class:`PQTBitwidth` (b_i, one per
     32×32 tile, init 1), optional ``bias [out]``. Call with ``key`` = the step key (None = evaluation, no noise).
     ``pqt_path`` (the string folded into the key) is given at construction or set by :func:`assign_pqt_paths`.
+
+    Args:
+      in_features, out_features: the kernel's shape ``[in, out]``.
+      method: "gaussws" or "diffq".
+      use_bias: add a bias (zeros at init).
+      b_init, b_target: Eq. 11's, stored on the :class:`PQTBitwidth`.
+      block: square tile size of the bitwidths.
+      param_dtype: dtype of the kernel and the bias.
+      compute_dtype: dtype of ŵ, of the GEMM inputs and of the output.
+      kernel_init: the kernel's initializer; None: lecun normal.
+      pqt_path: the string folded into the key; None: set later by :func:`assign_pqt_paths`.
+      rngs: ``nnx.Rngs`` for the kernel's init.
     """
 
     def __init__(

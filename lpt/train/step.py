@@ -107,7 +107,16 @@ def fp8_codes_bytes(cfg: Config, model_def: ModelDef, mesh: Mesh) -> int:
 def make_train_step(
     cfg: Config, model_def: ModelDef, tx: optax.GradientTransformation, schedule, mesh: Mesh, shardings: TrainState
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """``train_step(state, batch) -> (state, metrics)``: jitted, state donated, sharded per ``shardings``."""
+    """``train_step(state, batch) -> (state, metrics)``: jitted, state donated, sharded per ``shardings``.
+
+    Args:
+      cfg: the run's :class:`lpt.train.config.Config` (seed, microbatches, bad-step policy, FP8 gather, PQT).
+      model_def: the :class:`lpt.train.state.ModelDef` of the model.
+      tx: the optimizer.
+      schedule: the learning-rate schedule (a function of the step), logged as ``lr``.
+      mesh: the device mesh.
+      shardings: a :class:`lpt.train.state.TrainState` of the state's shardings.
+    """
     seed_key = jax.random.PRNGKey(cfg.train.seed)
     m = cfg.optim.microbatches
     use_aux = cfg.precision.pqt.method != "none"

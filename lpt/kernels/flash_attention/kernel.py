@@ -46,7 +46,21 @@ def forward(
     """Forward kernel. Returns (O [B, H, Tq, D], lse f32 [B, H, Tq]); O is f32, or already rounded to nearest in
     q's dtype when ``policy.residual == "input"`` (the wrapper's rounding is then exact). ``window`` > 0: a causal
     sliding window of that many keys (key blocks outside it are skipped). ``structure`` ("grid" or "loop"; None:
-    "grid") is the structure the interpreter runs."""
+    "grid") is the structure the interpreter runs.
+
+    Args:
+      q: [B, H, Tq, D]; Tq a multiple of ``block_q``.
+      k, v: [B, Hkv, Tk, D] (H % Hkv == 0); Tk a multiple of ``block_k``.
+      q_seg, kv_seg: int32 segment ids [B, Tq], [B, Tk].
+      policy: the :class:`lpt.kernels.flash_attention.math.AttentionPolicy`.
+      causal: key j visible to query i only if j <= i (needs Tq == Tk).
+      scale: logit scale.
+      block_q, block_k: the caller's blocks; the tiles per compile mode derive from them
+        (:func:`lpt.kernels.flash_attention.tiles.tiles`).
+      window: sliding window of keys (needs ``causal``); 0: none.
+      interpret: True interprets on every platform; None per platform (:func:`lpt.kernels.dispatch.platform_call`).
+      structure: "grid" or "loop" for the interpreter; None: "grid".
+    """
     g = check(q, k, block_q, block_k, causal, window)
     structure_of("interpret", structure)  # validate
     b, h, tq, d = q.shape
@@ -78,7 +92,15 @@ def backward(
 ):
     """Backward kernels given lse, δ [B, H, Tq] f32. Returns f32 (dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]).
     ``window``: as in :func:`forward`. ``structure`` ("grid" or "loop"; None: "grid") is the structure the
-    interpreter runs."""
+    interpreter runs.
+
+    Args:
+      q, k, v, q_seg, kv_seg: as :func:`forward`.
+      lse: f32 [B, H, Tq], the forward's logsumexp.
+      do: [B, H, Tq, D], the output's cotangent.
+      delta: f32 [B, H, Tq], δ = rowsum(dO ∘ O_residual).
+      causal, scale, block_q, block_k, window, interpret, structure: as :func:`forward`.
+    """
     g = check(q, k, block_q, block_k, causal, window)
     structure_of("interpret", structure)  # validate
     b, h, tq, d = q.shape

@@ -194,8 +194,14 @@ def rowsum(t, like):
 
 
 def update_max_count(m, n, s, valid, tie_tol: float):
-    """One block of the running (max, near-max count). m, n: [..., 1] columns or [...] rows, f32 (:func:`wide`); s:
-    [..., bk] f32; valid: bool."""
+    """One block of the running (max, near-max count).
+
+    Args:
+      m, n: the running max and near-max count: [..., 1] columns or [...] rows, f32 (:func:`wide`).
+      s: [..., bk] f32 logits of the block.
+      valid: bool like s.
+      tie_tol: logits within this of the new max count as near-max.
+    """
     s_masked = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s_masked, axis=-1, keepdims=m.ndim == s.ndim))
     near = valid & (s_masked >= wide(m_new - jnp.float32(tie_tol), s))
@@ -228,6 +234,13 @@ def rescale(c_old, c_new, m_old, policy: AttentionPolicy, pv_dtype, native: bool
     earlier maximum (which entered with P̃ = 1) is then weighted round(exp(−o)), exactly the P̃ of the later
     copies; with an f32 α the copies would get different weights. Rounding α perturbs the weights of the earlier
     blocks' entries (by < 2**-9 relative, like P̃'s own rounding); acc and ℓ share it, so O stays a weighted mean.
+
+    Args:
+      c_old, c_new: the shift before and after this block (f32 row statistics).
+      m_old: the running max before this block (−inf: no unmasked key seen yet).
+      policy: the :class:`AttentionPolicy` (its ``shift``).
+      pv_dtype: the P̃ grid that α is rounded to under the "beta" rule.
+      native: round with the plain conversion (:func:`round_to`).
     """
     alpha = jnp.exp(c_old - c_new)
     if policy.shift == "beta":
@@ -258,10 +271,18 @@ def split_weights(p, s, m, policy: AttentionPolicy):
 
 def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, native: bool = False):
     """One key block of the online softmax (module docstring): the rules every flash forward applies per block.
+    Returns the new carry.
 
-    carry: (M, n, c, ℓ, acc) with M, n, c, ℓ f32 row statistics ([..., 1] columns, or [...] rows: :func:`wide`)
-    and acc [..., D] f32; s: [..., bk] f32 logits; valid: bool like s; ``matmul(w)`` returns w V for weights w
-    [..., bk] in pv_dtype (the caller holds V, already rounded to pv_dtype) as f32. Returns the new carry.
+    Args:
+      carry: (M, n, c, ℓ, acc) with M, n, c, ℓ f32 row statistics ([..., 1] columns, or [...] rows: :func:`wide`)
+        and acc [..., D] f32.
+      s: [..., bk] f32 logits.
+      valid: bool like s.
+      matmul: ``matmul(w)`` returns w V for weights w [..., bk] in pv_dtype (the caller holds V, already rounded to
+        pv_dtype) as f32.
+      policy: the :class:`AttentionPolicy`.
+      pv_dtype: dtype of the P̃V matmul inputs (:meth:`AttentionPolicy.pv`).
+      native: round with the plain conversion (:func:`round_to`).
     """
     m, n, c, l, acc = carry
     m_new, n_new = update_max_count(m, n, s, valid, policy.tie_tol)
@@ -291,8 +312,15 @@ def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, nat
 
 def backward_weights(s, valid, lse, dp, delta, in_dtype, native: bool = False):
     """FA2 backward weights of one block: (round(P), round(dS)) in ``in_dtype`` with P = exp(s − lse) (masked),
-    dS = P ∘ (dP − δ); s, dp [..., bk] f32, lse, delta f32 row statistics (:func:`wide`). They feed
-    dV = round(P)ᵀ dO, dQ = round(dS) K, dK = round(dS)ᵀ Q (f32 accumulation)."""
+    dS = P ∘ (dP − δ). They feed dV = round(P)ᵀ dO, dQ = round(dS) K, dK = round(dS)ᵀ Q (f32 accumulation).
+
+    Args:
+      s, dp: [..., bk] f32 logits and dO Vᵀ of the block.
+      valid: bool like s.
+      lse, delta: f32 row statistics (:func:`wide`).
+      in_dtype: the input dtype that P and dS are rounded to.
+      native: round with the plain conversion (:func:`round_to`).
+    """
     p = probs(s, valid, lse)
     ds = p * (dp - wide(delta, dp))
     return round_to(p, in_dtype, native), round_to(ds, in_dtype, native)  # f32 -> input dtype (RNE)

@@ -30,7 +30,13 @@ from lpt.kernels.flash_attention import math as fm
 
 
 def valid_mask(q_seg, kv_seg, q_pos, k_pos, causal: bool, window: int = 0):
-    """Attend mask [B, 1, 1, Tq, bk] from segments [B, Tq], [B, bk] and positions [Tq], [bk]."""
+    """Attend mask [B, 1, 1, Tq, bk] from segments [B, Tq], [B, bk] and positions [Tq], [bk].
+
+    Args:
+      q_seg, kv_seg: int32 segment ids [B, Tq], [B, bk].
+      q_pos, k_pos: int32 positions [Tq], [bk].
+      causal, window: the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`).
+    """
     ok = q_seg[:, :, None] == kv_seg[:, None, :]
     ok = ok & fm.position_mask(q_pos[None, :, None], k_pos[None, None, :], causal, window)
     return ok[:, None, None]
@@ -60,7 +66,18 @@ def _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k: int, *, causal: bool, w
 def reference_forward(
     q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, causal: bool, scale: float, block_k: int, window: int = 0
 ):
-    """Blockwise forward. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq])."""
+    """Blockwise forward. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq]).
+
+    Args:
+      q: [B, H, Tq, D].
+      k, v: [B, Hkv, Tk, D] (H % Hkv == 0); Tk a multiple of ``block_k``.
+      q_seg, kv_seg: int32 segment ids [B, Tq], [B, Tk].
+      policy: the :class:`lpt.kernels.flash_attention.math.AttentionPolicy`.
+      causal: key j visible to query i only if j <= i.
+      scale: logit scale.
+      block_k: keys per scan step.
+      window: sliding window of keys (needs ``causal``); 0: none.
+    """
     b, h, tq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -91,7 +108,16 @@ def reference_backward(
 ):
     """Blockwise FA2 backward. lse, delta: [B, H, Tq] f32. Returns f32 (dq [B,H,Tq,D], dk, dv [B,Hkv,Tk,D]).
 
-    ``block_k`` None: the largest power of two <= 128 that divides Tk."""
+    ``block_k`` None: the largest power of two <= 128 that divides Tk.
+
+    Args:
+      q, k, v, q_seg, kv_seg: as :func:`reference_forward`.
+      lse: f32 [B, H, Tq], the forward's logsumexp.
+      do: [B, H, Tq, D], the output's cotangent.
+      delta: f32 [B, H, Tq], δ = rowsum(dO ∘ O_residual).
+      causal, scale, window: as :func:`reference_forward`.
+      block_k: keys per scan step, dividing Tk.
+    """
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = h // hkv
@@ -127,6 +153,10 @@ def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, win
     """Plain (non-blocked) softmax attention in f32, differentiable by autodiff: the f32 truth.
 
     Same layout as :func:`reference_forward`; returns O f32 [B, H, Tq, D] (0 for rows without any valid key).
+
+    Args:
+      q, k, v, q_seg, kv_seg: as :func:`reference_forward` (any float dtype, computed in f32).
+      causal, scale, window: as :func:`reference_forward`.
     """
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]

@@ -39,7 +39,14 @@ def dot(a, b, dims=None):
 
 def valid_mask(q_seg, kv_seg, q_start, k_start, shape, causal: bool, window: int = 0):
     """[bq, bk] attend mask from q_seg [bq, 1], kv_seg [1, bk] (int32) and the blocks' first positions (the position
-    rule: :func:`lpt.kernels.flash_attention.math.position_mask`)."""
+    rule: :func:`lpt.kernels.flash_attention.math.position_mask`).
+
+    Args:
+      q_seg, kv_seg: int32 segment ids [bq, 1], [1, bk].
+      q_start, k_start: the positions of the blocks' first query and key.
+      shape: (bq, bk).
+      causal, window: the position rule.
+    """
     ok = q_seg == kv_seg
     if causal:
         q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -66,7 +73,14 @@ def key_blocks(i, *, bq: int, bk: int, nk: int, causal: bool, window: int = 0):
     holding a key one of its queries sees (:func:`lpt.kernels.flash_attention.math.position_mask`). Non-causal: all nk;
     causal: up to the block of its last query; with a sliding window from the block of key i·bq − window + 1, the first
     its first query sees. Never empty for a causal block (Tq = Tk). ``i`` a Python int (cost, grid sizes) or a traced
-    int32 (kernels: grid index maps, loop bounds); the result is of the same kind."""
+    int32 (kernels: grid index maps, loop bounds); the result is of the same kind.
+
+    Args:
+      i: the query block index.
+      bq, bk: query and key block sizes.
+      nk: key blocks in Tk.
+      causal, window: the position rule.
+    """
     if not causal:
         return 0, nk
     end = _min(nk, _div((i + 1) * bq - 1, bk) + 1)
@@ -79,7 +93,14 @@ def query_blocks(j, *, bq: int, bk: int, nq: int, causal: bool, window: int = 0)
     """``(first, end)``: the query blocks first … end − 1 hold every query that sees a key of key block j (keys
     j·bk … (j+1)·bk − 1), the transpose of :func:`key_blocks`. Non-causal: all nq; causal: from the block of query
     j·bk on; with a sliding window up to the block of query (j+1)·bk + window − 2, the last that sees its last key.
-    ``j`` a Python int or a traced int32, as in :func:`key_blocks`."""
+    ``j`` a Python int or a traced int32, as in :func:`key_blocks`.
+
+    Args:
+      j: the key block index.
+      bq, bk: query and key block sizes.
+      nq: query blocks in Tq.
+      causal, window: the position rule.
+    """
     if not causal:
         return 0, nq
     first = _div(j * bk, bq)
@@ -96,7 +117,12 @@ def widest(blocks, n: int) -> int:
 
 def backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec) -> list:
     """The in_specs of a backward kernel (dQ or dK/dV) in its operand order (q, k, v, dO, lse, δ, q_seg, kv_seg):
-    ``q_spec`` blocks q and dO, ``kv_spec`` k and v, ``row_spec`` lse and δ."""
+    ``q_spec`` blocks q and dO, ``kv_spec`` k and v, ``row_spec`` lse and δ.
+
+    Args:
+      q_spec, kv_spec, row_spec: BlockSpecs of (q, dO), (k, v) and (lse, δ).
+      qseg_spec, kvseg_spec: BlockSpecs of q_seg and kv_seg.
+    """
     return [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, qseg_spec, kvseg_spec]
 
 
@@ -122,7 +148,16 @@ def cost(
     heads (``g`` per kv head): its matmul FLOPs, ``2 · bq · bk · d`` per matmul and visited block (the blocks of
     :func:`key_blocks`: a causal kernel skips the blocks above the diagonal, a sliding window those before it), one
     exp per score, and the bytes of q, k, v, O (or dO) and the f32 rows. XLA's cost model reads it;
-    ``lpt.targets.hlo.flops`` counts it."""
+    ``lpt.targets.hlo.flops`` counts it.
+
+    Args:
+      kind: "fwd", "dq" or "dkdv".
+      b, h, g: batch, query heads, query heads per kv head.
+      tq, tk, d: query and key lengths, head dim.
+      bq, bk: the kernel's tiles.
+      causal, window: the position rule (which blocks are visited).
+      itemsize: bytes per element of q, k, v and O (or dO).
+    """
     nq, nk = tq // bq, tk // bk
     visited = sum(
         e - f for f, e in (key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window) for i in range(nq))
@@ -138,7 +173,14 @@ def cost(
 
 def check(q, k, block_q: int, block_k: int, causal: bool = False, window: int = 0) -> int:
     """Validate the kernel layout and the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`; causal
-    needs Tq == Tk); return the GQA group size G = H / Hkv."""
+    needs Tq == Tk); return the GQA group size G = H / Hkv.
+
+    Args:
+      q: [B, H, Tq, D].
+      k: [B, Hkv, Tk, D].
+      block_q, block_k: blocks that must divide Tq and Tk.
+      causal, window: the position rule.
+    """
     tq, tk, h, hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
     if block_q < 1 or block_k < 1 or tq % block_q or tk % block_k or h % hkv:
         raise ValueError(
@@ -166,7 +208,15 @@ def _triton_tile(block: int, cap: int) -> int:
 def tiles(mode: str, tq: int, tk: int, d: int, block_q: int, block_k: int, itemsize: int = 2) -> tuple[int, int]:
     """(bq, bk) the kernel uses in ``mode`` for sequence lengths tq, tk (multiples of the blocks), head dim d, inputs
     of ``itemsize`` bytes. Triton stages q, k, v tiles in shared memory (H100/H200: 227 KiB per block): rows of at
-    most 128 bytes take 128-row tiles, 256 bytes 64 (bf16 D=128, f32 D=64), longer rows 32."""
+    most 128 bytes take 128-row tiles, 256 bytes 64 (bf16 D=128, f32 D=64), longer rows 32.
+
+    Args:
+      mode: "interpret", "mosaic" or "triton".
+      tq, tk: sequence lengths, multiples of the blocks.
+      d: head dim.
+      block_q, block_k: the caller's blocks.
+      itemsize: bytes per element of q, k, v.
+    """
     if mode == "interpret":
         return block_q, block_k
     if mode == "mosaic":

@@ -156,7 +156,19 @@ def _key_steps(tq, tk, bq, bk, causal, window):
 
 
 def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, bq, bk):
-    """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1])."""
+    """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1]).
+
+    Args:
+      mode: "mosaic" or "interpret".
+      shape: q's shape (B, H, Tq, D).
+      g: query heads per kv head.
+      tk: key length.
+      o_dtype: dtype of O.
+      policy: the :class:`lpt.kernels.flash_attention.math.AttentionPolicy`.
+      causal, window: the position rule.
+      scale: logit scale.
+      bq, bk: the tiles (:func:`lpt.kernels.flash_attention.tiles.tiles`).
+    """
     mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
     blocks, nt = _key_steps(tq, tk, bq, bk, causal, window)
@@ -193,7 +205,17 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, 
 
 
 def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
-    """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D]."""
+    """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D].
+
+    Args:
+      mode: "mosaic" or "interpret".
+      shape: q's shape (B, H, Tq, D).
+      g: query heads per kv head.
+      tk: key length.
+      causal, window: the position rule.
+      scale: logit scale.
+      bq, bk: the tiles (:func:`lpt.kernels.flash_attention.tiles.tiles`).
+    """
     mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
     blocks, nt = _key_steps(tq, tk, bq, bk, causal, window)
@@ -223,7 +245,17 @@ def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
 
 def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     """``pallas_call`` of dK/dV on (q, k, v, do, lse, δ, q_seg, kv_seg) with q, do [B, Hkv, G·Tq, D] and lse, δ
-    [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D]."""
+    [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D].
+
+    Args:
+      mode: "mosaic" or "interpret".
+      shape: the grouped q's shape (B, Hkv, G·Tq, D).
+      g: query heads per kv head (G).
+      tk: key length.
+      causal, window: the position rule.
+      scale: logit scale.
+      bq, bk: the tiles (:func:`lpt.kernels.flash_attention.tiles.tiles`).
+    """
     mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, hkv, gtq, d = shape
     tq = gtq // g

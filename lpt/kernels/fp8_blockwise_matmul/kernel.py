@@ -66,7 +66,13 @@ def _check(a, sa, b, sb, chunk: int) -> tuple[int, int, int]:
 
 
 def fp8_blockwise_matmul_reference(a, sa, b, sb, *, chunk: int = 128) -> jax.Array:
-    """XLA twin of the kernel: scan over K-chunks, ``acc += (a_c @ b_c) * sa[:, c] * sb[c, :]`` in f32."""
+    """XLA twin of the kernel: scan over K-chunks, ``acc += (a_c @ b_c) * sa[:, c] * sb[c, :]`` in f32.
+
+    Args:
+      a, b: ``a[M, K]`` and ``b[K, N]`` FP8 codes; K a multiple of ``chunk``.
+      sa, sb: f32 scales ``sa[M, K/chunk]``, ``sb[K/chunk, N]``.
+      chunk: K-chunk per scale (the promotion interval).
+    """
     m, k, n = _check(a, sa, b, sb, chunk)
     nk = k // chunk
     a_c = jnp.transpose(a.reshape(m, nk, chunk), (1, 0, 2))  # [nk, M, Nc], dtype unchanged

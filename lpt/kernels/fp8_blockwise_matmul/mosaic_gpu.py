@@ -98,9 +98,12 @@ def fp8_blockwise_matmul_mgpu(
     """Mosaic GPU kernel for ``sum_c (a_c @ b_c) * sa[:, c] * sb[c, :]``; returns f32 ``[M, N]``.
 
     Args:
-      a, b: ``a[M, K]`` and ``b[K, N]`` in the same FP8 format; K a multiple of ``chunk`` (= 128: one 128-byte
-        swizzled row per chunk), N a multiple of ``block_n``; M is zero-padded to a multiple of ``block_m``.
+      a, b: ``a[M, K]`` and ``b[K, N]`` in FP8, one format unless :data:`lpt.kernels.compat.WGMMA_MIXES_FP8`; K a
+        multiple of ``chunk`` (= 128: one 128-byte swizzled row per chunk), N a multiple of ``block_n``; M is
+        zero-padded to a multiple of ``block_m``.
       sa, sb: f32 scales ``sa[M, K/chunk]``, ``sb[K/chunk, N]``.
+      chunk: K per scale and per wgmma step; must be 128.
+      block_m, block_n: the output tile of one CTA: block_m 64 or 128, block_n a multiple of 64 in [64, 256].
       interpret: False lowers for CUDA (Hopper); True runs the Mosaic GPU interpreter (CPU tests).
     """
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
