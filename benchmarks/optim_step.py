@@ -13,8 +13,8 @@ Rows (all jitted with the params and optimizer state donated; without donation t
   moment rounding (``fused_parallel:...``: the same with ``sequential_leaves=False``).
 * ``fused8:...``: the same with e4m3 moments and block scales (``moment_dtype="float8_e4m3fn"``).
 * ``pallas:...``, ``pallas8:...``: ``kahan_adamw(impl="pallas")``, the one-pass kernel, with 16-bit or 8-bit
-  moments (GPU or TPU: on a CPU the kernel is interpreted, and its time means nothing). On Hopper and Blackwell the
-  16-bit rows run the Mosaic GPU variant, the 8-bit rows Triton.
+  moments (GPU or TPU: on a CPU the kernel is interpreted, and its time means nothing). On Hopper both run the
+  Mosaic GPU variant.
 * ``chain:nearest``, ``chain:stochastic``: ``lpt.optim.adamw(update="kahan")``, the composable chain with the same
   numbers.
 * ``optax_kahan``: ``optax.chain(optax.adamw(...), lpt.optim.kahan_summation())``, the chain a user would build from

@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from lpt.kernels import dispatch
+
 _REFS_INTO_KERNELS = jax.__version_info__ >= (0, 12)  # plgpu.kernel takes jax.new_ref operands
 WGMMA_MIXES_FP8 = jax.__version_info__ >= (0, 11)  # a Mosaic GPU wgmma of an e4m3 and an e5m2 operand
 _LOAD_INDEX = inspect.signature(plgpu.load).parameters.get("idx")
@@ -78,11 +80,12 @@ def mgpu_in_place(kernel, *operands, n_in_place: int, grid, grid_names, name: st
     ``out_refs`` are where the kernel writes those operands' new values: the operands' own references (jax >= 0.12),
     or output buffers aliased to them (``pallas_call``), so that a CTA must read each block before it writes it, and
     no other CTA may read it. ``interpret=True`` runs the Mosaic GPU interpreter (on jax < 0.12 with separate output
-    buffers: the interpreter gives every point of a ``pallas_call`` grid program id 0)."""
+    buffers: the interpreter gives every point of a ``pallas_call`` grid program id 0; and under
+    :func:`lpt.kernels.dispatch.fresh_outputs`)."""
     params = _interpret_params() if interpret else None
     kept, updated = operands[:-n_in_place], operands[-n_in_place:]
     axes = lambda: tuple(lax.axis_index(n) for n in grid_names)
-    if _REFS_INTO_KERNELS:
+    if _REFS_INTO_KERNELS and not dispatch.fresh_outputs_requested():
         refs = [jax.new_ref(x) for x in updated]
 
         def body(*op_refs):
@@ -92,7 +95,7 @@ def mgpu_in_place(kernel, *operands, n_in_place: int, grid, grid_names, name: st
         launch(*kept, *refs)
         return tuple(r[...] for r in refs)
     out_type = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in updated]
-    if interpret:
+    if interpret or _REFS_INTO_KERNELS:  # fresh output buffers
         body = lambda *refs: kernel(axes(), *refs)
         return tuple(
             plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=grid_names, interpret=params)(*operands)

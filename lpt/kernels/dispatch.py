@@ -6,7 +6,7 @@ A kernel module describes its ``pallas_call`` once, as ``build(mode) -> callable
 * ``"interpret"``: the Pallas interpreter (any platform; what runs on CPU),
 * ``"triton"``: compiled with Triton on CUDA GPUs,
 * ``"mosaic"``: compiled with Mosaic on TPUs,
-* ``"mosaic_gpu"``: compiled with Mosaic GPU on Hopper and Blackwell GPUs, for a kernel that has that variant
+* ``"mosaic_gpu"``: compiled with Mosaic GPU on Hopper GPUs, for a kernel that has that variant
   (``platform_call(..., mosaic_gpu=True)``; the others run Triton there).
 
 ``interpret=True`` forces the interpreter everywhere; ``interpret=None`` picks per platform (interpreter on CPU, Triton
@@ -33,6 +33,8 @@ lowering error.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import math
@@ -52,6 +54,27 @@ def kernel(module: str, name: str) -> Callable:
     wrapper first calls it: a module above ``lpt.kernels`` imports the wrappers at its top and loads Pallas only on
     the code path that runs a kernel (``import lpt.optim`` loads none)."""
     return getattr(importlib.import_module(module), name)
+
+
+_FRESH_OUTPUTS = contextvars.ContextVar("lpt_kernels_fresh_outputs", default=False)
+
+
+@contextlib.contextmanager
+def fresh_outputs():
+    """Inside, kernels that update operands in place through mutable references (the Mosaic GPU kernels on jax >=
+    0.12, :func:`lpt.kernels.compat.mgpu_in_place`) write new output buffers instead: for a kernel traced where
+    ``jax.new_ref`` cannot be lowered (a ``custom_partitioning`` partition callback: "Cannot lower jaxpr with
+    effects"). The same numbers; XLA may copy the outputs into the operands' buffers."""
+    token = _FRESH_OUTPUTS.set(True)
+    try:
+        yield
+    finally:
+        _FRESH_OUTPUTS.reset(token)
+
+
+def fresh_outputs_requested() -> bool:
+    """Whether :func:`fresh_outputs` is in effect."""
+    return _FRESH_OUTPUTS.get()
 
 
 def check_auto_interpret(interpret) -> None:
@@ -100,7 +123,7 @@ _MODE_OF_PLATFORM = {"cpu": "interpret", "gpu": "triton", "tpu": "mosaic"}  # a 
 def _gpu_mode(device, mosaic_gpu: bool) -> str:
     """The CUDA mode for ``device``: Mosaic GPU where the kernel has it and the device runs it (or is not a GPU: a
     program lowered for CUDA from a CPU process), else Triton."""
-    if mosaic_gpu and (getattr(device, "platform", None) != "gpu" or mosaic_gpu_target(device)):
+    if mosaic_gpu and (getattr(device, "platform", None) != "gpu" or hopper(device)):
         return "mosaic_gpu"
     return "triton"
 
@@ -109,7 +132,7 @@ def platform_call(build: Callable[[str], Callable], *args, interpret: bool | Non
     """``build(mode)(*args)``: interpreted if ``interpret``; else the mode of the platform that :func:`named_device`
     names (the devices of the mesh in effect), so that only that platform's kernel is traced; else, when no mesh
     names a device, every mode under ``lax.platform_dependent``, picked at lowering time. ``mosaic_gpu``: ``build``
-    has a ``"mosaic_gpu"`` variant, which serves the GPUs of :func:`mosaic_gpu_target` (Triton serves the others)."""
+    has a ``"mosaic_gpu"`` variant, which serves Hopper GPUs (:func:`hopper`; Triton serves the others)."""
     check_interpret(interpret)
     if interpret:
         return build("interpret")(*args)
@@ -169,21 +192,6 @@ def hopper(device) -> bool:
     if cc is not None:
         return str(cc) == "9.0"
     return bool(_HOPPER_KINDS.search(str(device.device_kind)))
-
-
-_MOSAIC_GPU_KINDS = re.compile(r"\b(GH200|H100|H200|H800|H20|B100|B200|B300|GB200|GB300)\b")
-
-
-def mosaic_gpu_target(device) -> bool:
-    """Whether ``device`` is a GPU that lpt's Mosaic GPU kernels without wgmma compile for: Hopper (compute capability
-    9.0, sm_90a) or datacenter Blackwell (10.x, sm_100a), by its compute capability where the device has one, else by
-    its kind (an abstract device, a compile-only target)."""
-    if getattr(device, "platform", None) != "gpu":
-        return False
-    cc = getattr(device, "compute_capability", None)
-    if cc is not None:
-        return str(cc).split(".")[0] in ("9", "10")
-    return bool(_MOSAIC_GPU_KINDS.search(str(device.device_kind)))
 
 
 def as_axes(axes) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from jax import lax
 
 from lpt.numerics import block_scale, get_format
 
-__all__ = ["check_fp8_format", "decode_blocks", "encode_blocks", "fp8_code", "fp8_value", "round_fp8"]
+__all__ = ["check_fp8_format", "decode_blocks", "encode_blocks", "fp8_code", "fp8_value", "per_block", "round_fp8"]
 
 _SIGN, _ABS, _EXP, _QNAN = 0x80000000, 0x7FFFFFFF, 0x7F800000, 0x7FC00000
 
@@ -117,13 +117,23 @@ def round_fp8(x32, dtype, rnd=None):
     return jnp.where((b & jnp.uint32(_EXP)) == jnp.uint32(_EXP), x32, r)  # inf and NaN pass
 
 
-def encode_blocks(y32, dtype, rnd=None):
+def per_block(scale, shape):
+    """Block scales as an array of ``shape`` (blocks along its last axis): ``scale[..., 1]`` as it is (it broadcasts),
+    ``scale[...]`` (the block axis dropped: a row vector, the form a Mosaic GPU kernel holds) broadcast along it."""
+    if scale.ndim == len(shape):
+        return scale
+    return lax.broadcast_in_dim(scale, shape, tuple(range(len(shape) - 1)))
+
+
+def encode_blocks(y32, dtype, rnd=None, *, keepdims: bool = True):
     """f32 blocks ``y[..., b]`` -> ``(codes u32, scales f32[..., 1])``: per block ``scale = block_scale(amax)`` and
-    ``code = Q(y / scale)`` (:func:`round_fp8`: nearest without ``rnd``, stochastic with it)."""
-    scale = block_scale(jnp.max(jnp.abs(y32), axis=-1, keepdims=True), dtype)  # f32, 1 for an all-zero block
-    return fp8_code(round_fp8(y32 / scale, dtype, rnd), dtype), scale
+    ``code = Q(y / scale)`` (:func:`round_fp8`: nearest without ``rnd``, stochastic with it). ``keepdims=False``:
+    the scales as ``f32[...]`` (see :func:`per_block`); the same numbers."""
+    scale = block_scale(jnp.max(jnp.abs(y32), axis=-1, keepdims=keepdims), dtype)  # f32, 1 for an all-zero block
+    return fp8_code(round_fp8(y32 / per_block(scale, y32.shape), dtype, rnd), dtype), scale
 
 
 def decode_blocks(codes_u32, scale, dtype):
-    """Inverse of :func:`encode_blocks` (up to its rounding): ``code · scale`` in f32."""
-    return fp8_value(codes_u32, dtype) * scale
+    """Inverse of :func:`encode_blocks` (up to its rounding): ``code · scale`` in f32, the scales in either form of
+    :func:`per_block`."""
+    return fp8_value(codes_u32, dtype) * per_block(scale, codes_u32.shape)

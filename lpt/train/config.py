@@ -79,7 +79,7 @@ class OptimConfig:
     )
 
 
-# a mesh axis: a size, or -1 for the devices the other axes leave (at most one axis; checked in validate)
+# a mesh axis: a size, or -1 for the devices the other axes leave (at most one axis; checked in MeshConfig.check)
 _AXIS = at_least(1, also=(-1,), note="-1 = the devices the other axes leave")
 
 
@@ -238,12 +238,6 @@ def complete(cfg: Config | Mapping | ml_collections.ConfigDict) -> ml_collection
     """``cfg`` (possibly partial: a file, or a ``config.json`` of an older run) as a ConfigDict with every key, the
     missing ones at their defaults; ValueError as :func:`build`."""
     return ml_collections.ConfigDict(options.to_dict(build(cfg)))
-
-
-def validate(cfg: Config | Mapping | ml_collections.ConfigDict) -> Config:
-    """The typed Config of ``cfg``; ValueError if it has unknown keys, wrong types, values outside the allowed set,
-    or values that do not fit together (missing keys take their defaults)."""
-    return build(cfg)
 
 
 def _flatten(tree: Config | Mapping, prefix: str = "") -> dict[str, Any]:

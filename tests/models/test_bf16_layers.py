@@ -58,9 +58,9 @@ def test_chosen_blocks_run_in_bf16(scan):
 def test_bad_bf16_layers_are_one_line_errors():
     base = {"precision.matmul.qkv": "nvfp4", "model.d_model": "32", "model.n_layers": "2"}
     with pytest.raises(ValueError, match=r"bf16_layers entry '2' is not a block index of a 2-block model.*\[-2, 1\]"):
-        config_lib.validate(tiny_config({**base, "precision.bf16_layers": "0,2"}))
+        config_lib.build(tiny_config({**base, "precision.bf16_layers": "0,2"}))
     with pytest.raises(ValueError, match=r"bf16_layers entry 'last'"):
-        config_lib.validate(tiny_config({**base, "precision.bf16_layers": "last"}))
+        config_lib.build(tiny_config({**base, "precision.bf16_layers": "last"}))
     with pytest.raises(ValueError, match=r"bf16_layers=-1 keeps blocks in bf16, but no block matmul is low-precision"):
-        config_lib.validate(tiny_config({"precision.bf16_layers": "-1"}))
-    config_lib.validate(tiny_config({**base, "precision.bf16_layers": "-2,1"}))  # both blocks, from either end
+        config_lib.build(tiny_config({"precision.bf16_layers": "-1"}))
+    config_lib.build(tiny_config({**base, "precision.bf16_layers": "-2,1"}))  # both blocks, from either end

@@ -98,7 +98,7 @@ def test_update_impl_pallas_runs_the_kernel_with_the_xla_numbers():
 
 def test_update_impl_pallas_needs_the_bf16_kahan_recipe():
     with pytest.raises(ValueError, match=r"update_impl='pallas'.*update_rule='kahan'.*got 'nearest'"):
-        config_lib.validate(_cfg(**{"precision.update_rule": "nearest", "precision.update_impl": "pallas"}))
+        config_lib.build(_cfg(**{"precision.update_rule": "nearest", "precision.update_impl": "pallas"}))
 
 
 def _state_bytes_per_param(tx, n: int = 4096) -> float:

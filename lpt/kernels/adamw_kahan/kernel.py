@@ -41,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
 from lpt.kernels.adamw_kahan.math import LANES, check_leaf, leaf_math, leaf_math8, shard_index_map
-from lpt.kernels.adamw_kahan.mosaic_gpu import adamw_kahan_mgpu
+from lpt.kernels.adamw_kahan.mosaic_gpu import adamw_kahan8_mgpu, adamw_kahan_mgpu
 
 __all__ = ["TPU_BLOCK_ROWS", "TPU_BLOCK_ROWS_8BIT", "TRITON_BLOCK_ROWS", "adamw_kahan"]
 
@@ -113,7 +113,12 @@ def _chunks8(g_ref, p_ref, c_ref, mv_ref, ms_ref, vs_ref, *outs, scalars, words,
 
 
 def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
-    if mode == "mosaic_gpu":  # 16-bit moments only (platform_call is told so)
+    if mode == "mosaic_gpu" and scales:  # lane-dense scales are [cols, rows] row-major: reshapes are bitcasts
+        cols = p2.shape[1] // LANES
+        ms, vs = (s.reshape(cols, -1) for s in scales)
+        outs = adamw_kahan8_mgpu(sc, w, g2, p2, c2, mv2, ms, vs, hp=hp, shapes=shapes)
+        return (*outs[:3], *(s.reshape(scales[0].shape) for s in outs[3:]))
+    if mode == "mosaic_gpu":
         return adamw_kahan_mgpu(sc, w, g2, p2, c2, mv2, hp=hp, shapes=shapes, block_rows=block_rows)
     rows, n = p2.shape[0], p2.size
     cols = p2.shape[1] // LANES  # > 1: an (m, n) view of the leaf on a 2-D grid (16-bit moments)
@@ -212,7 +217,7 @@ def adamw_kahan(
         or one block of the leaf's rows (at least 128) when it has fewer.
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform
         (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Mosaic on TPU, and on CUDA Mosaic GPU
-        (:mod:`lpt.kernels.adamw_kahan.mosaic_gpu`) on Hopper and Blackwell for 16-bit moments, else Triton.
+        (:mod:`lpt.kernels.adamw_kahan.mosaic_gpu`) on Hopper, else Triton.
       global_shape, offset: the arrays are one shard of a leaf of ``global_shape`` whose first element has global
         flat index ``offset`` (u32 scalar); the stochastic rounding hashes each element's global flat index, so
         the bits do not depend on the sharding. None: the arrays are the whole leaf.
@@ -268,7 +273,7 @@ def adamw_kahan(
         hp["moments8"] = tuple(moments8)
     rows_of = lambda mode: small if mode in ("triton", "mosaic_gpu") else big
     build = lambda mode: functools.partial(_pallas, block_rows=rows_of(mode), hp=hp, shapes=shapes, mode=mode)
-    outs = dispatch.platform_call(build, *args, interpret=interpret, mosaic_gpu=not eight_bit)
+    outs = dispatch.platform_call(build, *args, interpret=interpret, mosaic_gpu=True)
     if grid2d:
         leaf = tuple(x.reshape(p.shape) for x in outs[:3])
         if not eight_bit:

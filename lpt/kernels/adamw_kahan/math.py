@@ -248,7 +248,8 @@ def v_floor(mq32, vq32, *, b1: float, b2: float):
 
 def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, base=None, index_map=None, **hp):
     """One step with 8-bit moments on ``(rows, 128)`` arrays, one block per row: ``codes`` u16 (m's code high, v's
-    low, as ``lpt.optim.moments8.pack_codes``), ``ms``/``vs`` the rows' f32 scales ``[rows, 1]``. Stochastic
+    low, as ``lpt.optim.moments8.pack_codes``), ``ms``/``vs`` the rows' f32 scales ``[rows, 1]``, or ``[rows]`` (a
+    Mosaic GPU kernel's row vectors: the new scales come back in the same form). Stochastic
     rounding: ``m`` from :func:`moment_bits` of key words ``words[0:2]``, ``v`` of ``words[2:4]``, one word per
     element each (what ``round_stochastic`` draws for the blocked leaf, whose flat index is the leaf's when its last
     axis is a multiple of 128). ``hp``: ``b1, b2, eps, weight_decay``. Returns ``(p', c', codes', ms', vs')``."""
@@ -264,8 +265,9 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
     if stochastic:
         rnd_m = moment_bits(m_new.shape, (words[0], words[1]), base, index_map)
         rnd_v = moment_bits(m_new.shape, (words[2], words[3]), base, index_map)
-    mc, ms_new = encode_blocks(m_new, m_format, rnd_m)
-    vc, vs_new = encode_blocks(jnp.sqrt(v_new) if v_sqrt else v_new, v_format, rnd_v)
+    keep = ms.ndim == g.ndim  # [rows, 1] columns, else [rows] row vectors
+    mc, ms_new = encode_blocks(m_new, m_format, rnd_m, keepdims=keep)
+    vc, vs_new = encode_blocks(jnp.sqrt(v_new) if v_sqrt else v_new, v_format, rnd_v, keepdims=keep)
     packed = (mc << jnp.uint32(8)) | vc
     mq, vq = _load8(packed, ms_new, vs_new, moments8)  # the stored moments
     vq = v_floor(mq, vq, b1=hp["b1"], b2=hp["b2"])

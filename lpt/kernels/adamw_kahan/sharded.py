@@ -124,7 +124,12 @@ def _partition(static, mesh, arg_shapes, result_shape):
     leaf = (sh,) * (5 if _eight_bit(static) else 4)  # g, p, c, mv (and the scales), all split like p
     if _eight_bit(static):
         check_whole_blocks(shape, sh.spec, sh.mesh)
-    lower = _per_shard(tuple(sh.spec), sh.mesh.shape, shape, _options(static))
+    run = _per_shard(tuple(sh.spec), sh.mesh.shape, shape, _options(static))
+
+    def lower(*args):  # lowered by the partitioner, which cannot lower a Mosaic GPU kernel's mutable references
+        with dispatch.fresh_outputs():
+            return run(*args)
+
     return sh.mesh, lower, leaf[1:], (*leaf, rep, rep)
 
 
