@@ -81,7 +81,16 @@ def mgpu_in_place(kernel, *operands, n_in_place: int, grid, grid_names, name: st
     or output buffers aliased to them (``pallas_call``), so that a CTA must read each block before it writes it, and
     no other CTA may read it. ``interpret=True`` runs the Mosaic GPU interpreter (on jax < 0.12 with separate output
     buffers: the interpreter gives every point of a ``pallas_call`` grid program id 0; and under
-    :func:`lpt.kernels.dispatch.fresh_outputs`)."""
+    :func:`lpt.kernels.dispatch.fresh_outputs`).
+
+    Args:
+      kernel: the body, ``kernel(cta, *operand_refs, *out_refs)``, run once per CTA.
+      *operands: the kernel's operands (GMEM), the last ``n_in_place`` of them updated.
+      n_in_place: how many of the last operands the kernel updates.
+      grid, grid_names: the CTA grid and the names of its axes.
+      name: the kernel's name in the compiled program.
+      interpret: True runs the Mosaic GPU interpreter (CPU tests).
+    """
     params = _interpret_params() if interpret else None
     kept, updated = operands[:-n_in_place], operands[-n_in_place:]
     axes = lambda: tuple(lax.axis_index(n) for n in grid_names)

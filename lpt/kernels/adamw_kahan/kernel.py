@@ -211,6 +211,8 @@ def adamw_kahan(
       scales, moments8: 8-bit moments: complex64 ``p.shape[:-1] + (p.shape[-1] // 128,)``, m's and v's scale per
         block of 128 of the last axis (which must be a multiple of 128), and ``(m_format, v_format, v_sqrt)`` of
         the ``lpt.optim.moments8.Moment8`` that stores them. None: 16-bit moments.
+      b1, b2, eps, weight_decay: AdamW's hyperparameters (Python numbers: they are compiled into the kernel).
+      stochastic: stochastic moment rounding (True) or round to nearest even (False).
       block_rows: rows of 128 lanes per program, a power of two >= 16 (shrinks for small leaves). None: per
         platform, :data:`TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`TRITON_BLOCK_ROWS` on CUDA. 8-bit
         moments on TPU and in the interpreter: at least :data:`TPU_BLOCK_ROWS_8BIT` (whole (8, 128) scale tiles),

@@ -110,7 +110,13 @@ def is_static_zero(h) -> bool:
 
 def moment_update(g32, m32, v32, zero_u32, *, b1: float, b2: float):
     """Unrounded f32 moments: ``b1·m + (1−b1)·g`` and ``b2·v + (1−b2)·g²`` (the order of lpt.optim.scale_by_adam),
-    products not contracted into FMAs (:func:`no_fma`)."""
+    products not contracted into FMAs (:func:`no_fma`).
+
+    Args:
+      g32, m32, v32: the gradient and both stored moments, f32 arrays of one shape.
+      zero_u32: the runtime zero (:func:`runtime_zero`), u32, a scalar or an array of that shape.
+      b1, b2: the decay rates (Python numbers, or traced scalars from ``optax.inject_hyperparams``).
+    """
     m_new = no_fma(f32(b1) * m32, zero_u32) + no_fma(one_minus(b1) * g32, zero_u32)
     v_new = no_fma(f32(b2) * v32, zero_u32) + no_fma(one_minus(b2) * (g32 * g32), zero_u32)
     return m_new, v_new
@@ -120,7 +126,14 @@ def adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, *, eps: float, we
     """``(m·(1/c1)) / (sqrt(v·(1/c2)) + eps) + wd·p`` in f32: the AdamW update before ``−lr``.
 
     The bias corrections are multiplications by precomputed reciprocals (what XLA's simplifier makes of a division
-    by a broadcast scalar anyway), so every backend computes the same bits."""
+    by a broadcast scalar anyway), so every backend computes the same bits.
+
+    Args:
+      mq32, vq32, p32: the stored (rounded) moments and the param, f32 arrays of one shape.
+      inv_c1, inv_c2: f32 scalars ``1/c1`` and ``1/c2``, the reciprocal bias corrections.
+      zero_u32: the runtime zero (:func:`runtime_zero`).
+      eps, weight_decay: AdamW's epsilon and decoupled weight decay (a static 0 adds no term).
+    """
     a = (mq32 * inv_c1) / (jnp.sqrt(vq32 * inv_c2) + f32(eps))
     if not is_static_zero(weight_decay):
         a = a + no_fma(f32(weight_decay) * p32, zero_u32)
@@ -128,7 +141,14 @@ def adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, *, eps: float, we
 
 
 def kahan_target(mq32, vq32, p32, c32, inv_c1, inv_c2, neg_lr, zero_u32, *, eps: float, weight_decay: float):
-    """``t = p + (u − c)`` with the AdamW step ``u = −lr · adamw_direction(...)`` (all f32, no FMA)."""
+    """``t = p + (u − c)`` with the AdamW step ``u = −lr · adamw_direction(...)`` (all f32, no FMA).
+
+    Args:
+      mq32, vq32, p32, c32: the stored moments, the param and its compensation, f32 arrays of one shape.
+      inv_c1, inv_c2, neg_lr: f32 scalars ``1/c1``, ``1/c2`` and ``−lr``.
+      zero_u32: the runtime zero (:func:`runtime_zero`).
+      eps, weight_decay: as :func:`adamw_direction`.
+    """
     direction = adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, eps=eps, weight_decay=weight_decay)
     u = no_fma(neg_lr * direction, zero_u32)
     return p32 + (u - c32)
@@ -205,7 +225,14 @@ def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, inde
     Stochastic: the top 16 bits of :func:`moment_bits` round ``m`` (bit-identical to
     ``lpt.numerics.round_stochastic(m, bf16, key)``), the low 16 bits round ``v``. bf16 stochastic rounding uses 16
     random bits, so one 32-bit hash serves both moments: half the hashing of two ``round_stochastic`` calls (what
-    the hash costs in the fused step: docs/results.md)."""
+    the hash costs in the fused step: docs/results.md).
+
+    Args:
+      m32, v32: the unrounded moments, f32 arrays of one shape.
+      stochastic: stochastic rounding (True) or round to nearest even (False).
+      key_words, base, index_map: stochastic only: the raw key ``(k0, k1)`` and where the elements sit in the leaf,
+        as :func:`moment_bits` takes them.
+    """
     if not stochastic:
         return round_nearest(m32, jnp.bfloat16, out_dtype=jnp.float32), round_nearest(
             v32, jnp.bfloat16, out_dtype=jnp.float32
@@ -252,7 +279,19 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
     Mosaic GPU kernel's row vectors: the new scales come back in the same form). Stochastic
     rounding: ``m`` from :func:`moment_bits` of key words ``words[0:2]``, ``v`` of ``words[2:4]``, one word per
     element each (what ``round_stochastic`` draws for the blocked leaf, whose flat index is the leaf's when its last
-    axis is a multiple of 128). ``hp``: ``b1, b2, eps, weight_decay``. Returns ``(p', c', codes', ms', vs')``."""
+    axis is a multiple of 128). ``hp``: ``b1, b2, eps, weight_decay``. Returns ``(p', c', codes', ms', vs')``.
+
+    Args:
+      g, p, c, codes: the gradient (any float dtype), bf16 param and compensation, and the packed u16 codes, all
+        ``(rows, 128)``.
+      ms, vs: m's and v's f32 scales per row, ``[rows, 1]`` or ``[rows]``.
+      scalars: ``(1/c1, 1/c2, −lr, 0)``, the last the runtime zero as f32 (a scalar, or an array of the leaf's shape).
+      words: u32 key words, m's two then v's two.
+      moments8: ``(m_format, v_format, v_sqrt)`` of the Moment8 that stores the moments.
+      stochastic: stochastic moment rounding (True) or nearest (False).
+      base, index_map: where the elements sit in the leaf, as :func:`moment_bits` takes them.
+      **hp: ``b1, b2, eps, weight_decay``.
+    """
     m_format, v_format, v_sqrt = moments8
     inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
     zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
@@ -278,7 +317,16 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
 
 
 def leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, base=None, index_map=None):
-    """One step on arrays of any (equal) shape; returns ``(p', c', mv')`` in bf16, bf16, u32."""
+    """One step on arrays of any (equal) shape; returns ``(p', c', mv')`` in bf16, bf16, u32.
+
+    Args:
+      g, p, c, mv: the gradient (any float dtype), bf16 param and compensation, and the packed bf16 moments (u32).
+      scalars: ``(1/c1, 1/c2, −lr, 0)``, the last the runtime zero as f32 (a scalar, or an array of the leaf's shape).
+      words: the moments' raw key ``(k0, k1)`` (u32).
+      b1, b2, eps, weight_decay: AdamW's hyperparameters.
+      stochastic: stochastic moment rounding (True) or nearest (False).
+      base, index_map: where the elements sit in the leaf, as :func:`moment_bits` takes them.
+    """
     inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
     zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
     g32 = g.astype(jnp.float32)  # grad dtype -> f32
@@ -313,6 +361,15 @@ def check_moments8(shape, moments8, scales=None, what="adamw_kahan"):
 
 
 def check_leaf(g, p, c, mv, scalars, words, *, scales=None, moments8=None):
+    """ValueError (one line, naming the operand) unless the operands fit :func:`adamw_kahan`.
+
+    Args:
+      g, p, c, mv: the gradient (floating point), bf16 param and compensation, and the moments: packed bf16 (u32)
+        or, with ``moments8``, packed FP8 codes (u16); all of one shape.
+      scalars: f32[4].
+      words: u32[2] (16-bit moments) or u32[4] (8-bit).
+      scales, moments8: 8-bit moments' complex64 scales and ``(m_format, v_format, v_sqrt)``, together or neither.
+    """
     if p.dtype != jnp.bfloat16 or c.dtype != jnp.bfloat16:
         raise ValueError(f"adamw_kahan needs bf16 params and compensation, got {p.dtype} and {c.dtype}")
     if (scales is None) != (moments8 is None):
@@ -338,7 +395,13 @@ def adamw_kahan_reference(
     g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, scales=None, moments8=None
 ):
     """XLA twin of :func:`adamw_kahan`: the same math on the whole leaf, in the same order (8-bit moments: on the
-    leaf as ``(rows, 128)``, one block per row)."""
+    leaf as ``(rows, 128)``, one block per row).
+
+    Args:
+      g, p, c, mv, scalars, words, scales, moments8: as :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
+      b1, b2, eps, weight_decay: AdamW's hyperparameters.
+      stochastic: stochastic moment rounding (True) or nearest (False).
+    """
     check_leaf(g, p, c, mv, scalars, words, scales=scales, moments8=moments8)
     hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
     if moments8 is None:

@@ -163,7 +163,12 @@ def adamw_kahan_partitioned(
     g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, interpret=None, scales=None, moments8=None
 ):
     """:func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan` on one leaf, per shard under any sharding (see module doc);
-    with 8-bit moments (``scales``, ``moments8``) it returns ``(p', c', mv', scales')``."""
+    with 8-bit moments (``scales``, ``moments8``) it returns ``(p', c', mv', scales')``.
+
+    Args:
+      g, p, c, mv, scalars, words, b1, b2, eps, weight_decay, stochastic, interpret, scales, moments8: as
+        :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
+    """
     dispatch.check_interpret(interpret)
     opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
     if p.ndim == 0:  # a scalar leaf has nothing to split
@@ -197,7 +202,15 @@ def adamw_kahan_on_shards(
     NamedSharding) over ``mesh`` (default :func:`lpt.kernels.dispatch.kernel_mesh`): a ``shard_map`` in which every
     device updates its own shard, hashing global element indices (the same bits as unsharded). ``g``, ``c`` and
     ``mv`` (and the 8-bit moments' ``scales``) must be laid out like ``p``; a replicated leaf is updated whole on
-    every device. With no mesh the kernel runs on the whole leaf."""
+    every device. With no mesh the kernel runs on the whole leaf.
+
+    Args:
+      g, p, c, mv, scalars, words, b1, b2, eps, weight_decay, stochastic, interpret, scales, moments8: as
+        :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
+      spec: the leaf's PartitionSpec (or a NamedSharding); its axes must divide the leaf's dimensions, and with
+        8-bit moments leave every shard whole blocks of 128 of the last axis.
+      mesh: the mesh to run on; None: :func:`lpt.kernels.dispatch.kernel_mesh`.
+    """
     dispatch.check_interpret(interpret)
     opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
     mesh = dispatch.kernel_mesh(mesh)

@@ -236,15 +236,16 @@ def forward(
     when ``policy.residual == "input"``; a query that sees no key gets O = 0 and lse = −inf.
 
     Args:
-      q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] (H % Hkv == 0), all bf16 or all f16; D in :data:`HEAD_DIMS`; Tq a
-        multiple of ``block_q``, Tk of ``block_k``; causal needs Tq == Tk.
+      q: [B, H, Tq, D], bf16 or f16; D in :data:`HEAD_DIMS`; Tq a multiple of ``block_q``.
+      k, v: [B, Hkv, Tk, D] (H % Hkv == 0) in q's dtype; Tk a multiple of ``block_k``; causal needs Tq == Tk.
       q_seg, kv_seg: None, or int32 segment ids [B, Tq] and [B, Tk]: query i attends key j only if
         q_seg[i] == kv_seg[j] (packing; padding: ids that match nothing).
       policy: the numerics policy; its ``pv_dtype`` must be None or the input dtype.
       causal, window: the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`); ``window`` > 0
         needs ``causal``; key blocks outside a query block's range are neither fetched nor computed.
       scale: logit scale.
-      block_q: 64; block_k: 64 or 128 (D = 256 fits shared memory with 64 only).
+      block_q: 64.
+      block_k: 64 or 128 (D = 256 fits shared memory with 64 only).
       interpret: False compiles for CUDA (Hopper, custom call ``mosaic_gpu_v2``); True runs the Mosaic GPU
         interpreter on CPU.
     """

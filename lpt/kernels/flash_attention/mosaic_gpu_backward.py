@@ -245,10 +245,13 @@ def backward(
     CTA per (key block of ``block_q`` rows, kv head, batch) over the G query heads of the kv head and the query blocks
     of ``query_blocks`` in steps of ``block_k`` queries (GQA-native: no [B, H, Tk, D] buffer).
 
-    Args: as :func:`lpt.kernels.flash_attention.mosaic_gpu.forward` (q_seg, kv_seg: None or int32 segment ids),
-    plus lse, δ [B, H, Tq] f32 and do [B, H, Tq, D] in q's dtype; D in
-    :data:`~lpt.kernels.flash_attention.mosaic_gpu_blocks.BACKWARD_HEAD_DIMS`, D · block_k <= 8192 (registers); Tq
-    and Tk multiples of ``block_q`` and of ``block_k``.
+    Args:
+      q, k, v, q_seg, kv_seg, causal, scale, window, interpret: as
+        :func:`lpt.kernels.flash_attention.mosaic_gpu.forward`; D in
+        :data:`~lpt.kernels.flash_attention.mosaic_gpu_blocks.BACKWARD_HEAD_DIMS`.
+      lse, delta: [B, H, Tq] f32: the forward's logsumexp and δ = rowsum(dO ∘ O_residual).
+      do: [B, H, Tq, D] in q's dtype, the output's gradient.
+      block_q, block_k: 64, and 64 or 128 with D · block_k <= 8192 (registers); Tq and Tk multiples of both.
     """
     g = _validate_backward(q, k, v, q_seg, kv_seg, lse, do, delta, causal, window, block_q, block_k, interpret)
     b, h, tq, d = q.shape

@@ -43,7 +43,14 @@ def smem_bytes(
     """Shared memory of one forward CTA: the Q block (and its query segments), the larger of the pipeline's K/V slots
     (and kv segment slots) with Mosaic GPU's reduction scratch and the epilogue's O and lse tiles (allocated after the
     pipeline returns), and the barriers: one for Q (and one for the query segments), one per pipeline slot. Each
-    allocation is rounded up to 1 KiB. No T in it."""
+    allocation is rounded up to 1 KiB. No T in it.
+
+    Args:
+      d: head dim.
+      itemsize, o_itemsize: bytes per element of q/k/v and of O.
+      block_k, block_q: key rows per pipeline step and query rows per CTA.
+      segments: whether segment ids are passed.
+    """
     q = _aligned(block_q * d * itemsize) + segments * _aligned(block_q * 4)
     pipeline = 2 * _aligned(STAGES * block_k * d * itemsize) + segments * _aligned(STAGES * block_k * 4)
     epilogue = _aligned(block_q * d * o_itemsize) + _aligned(block_q * 4)
@@ -53,7 +60,14 @@ def smem_bytes(
 def dq_smem_bytes(d: int, itemsize: int, block_k: int, block_q: int = BLOCK_Q, segments: bool = False) -> int:
     """Shared memory of one dQ CTA: the Q and dO blocks, its lse and δ rows (and query segments), then the larger of
     the pipeline's K/V slots (and kv segment slots) and the epilogue's dq tile (f32), and the barriers (each
-    allocation rounded up to 1 KiB; the backward reduces nothing, so no reduction scratch). No T in it."""
+    allocation rounded up to 1 KiB; the backward reduces nothing, so no reduction scratch). No T in it.
+
+    Args:
+      d: head dim.
+      itemsize: bytes per element of the inputs.
+      block_k, block_q: key rows per pipeline step and query rows per CTA.
+      segments: whether segment ids are passed.
+    """
     resident = 2 * _aligned(block_q * d * itemsize) + (2 + segments) * _aligned(block_q * 4)
     pipeline = 2 * _aligned(STAGES * block_k * d * itemsize) + segments * _aligned(STAGES * block_k * 4)
     epilogue = _aligned(block_q * d * 4)
@@ -64,7 +78,14 @@ def dkdv_smem_bytes(d: int, itemsize: int, block_q: int, block_k: int = BLOCK_Q,
     """Shared memory of one dK/dV CTA (``block_k`` key rows; ``block_q`` query rows per pipeline step): the K and V
     blocks (and kv segments), then the larger of the pipeline's Q/dO slots with their lse/δ rows (and query segment
     slots) and the epilogue's dk, dv tiles (f32), and the barriers (each allocation rounded up to 1 KiB). No T in
-    it."""
+    it.
+
+    Args:
+      d: head dim.
+      itemsize: bytes per element of the inputs.
+      block_q, block_k: query rows per pipeline step and key rows per CTA.
+      segments: whether segment ids are passed.
+    """
     resident = 2 * _aligned(block_k * d * itemsize) + segments * _aligned(block_k * 4)
     pipeline = 2 * _aligned(STAGES * block_q * d * itemsize) + (2 + segments) * _aligned(STAGES * block_q * 4)
     epilogue = 2 * _aligned(block_k * d * 4)
@@ -80,7 +101,15 @@ def _iota(shape, dim: int, interpret: bool):
 def block_mask(q_start, k_start, shape, causal: bool, window: int, interpret: bool, keys_first: bool = False):
     """[bq, bk] attend mask of the block whose first query / key positions are q_start / k_start
     (:func:`lpt.kernels.flash_attention.math.position_mask`), or [bk, bq] with ``keys_first`` (the dK/dV kernel's
-    tiles); True when nothing is masked by position."""
+    tiles); True when nothing is masked by position.
+
+    Args:
+      q_start, k_start: int32 positions of the block's first query and first key.
+      shape: the tile's shape, ``(bq, bk)`` (``(bk, bq)`` with ``keys_first``).
+      causal, window: the position rule.
+      interpret: True in the Mosaic GPU interpreter (no register layout casts).
+      keys_first: the tile has keys as rows (the dK/dV kernel).
+    """
     if not causal:
         return True
     q_dim, k_dim = (1, 0) if keys_first else (0, 1)
@@ -92,7 +121,14 @@ def block_mask(q_start, k_start, shape, causal: bool, window: int, interpret: bo
 def segment_mask(valid, q_seg, kv_seg, shape, keys_first: bool = False):
     """``valid`` (a block's position mask, or True) and q_seg == kv_seg on the block: q_seg, kv_seg int32 vectors
     along its query and key axis ([bq] rows and [bk] columns of a [bq, bk] tile; the other way round with
-    ``keys_first``). ``valid`` itself when there are no segments (None)."""
+    ``keys_first``). ``valid`` itself when there are no segments (None).
+
+    Args:
+      valid: the block's position mask (bool, of ``shape``) or True.
+      q_seg, kv_seg: int32 segment ids of the block's queries and keys, or None (no segments).
+      shape: the tile's shape.
+      keys_first: the tile has keys as rows.
+    """
     if q_seg is None:
         return valid
     q_dim, k_dim = (1, 0) if keys_first else (0, 1)
