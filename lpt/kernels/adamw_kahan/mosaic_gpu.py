@@ -61,9 +61,12 @@ def _scalars(sc_g, w_g, sc_s, w_s, bar, zero_layout, shape, n_words):
     return (sc_s[0], sc_s[1], sc_s[2], zero), tuple(w_s[k] for k in range(n_words)), w_s[n_words]
 
 
-def _flat_index(first_row, col0, shape, width, layout, index_map):
+def _flat_index(hp, first_row, col0, shape, width, layout, index_map):
     """The flat index in the leaf of every element of the ``shape`` block whose first element is at
-    ``(first_row, col0)`` of the ``(rows, width)`` view, mapped by a shard's ``index_map`` (or None)."""
+    ``(first_row, col0)`` of the ``(rows, width)`` view, mapped by a shard's ``index_map`` (or None); None when the
+    moments round to nearest (``hp["stochastic"]`` False: nothing is hashed)."""
+    if not hp["stochastic"]:
+        return None
     iota = lambda d: layout(lax.broadcasted_iota(jnp.uint32, shape, d))
     first = (first_row * width + col0).astype(jnp.uint32)  # int32 -> u32
     idx = first + (iota(0) * jnp.uint32(width) + iota(1))
@@ -94,9 +97,7 @@ def _cta(cta, sc_g, w_g, g_g, p_g, c_g, mv_g, *outs, steps, br, width, hp, shape
 
         def body(idx, g_s, p_s, c_s, mv_s):
             (s,) = idx
-            base = None
-            if hp["stochastic"]:
-                base = _flat_index(row0 + s * br, col0, (br, LANES), width, layout, index_map)
+            base = _flat_index(hp, row0 + s * br, col0, (br, LANES), width, layout, index_map)
             new = leaf_math(*(load(r) for r in (g_s, p_s, c_s, mv_s)), scalars, words, base=base, **hp)
             slot = lax.rem(s, 2)
             plgpu.wait_smem_to_gmem(len(outs), wait_read_only=True)  # step s-2's copies out of this slot have read it
@@ -141,9 +142,7 @@ def _cta8(cta, sc_g, w_g, g_g, p_g, c_g, cd_g, ms_g, vs_g, *outs, steps, width, 
 
         def body(idx, g_s, p_s, c_s, cd_s):
             (s,) = idx
-            base = None
-            if hp["stochastic"]:
-                base = _flat_index(row0 + s * br, col0, (br, LANES), width, layout, index_map)
+            base = _flat_index(hp, row0 + s * br, col0, (br, LANES), width, layout, index_map)
             block = pl.ds(s * br, br)
             tile = [load(r, wgmma) for r in (g_s, p_s, c_s, cd_s)] + [load(r.at[block], row) for r in (ms_s, vs_s)]
             new = leaf_math8(*tile, scalars, words, base=base, **hp)

@@ -96,10 +96,8 @@ def query_blocks(j, *, bq: int, bk: int, nq: int, causal: bool, window: int = 0)
     ``j`` a Python int or a traced int32, as in :func:`key_blocks`.
 
     Args:
-      j: the key block index.
-      bq, bk: query and key block sizes.
-      nq: query blocks in Tq.
-      causal, window: the position rule.
+      j, nq: the key block index and the query blocks in Tq.
+      bq, bk, causal, window: as :func:`key_blocks`.
     """
     if not causal:
         return 0, nq

@@ -208,13 +208,7 @@ def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D].
 
     Args:
-      mode: "mosaic" or "interpret".
-      shape: q's shape (B, H, Tq, D).
-      g: query heads per kv head.
-      tk: key length.
-      causal, window: the position rule.
-      scale: logit scale.
-      bq, bk: the tiles (:func:`lpt.kernels.flash_attention.tiles.tiles`).
+      mode, shape, g, tk, causal, window, scale, bq, bk: as :func:`forward_call`.
     """
     mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
@@ -248,13 +242,8 @@ def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D].
 
     Args:
-      mode: "mosaic" or "interpret".
       shape: the grouped q's shape (B, Hkv, G·Tq, D).
-      g: query heads per kv head (G).
-      tk: key length.
-      causal, window: the position rule.
-      scale: logit scale.
-      bq, bk: the tiles (:func:`lpt.kernels.flash_attention.tiles.tiles`).
+      mode, g, tk, causal, window, scale, bq, bk: as :func:`forward_call`.
     """
     mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, hkv, gtq, d = shape
