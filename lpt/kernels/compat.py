@@ -106,9 +106,10 @@ def mgpu_in_place(kernel, *operands, n_in_place: int, grid, grid_names, name: st
     out_type = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in updated]
     if interpret or _REFS_INTO_KERNELS:  # fresh output buffers
         body = lambda *refs: kernel(axes(), *refs)
-        return tuple(
-            plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=grid_names, interpret=params)(*operands)
+        launch = plgpu.kernel(
+            body, out_type=out_type, grid=grid, grid_names=grid_names, interpret=params, kernel_name=name
         )
+        return tuple(launch(*operands))
     gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
     first = len(kept)
     return tuple(
