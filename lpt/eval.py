@@ -26,7 +26,6 @@ From Python: :func:`evaluate` on any :class:`lpt.models.Transformer`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -43,7 +42,7 @@ from jax.sharding import Mesh
 from lpt import data as data_lib
 from lpt.data import DataConfig
 from lpt.data.tokenizer import ByteTokenizer
-from lpt.inference import DTYPES, inference_mesh, load_model
+from lpt.inference import inference_mesh, load_model, model_arguments
 from lpt.models.partitioning import place
 from lpt.train import checkpoint, console
 from lpt.train import config as config_lib
@@ -137,15 +136,10 @@ def data_config(base: DataConfig, overrides: list[str]) -> DataConfig:
 
 def main(argv: list[str] | None = None) -> int:
     console.setup()
-    parser = argparse.ArgumentParser(prog="python -m lpt.eval", description=__doc__.split("\n\n")[0])
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/), local or gs://BUCKET/PATH")
-    src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
-    parser.add_argument("--step", type=int, default=None, help="--workdir: checkpoint step (default: the newest)")
+    parser = model_arguments("python -m lpt.eval", __doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=None, help="batches (default: the run's train.eval_batches)")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: train.global_batch)")
     parser.add_argument("--split", choices=SPLITS, default="validation", help="data split (default validation)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the run's)")
     args, rest = parser.parse_known_args(argv)
     try:
         model, tokenizer, cfg = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)

@@ -29,7 +29,6 @@ left-padded prompts once and then run one jitted decode step per token with the 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -44,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from lpt.inference import DTYPES, inference_mesh, load_model
+from lpt.inference import inference_mesh, load_model, model_arguments
 from lpt.models.decode import decode_step, init_cache, left_pad
 from lpt.models.partitioning import place
 from lpt.train import console
@@ -314,18 +313,13 @@ def generate(
 
 def main(argv: list[str] | None = None) -> int:
     console.setup()
-    parser = argparse.ArgumentParser(prog="python -m lpt.generate", description=__doc__.split("\n\n")[0])
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/), local or gs://BUCKET/PATH")
-    src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    parser = model_arguments("python -m lpt.generate", __doc__.split("\n\n")[0])
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: fill the model's context")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the run's)")
-    parser.add_argument("--step", type=int, default=None, help="--workdir: checkpoint step (default: the newest)")
     args = parser.parse_args(argv)
     try:
         model, tokenizer, cfg = load_model(args.workdir, args.hf, step=args.step, dtype=args.dtype)

@@ -2,11 +2,13 @@
 
 :func:`load_model` reads a run's checkpoint (its params, config and tokenizer; the model built with the run's
 ``precision`` section) or a Hugging Face directory;
-:func:`inference_mesh` picks the mesh (the run's own when this machine has its devices, else FSDP over all of them).
+:func:`inference_mesh` picks the mesh (the run's own when this machine has its devices, else FSDP over all of them);
+:func:`model_arguments` starts a command line that names the model.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -37,6 +39,18 @@ def hf_tokenizer(hf, vocab_size: int) -> str:
         )
     print(f"note: {hf} has no tokenizer.json; its 256 ids are read as bytes", file=sys.stderr)
     return "bytes"
+
+
+def model_arguments(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser with the arguments of :func:`load_model`: ``--workdir`` or ``--hf`` (one is required), ``--step``
+    and ``--dtype``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="an lpt run directory (holds checkpoints/), local or gs://BUCKET/PATH")
+    src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--step", type=int, default=None, help="--workdir: checkpoint step (default: the newest)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the run's)")
+    return parser
 
 
 def load_model(workdir=None, hf=None, *, step: int | None = None, dtype: str | None = None):

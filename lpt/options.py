@@ -11,7 +11,8 @@ once:
 - construction: the same checks for an instance built directly, then the section's own ``check()`` (what only it
   knows: divisible heads, an even RoPE head dim).
 - :func:`leaves`: every key of a tree with its type, default, allowed values, range and doc (``--help``, the parser).
-- :func:`to_dict`: the instance as nested plain dicts (``config.json``).
+- :func:`to_dict`: the instance as nested plain dicts (``config.json``); :func:`flatten`: nested mappings as
+  ``{"a.b": leaf}``.
 - :func:`parse`: a command-line string as a value of a key's type.
 
 Leaf types are ``bool``, ``int``, ``float``, ``str`` and ``tuple[str, ...]`` (written ``a,b`` on the command line);
@@ -282,6 +283,19 @@ def to_dict(obj: Any) -> dict[str, Any]:
         else getattr(obj, f.name)
         for f in dataclasses.fields(obj)
     }
+
+
+def flatten(tree: Mapping, sep: str = ".", prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` of nested mappings (``sep`` joins the keys, ints as their digits): a config as its dotted
+    keys, a parameter tree as its ``blocks/0/attn/q/kernel`` paths."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, sep, path + sep))
+        else:
+            out[path] = value
+    return out
 
 
 def parse(key: str, text: str, typ: Any) -> Any:

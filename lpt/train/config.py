@@ -240,17 +240,9 @@ def complete(cfg: Config | Mapping | ml_collections.ConfigDict) -> ml_collection
     return ml_collections.ConfigDict(options.to_dict(build(cfg)))
 
 
-def _flatten(tree: Config | Mapping, prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: Config | Mapping) -> dict[str, Any]:
     """``{"a.b": value}`` of a Config or a nested mapping."""
-    tree = tree if isinstance(tree, Mapping) else options.to_dict(tree)
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, path + "."))
-        else:
-            out[path] = value
-    return out
+    return options.flatten(tree if isinstance(tree, Mapping) else options.to_dict(tree))
 
 
 def with_values(cfg: Config, changes: Mapping[str, Any]) -> Config:

@@ -130,16 +130,9 @@ def check_model(source: dict, model: dict, where: str, *, scan: bool) -> None:
         log.info("%s: this run changes config.model %s", where, ", ".join(other))
 
 
-def _flat(tree, prefix: str = "") -> dict[str, Any]:
+def _flat(tree) -> dict[str, Any]:
     """``{"blocks/0/attn/q/kernel": leaf}`` of a nested dict (int keys as their digits)."""
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, name + "/"))
-        else:
-            out[name] = v
-    return out
+    return options.flatten(tree, "/")
 
 
 def state_from_params(cfg: Config, prog, params: dict, where: str) -> state_lib.TrainState:

@@ -19,6 +19,7 @@ the diagonal, a sliding window from its first block): both structures' grids, in
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -167,6 +168,35 @@ def cost(
         transcendentals=scores,
         bytes_accessed=2 * q_bytes + 2 * kv_bytes + 8 * b * h * tq + (2 * kv_bytes if kind == "dkdv" else q_bytes),
     )
+
+
+_NAMES = {"fwd": "lpt_flash_attention_fwd", "dq": "lpt_flash_attention_dq", "dkdv": "lpt_flash_attention_dkdv"}
+
+
+def call_outputs(kind: str, *, shape, g: int, tk: int, o_dtype=jnp.float32, **mask) -> dict:
+    """The ``out_shape``, ``name`` and ``cost_estimate`` keywords of the ``pallas_call`` of one flash kernel:
+    "fwd" -> (O in ``o_dtype``, lse f32 [B, H, Tq, 1]), "dq" -> dq f32 [B, H, Tq, D], "dkdv" -> (dk, dv) f32
+    [B, Hkv, Tk, D].
+
+    Args:
+      kind: "fwd", "dq" or "dkdv".
+      shape: q's shape (B, H, Tq, D); for "dkdv" the grouped q's (B, Hkv, G·Tq, D).
+      g, tk: query heads per kv head, key length.
+      o_dtype: the dtype of O ("fwd").
+      **mask: ``causal``, ``window``, ``bq``, ``bk`` (as :func:`cost`).
+    """
+    b, h, tq, d = shape
+    if kind == "dkdv":
+        tq, h = tq // g, h * g
+        dk = jax.ShapeDtypeStruct((b, h // g, tk, d), jnp.float32)
+        out = [dk, dk]
+    elif kind == "dq":
+        out = jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32)
+    else:
+        out = [jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)]
+    itemsize = jnp.dtype(o_dtype).itemsize
+    est = cost(kind, b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=itemsize, **mask)
+    return dict(out_shape=out, name=_NAMES[kind], cost_estimate=est)
 
 
 def check(q, k, block_q: int, block_k: int, causal: bool = False, window: int = 0) -> int:

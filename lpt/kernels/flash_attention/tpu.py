@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -35,7 +34,7 @@ from lpt.kernels.flash_attention.tiles import (
     NT,
     TN,
     backward_in_specs,
-    cost,
+    call_outputs,
     dot,
     key_blocks,
     query_blocks,
@@ -196,10 +195,8 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, 
         grid=(b, h, tq // bq, nt),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32) for _ in range(4)] + [pltpu.VMEM((bq, d), jnp.float32)],
-        name="lpt_flash_attention_fwd",
-        cost_estimate=cost("fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=jnp.dtype(o_dtype).itemsize, **mask),
+        **call_outputs("fwd", shape=shape, g=g, tk=tk, o_dtype=o_dtype, **mask),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )
 
@@ -229,10 +226,8 @@ def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
         grid=(b, h, tq // bq, nt),
         in_specs=in_specs,
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-        name="lpt_flash_attention_dq",
-        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
+        **call_outputs("dq", shape=shape, g=g, tk=tk, **mask),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )
 
@@ -265,15 +260,12 @@ def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j, r: (bi, 0, j))
     in_specs = backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec)
     kernel = functools.partial(_dkdv_kernel, scale=scale, ns=ns, g=g, blocks=blocks, **mask, native=mode == "mosaic")
-    out = jax.ShapeDtypeStruct((b, hkv, tk, d), jnp.float32)
     return pl.pallas_call(
         kernel,
         grid=(b, hkv, nk, g * ns),
         in_specs=in_specs,
         out_specs=[kv_spec, kv_spec],
-        out_shape=[out, out],
         scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
-        name="lpt_flash_attention_dkdv",
-        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
+        **call_outputs("dkdv", shape=shape, g=g, tk=tk, **mask),
         **dispatch.mode_kwargs(mode, semantics=_SEMANTICS),
     )

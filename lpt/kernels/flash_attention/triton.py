@@ -22,23 +22,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from lpt.kernels import dispatch
 from lpt.kernels.flash_attention import math as fm
-from lpt.kernels.flash_attention.tiles import (
-    NT,
-    TN,
-    backward_in_specs,
-    cost,
-    dot,
-    key_blocks,
-    query_blocks,
-    valid_mask,
-)
+from lpt.kernels.flash_attention import tiles
 
 
 def _fwd_kernel(
@@ -52,14 +42,14 @@ def _fwd_kernel(
 
     def body(j, carry):
         start = pl.multiple_of(j * bk, bk)
-        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal, window)
-        s = dot(q, k_ref[pl.ds(start, bk), :], NT) * jnp.float32(scale)
+        valid = tiles.valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal, window)
+        s = tiles.dot(q, k_ref[pl.ds(start, bk), :], tiles.NT) * jnp.float32(scale)
         v_pv = fm.round_to(v_ref[pl.ds(start, bk), :].astype(jnp.float32), pv_dtype, native)  # -> f32 -> pv (RNE)
-        return fm.forward_step(carry, s, valid, lambda w: dot(w, v_pv), policy, pv_dtype, native)
+        return fm.forward_step(carry, s, valid, lambda w: tiles.dot(w, v_pv), policy, pv_dtype, native)
 
     col = jnp.zeros((bq, 1), jnp.float32)
     init = (col - jnp.inf, col, col, col, jnp.zeros(q.shape, jnp.float32))
-    first, end = key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window)
+    first, end = tiles.key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window)
     _, _, c, l, acc = lax.fori_loop(first, end, body, init)
     o, lse = fm.finalize(acc, l, c)
     o_ref[...] = fm.round_to(o, o_ref.dtype, native)  # f32 -> O dtype (RNE; bf16 for residual "input")
@@ -75,13 +65,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
     def body(j, dq):
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
-        valid = valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal, window)
-        s = dot(q, k, NT) * jnp.float32(scale)
-        dp = dot(do, v_ref[pl.ds(start, bk), :], NT)
+        valid = tiles.valid_mask(q_seg, kvseg_ref[:, pl.ds(start, bk)], i * bq, start, (bq, bk), causal, window)
+        s = tiles.dot(q, k, tiles.NT) * jnp.float32(scale)
+        dp = tiles.dot(do, v_ref[pl.ds(start, bk), :], tiles.NT)
         _, ds_in = fm.backward_weights(s, valid, lse, dp, delta, q_ref.dtype, native)
-        return dq + dot(ds_in, k)
+        return dq + tiles.dot(ds_in, k)
 
-    first, end = key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window)
+    first, end = tiles.key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window)
     dq = lax.fori_loop(first, end, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq * jnp.float32(scale)
 
@@ -92,7 +82,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
     )
     j = pl.program_id(2)
     k, v, kv_seg = k_ref[...], v_ref[...], kvseg_ref[...]
-    lo, hi = query_blocks(j, bq=bq, bk=bk, nq=tq // bq, causal=causal, window=window)
+    lo, hi = tiles.query_blocks(j, bq=bq, bk=bk, nq=tq // bq, causal=causal, window=window)
     n_i = hi - lo  # query blocks per head
 
     def body(t, carry):
@@ -101,12 +91,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
         start = pl.multiple_of(i * bq, bq)
         row = pl.multiple_of(gi * tq + start, bq)
         q, do = q_ref[pl.ds(row, bq), :], do_ref[pl.ds(row, bq), :]
-        valid = valid_mask(qseg_ref[pl.ds(start, bq), :], kv_seg, start, j * bk, (bq, bk), causal, window)
-        s = dot(q, k, NT) * jnp.float32(scale)
-        dp = dot(do, v, NT)
+        valid = tiles.valid_mask(qseg_ref[pl.ds(start, bq), :], kv_seg, start, j * bk, (bq, bk), causal, window)
+        s = tiles.dot(q, k, tiles.NT) * jnp.float32(scale)
+        dp = tiles.dot(do, v, tiles.NT)
         lse, delta = lse_ref[pl.ds(row, bq), :], delta_ref[pl.ds(row, bq), :]
         p_in, ds_in = fm.backward_weights(s, valid, lse, dp, delta, q_ref.dtype, native)
-        return dk + dot(ds_in, q, TN), dv + dot(p_in, do, TN)
+        return dk + tiles.dot(ds_in, q, tiles.TN), dv + tiles.dot(p_in, do, tiles.TN)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, g * n_i, body, (zeros, zeros))
@@ -114,11 +104,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
     dv_ref[...] = dv
 
 
-def _compiler_kwargs(mode, d: int):
-    """Triton: 4 warps for D <= 64, 8 above (the f32 [b, D] accumulators spread over more threads), 2 stages."""
-    if mode != "triton":
-        return dispatch.mode_kwargs(mode)
-    return dispatch.mode_kwargs(mode, num_warps=4 if d <= 64 else 8, num_stages=2)
+def _call(kind, kernel, mode, grid, in_specs, out_specs, **outputs):
+    """The ``pallas_call`` of one kernel, its outputs from :func:`lpt.kernels.flash_attention.tiles.call_outputs`
+    (``kind`` and ``outputs``). Triton: 4 warps for D <= 64, 8 above (the f32 [b, D] accumulators spread over more
+    threads), 2 stages."""
+    d = outputs["shape"][-1]
+    params = dict(num_warps=4 if d <= 64 else 8, num_stages=2) if mode == "triton" else {}
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        **tiles.call_outputs(kind, **outputs),
+        **dispatch.mode_kwargs(mode, **params),
+    )
 
 
 def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, bq, bk):
@@ -144,16 +143,8 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, 
         pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0)),
     ]
     kernel = functools.partial(_fwd_kernel, policy=policy, scale=scale, **mask, native=False)
-    return pl.pallas_call(
-        kernel,
-        grid=(b, h, tq // bq),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)],
-        name="lpt_flash_attention_fwd",
-        cost_estimate=cost("fwd", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=jnp.dtype(o_dtype).itemsize, **mask),
-        **_compiler_kwargs(mode, d),
-    )
+    grid = (b, h, tq // bq)
+    return _call("fwd", kernel, mode, grid, in_specs, out_specs, shape=shape, g=g, tk=tk, o_dtype=o_dtype, **mask)
 
 
 def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
@@ -169,27 +160,18 @@ def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     full_kv = pl.BlockSpec((None, None, tk, d), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
     qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0))
     kvseg_spec = pl.BlockSpec((None, 1, tk), lambda bi, hi, i: (bi, 0, 0))
-    in_specs = backward_in_specs(q_spec, full_kv, row_spec, qseg_spec, kvseg_spec)
+    in_specs = tiles.backward_in_specs(q_spec, full_kv, row_spec, qseg_spec, kvseg_spec)
     kernel = functools.partial(_dq_kernel, scale=scale, **mask, native=False)
-    return pl.pallas_call(
-        kernel,
-        grid=(b, h, tq // bq),
-        in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((b, h, tq, d), jnp.float32),
-        name="lpt_flash_attention_dq",
-        cost_estimate=cost("dq", b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
-        **_compiler_kwargs(mode, d),
-    )
+    return _call("dq", kernel, mode, (b, h, tq // bq), in_specs, q_spec, shape=shape, g=g, tk=tk, **mask)
 
 
 def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
-    """``pallas_call`` of dK/dV on (q, k, v, do, lse, δ, q_seg, kv_seg) with q, do [B, Hkv, G·Tq, D] and lse, δ
-    [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D].
+    """``pallas_call`` of dK/dV, one program per key block, with the operands and outputs of
+    :func:`lpt.kernels.flash_attention.tpu.dkdv_call`.
 
     Args:
-      shape: the grouped q's shape (B, Hkv, G·Tq, D).
-      mode, g, tk, causal, window, scale, bq, bk: as :func:`forward_call`.
+      mode: "triton" or "interpret".
+      shape, g, tk, causal, window, scale, bq, bk: as :func:`lpt.kernels.flash_attention.tpu.dkdv_call`.
     """
     mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
     b, hkv, gtq, d = shape
@@ -199,16 +181,7 @@ def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hk, j: (bi, hk, j, 0))
     qseg_spec = pl.BlockSpec((None, tq, 1), lambda bi, hk, j: (bi, 0, 0))
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j: (bi, 0, j))
-    in_specs = backward_in_specs(full_q, kv_spec, full_row, qseg_spec, kvseg_spec)
+    in_specs = tiles.backward_in_specs(full_q, kv_spec, full_row, qseg_spec, kvseg_spec)
     kernel = functools.partial(_dkdv_kernel, scale=scale, tq=tq, g=g, **mask, native=False)
-    out = jax.ShapeDtypeStruct((b, hkv, tk, d), jnp.float32)
-    return pl.pallas_call(
-        kernel,
-        grid=(b, hkv, tk // bk),
-        in_specs=in_specs,
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[out, out],
-        name="lpt_flash_attention_dkdv",
-        cost_estimate=cost("dkdv", b=b, h=hkv * g, g=g, tq=tq, tk=tk, d=d, itemsize=4, **mask),
-        **_compiler_kwargs(mode, d),
-    )
+    grid = (b, hkv, tk // bk)
+    return _call("dkdv", kernel, mode, grid, in_specs, [kv_spec, kv_spec], shape=shape, g=g, tk=tk, **mask)
