@@ -104,6 +104,35 @@ def test_models_take_only_the_optimizers_vocabulary():
     assert all(name.isupper() for name in found["config.py"]), found  # constants: names, no functions or classes
 
 
+def test_the_fp8_recipes_share_only_the_recipe_module():
+    """lpt.fp8's two subpackages import nothing of each other; lpt.fp8.recipe, which both use, imports neither."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "lpt" / "fp8"
+    subpackages = {"blockwise", "microscaling"}
+    assert subpackages <= {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
+    assert (root / "recipe.py").exists()
+    found = {}
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root)
+        if rel.name == "__init__.py" and len(rel.parts) == 1:
+            continue  # lpt.fp8 re-exports both
+        own = rel.parts[0] if len(rel.parts) > 1 else None  # None: a module of lpt.fp8 itself (recipe.py)
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["lpt", "fp8"] and len(parts) > 2 and parts[2] in subpackages - {own}:
+                    found.setdefault(str(rel), []).append(name)
+    assert found == {}, found
+
+
 def _imports_in_functions(source: str) -> list[str]:
     """The lpt modules that a function body of ``source`` imports."""
     import ast

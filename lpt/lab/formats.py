@@ -14,7 +14,7 @@ switches on and off.
    energies pooled over the matmuls of a layer kind) of the quantized x, w and dY (the dX GEMM's operand, blocked
    along N) and of the three GEMM results y, dX and dW of the formats' own differentiable matmuls, against the same
    GEMMs on the bf16 operands with f32 accumulation; and the share of blocks whose scale saturates or underflows, or
-   whose maximum clips (:func:`lpt.fp8.block_diagnostics.block_scale_health`), for x, w and dY.
+   whose maximum clips (:func:`lpt.fp8.microscaling.block_scale_health`), for x, w and dY.
 3. Which of NVIDIA's findings reproduce at this scale, written from the numbers.
 
 The GEMMs are captured by wrapping :func:`lpt.models.layers.matmul` for the duration of one traced forward and

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from lpt.fp8 import blockwise_dot, dequantize_blocks, emulated_dot, quantize_blocks, quantize_tensor
+from lpt.fp8.blockwise import blockwise_dot, dequantize_blocks, emulated_dot, quantize_blocks, quantize_tensor
 from lpt.numerics import round_nearest
 
 _emu = jax.jit(emulated_dot, static_argnames=("accumulator_bits", "promote_every", "max_abs"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from lpt.fp8.blockwise import IMPLS as FP8_IMPLS
 from lpt.fp8.blockwise import auto_impl, wgmma_takes
 from lpt.kernels.flash_attention.mosaic_gpu import BACKWARD_HEAD_DIMS
 from lpt.models import matmul_formats
@@ -41,7 +42,6 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 KINDS = ("llama", "gpt2")  # model.kind: the model family
 PROJECTIONS = ("qkv", "out", "up", "down", "lm_head")  # the model's matmuls: each has its format in precision.matmul
 BLOCK_PROJECTIONS = PROJECTIONS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
-FP8_IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")  # lpt.fp8.blockwise.IMPLS (lpt.fp8 loads kernels: not imported)
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
 PQT_METHODS = ("none", "gaussws", "diffq")
 PQT_PROJECTIONS = ("qkv", "out", "up", "down")

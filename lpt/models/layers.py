@@ -167,7 +167,7 @@ def matmul(
 
     Args:
       x: ``[..., K]`` in the compute dtype.
-      w: ``[K, N]``, the weight's compute-dtype view (or an :class:`lpt.fp8.GemmWeight` for "fp8").
+      w: ``[K, N]``, the weight's compute-dtype view (or an :class:`lpt.fp8.blockwise.GemmWeight` for "fp8").
       format_name: a registered matmul format (:func:`lpt.models.matmul_formats.names`).
       out_dtype: dtype of the result.
       name: the projection, labelling the diagnostics statistics.
@@ -245,7 +245,7 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None, out_dtype=None) -> jax.Array:
         out_dtype = self.prec.compute if out_dtype is None else out_dtype
         kernel = self.kernel.get_value()
-        # a tuple: an lpt.fp8.GemmWeight whose FP8 codes the train step made once for all microbatches
+        # a tuple: an lpt.fp8.blockwise.GemmWeight whose FP8 codes the train step made once for all microbatches
         prepared = kernel if isinstance(kernel, tuple) else None
         stored = kernel if prepared is None else prepared.w
         if self.bitwidth is not None and key is not None:
@@ -299,7 +299,7 @@ def fp8_gemm_weights(model: nnx.Module, params: dict) -> dict:
 
 
 def with_gemm_weights(params: dict, prepared: dict) -> dict:
-    """``params`` (a pure dict) with each prepared layer's kernel replaced by its :class:`~lpt.fp8.GemmWeight`
+    """``params`` (a pure dict) with each prepared layer's kernel replaced by its :class:`~lpt.fp8.blockwise.GemmWeight`
     (the kernel itself as its ``w``, so that the gradient reaches it)."""
     out = jax.tree.map(lambda a: a, params)  # a fresh dict tree
     for path, gw in prepared.items():

@@ -35,18 +35,26 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from lpt.fp8 import BlockwiseConfig, block_scaled_dot, blockwise_dot
-from lpt.fp8.block_diagnostics import (
+from lpt.fp8.blockwise import (
+    BlockwiseConfig,
+    blockwise_config,
+    blockwise_dot,
+    dequantize_blocks,
+    dequantize_tiles,
+    quantize_blocks,
+    quantize_operands,
+    quantize_tiles,
+)
+from lpt.fp8.microscaling import (
+    BLOCKS,
     BlockHealth,
     block_scale_health,
+    block_scaled_config,
+    block_scaled_dot,
     gemm_block_health,
     operand_layout,
     quantize_dequantize,
 )
-from lpt.fp8.block_scaled import BLOCKS, block_scaled_config
-from lpt.fp8.blockwise import blockwise_config
-from lpt.fp8.diagnostics import quantize_operands
-from lpt.fp8.quantize import dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
 from lpt.models import probes
 from lpt.options import LiveChoices
 from lpt.pqt.keys import layer_key
@@ -70,7 +78,7 @@ class MatmulFormat:
         Args:
           x: ``[..., K]`` in the compute dtype.
           w: the weight's compute-dtype view (or, for "fp8" layers of ``optim.fp8_gather="step"``, an
-            :class:`lpt.fp8.GemmWeight`).
+            :class:`lpt.fp8.blockwise.GemmWeight`).
           w_axes: its logical axes.
           key: the step key (None in evaluation).
           path: the layer path.
@@ -113,7 +121,7 @@ class MatmulFormat:
         raise NotImplementedError(f"matmul format {self.name!r} defines no emulated gemm")
 
     def block_health(self, x, w, g) -> tuple[BlockHealth, BlockHealth, BlockHealth] | None:
-        """The block-scale health (:func:`lpt.fp8.block_diagnostics.block_scale_health`) of x, w and g as the
+        """The block-scale health (:func:`lpt.fp8.microscaling.block_scale_health`) of x, w and g as the
         format's GEMMs block them; None for a format without block scales."""
         return None
 
@@ -199,7 +207,7 @@ class BlockScaled(MatmulFormat):
     the random Hadamard transform of dW's inputs and stochastic rounding of the gradients, ``prec``'s switches).
 
     Its probe records, per projection ``<projection>``, with x and w blocked as the forward GEMM blocks them
-    (:func:`lpt.fp8.block_diagnostics.gemm_block_health`): ``<name>/<projection>/x_scale_saturated_frac`` (blocks whose
+    (:func:`lpt.fp8.microscaling.gemm_block_health`): ``<name>/<projection>/x_scale_saturated_frac`` (blocks whose
     scale lies above the scale format's largest: e8m0 for MXFP8, e4m3 after the f32 tensor scale for NVFP4; inf /
     NaN blocks included), ``<name>/<projection>/x_scale_underflow_frac`` (non-zero blocks whose scale falls below the
     scale format's smallest normal: clamped at 2^-127, or an e4m3 subnormal or zero),
@@ -238,7 +246,7 @@ class BlockScaled(MatmulFormat):
 
     def quantized_operands(self, x, w, g, *, key, prec):
 
-        # the dX GEMM rounds g stochastically with fold_in(key, 1) (lpt.fp8.block_scaled's dgrad key)
+        # the dX GEMM rounds g stochastically with fold_in(key, 1) (lpt.fp8.microscaling.dot's dgrad key)
         sr = block_scaled_config(self.name, **self._switches(prec)).stochastic_grads
         sr_g = dict(rounding="stochastic", key=jax.random.fold_in(key, 1)) if sr else {}
         layout = lambda operand: operand_layout(self.name, operand)

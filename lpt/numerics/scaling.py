@@ -1,6 +1,7 @@
 """The scale of a block of values stored in a narrow float: one f32 (or power-of-two) number per block.
 
-Shared by blockwise FP8 (:mod:`lpt.fp8.quantize`) and Adam's 8-bit moments (:mod:`lpt.optim.moments8`)::
+Shared by blockwise FP8 (:mod:`lpt.fp8.blockwise.quantize`, through :mod:`lpt.fp8.recipe`) and Adam's 8-bit moments
+(:mod:`lpt.optim.moments8`)::
 
     r     = max(amax / F, 2^-126)             (f32; F the format's largest finite value, 2^-126 the smallest normal f32)
     scale = r                                 (scale_format="f32")

@@ -1,6 +1,6 @@
-"""Block-scale health (lpt.fp8.block_diagnostics) on planted blocks: exact saturated / underflow / clipped counts for
-MXFP8 and NVFP4, the tie rule of the clip, the share of clipped MX blocks on log-uniform maxima, the operand layouts
-against block_scaled_dot's forward GEMM, and the block formats' probe of the diagnostics pass
+"""Block-scale health (lpt.fp8.microscaling.diagnostics) on planted blocks: exact saturated / underflow / clipped
+counts for MXFP8 and NVFP4, the tie rule of the clip, the share of clipped MX blocks on log-uniform maxima, the
+operand layouts against block_scaled_dot's forward GEMM, and the block formats' probe of the diagnostics pass
 (lpt.models.matmul_formats)."""
 
 import jax
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lpt.fp8 import block_scaled_dot, mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
-from lpt.fp8.block_diagnostics import block_scale_health, gemm_block_health, operand_layout, quantize_dequantize
+from lpt.fp8.microscaling import block_scale_health, gemm_block_health, operand_layout, quantize_dequantize
 from lpt.models import matmul_formats, probes
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lpt.fp8 import block_hadamard, block_scaled_dot, hadamard_matrix, random_hadamard
-from lpt.fp8.block_formats import mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
+from lpt.fp8.microscaling.formats import mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
 
 EPS32 = float(np.finfo(np.float32).eps)
 KEY = jax.random.key(7)

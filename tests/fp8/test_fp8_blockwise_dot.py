@@ -17,7 +17,7 @@ from lpt.fp8 import (
     quantize_tensor,
     quantize_tiles,
 )
-from lpt.fp8.diagnostics import snr_db
+from lpt.fp8.blockwise import snr_db
 
 E4M3 = jnp.float8_e4m3fn
 

@@ -17,7 +17,7 @@ from lpt.fp8 import (
     quantize_blocks,
     quantize_tiles,
 )
-from lpt.fp8.diagnostics import snr_db
+from lpt.fp8.blockwise import snr_db
 
 
 def _x(seed, shape):

@@ -12,7 +12,7 @@ from lpt.fp8 import (
     quantize_tensor,
     quantize_tiles,
 )
-from lpt.fp8.quantize import quantization_stats
+from lpt.fp8.blockwise import quantization_stats
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2

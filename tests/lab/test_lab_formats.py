@@ -25,7 +25,7 @@ def test_lab_formats_quick(tmp_path):
     h = {k.removeprefix("health/"): v for k, v in f.items() if k.startswith("health/")}
     assert h and all(0.0 <= v <= 1.0 for v in h.values())
     for op in ("x", "w", "dy"):
-        # finite tensors: no scale can saturate (module docstring of lpt.fp8.block_diagnostics)
+        # finite tensors: no scale can saturate (module docstring of lpt.fp8.microscaling.diagnostics)
         assert h[f"all/mxfp8/{op}_saturated"] == 0.0 and h[f"all/nvfp4/{op}_saturated"] == 0.0
         # NVFP4 clips a block's maximum only under a subnormal block scale; MX's floor rule clips ~1 block in 7
         assert h[f"all/nvfp4/{op}_clipped"] <= h[f"all/nvfp4/{op}_underflow"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lpt.fp8.blockwise import blockwise_dot
-from lpt.fp8.quantize import quantization_stats, quantize_blocks, quantize_tiles
+from lpt.fp8.blockwise.dot import blockwise_dot
+from lpt.fp8.blockwise.quantize import quantization_stats, quantize_blocks, quantize_tiles
 
 __all__ = ["fp8_gemm_diagnostics", "quantize_operands", "relative_error", "snr_db"]
 

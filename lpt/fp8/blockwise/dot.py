@@ -47,13 +47,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lpt import sharding
-from lpt.fp8.quantize import (
-    check_dense_operands,
-    check_fp8_dtype,
-    check_scale_format,
-    quantize_blocks,
-    quantize_tiles,
-)
+from lpt.fp8.blockwise.quantize import check_fp8_dtype, quantize_blocks, quantize_tiles
+from lpt.fp8.recipe import check_dense_operands, check_impl, check_scale_format, impls
 from lpt.kernels import compat, dispatch
 from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
@@ -63,13 +58,14 @@ __all__ = [
     "BlockwiseConfig",
     "GemmWeight",
     "auto_impl",
+    "blockwise_config",
     "blockwise_dot",
     "gemm_weight",
     "scaled_matmul",
     "wgmma_takes",
 ]
 
-IMPLS = ("auto", "xla", "pallas", "mosaic_gpu")
+IMPLS = impls("auto", "xla", "pallas", "mosaic_gpu")
 _STATIC_OPTIONS = ("impl", "block", "fwd_dtype", "grad_dtype", "scale_format", "interpret")  # of blockwise_dot
 
 
@@ -307,8 +303,7 @@ def blockwise_config(**options) -> BlockwiseConfig:
     if unknown:
         raise ValueError(f"unknown blockwise_dot option(s) {unknown}; the options are {list(_STATIC_OPTIONS)}")
     cfg = BlockwiseConfig()._replace(**options)
-    if cfg.impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {cfg.impl!r}")
+    check_impl(cfg.impl, IMPLS, "blockwise FP8")
     if cfg.impl == "auto":
         dispatch.check_auto_interpret(cfg.interpret)
         cfg = cfg._replace(impl=auto_impl(cfg.fwd_dtype, cfg.grad_dtype))

@@ -35,7 +35,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lpt.fp8.block_formats import (
+from lpt.fp8.microscaling.dot import BLOCKS, check_recipe
+from lpt.fp8.microscaling.formats import (
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+    NVFP4_TILE,
     mx_block_exponents,
     mx_dequantize,
     mx_quantize,
@@ -47,10 +51,7 @@ from lpt.numerics import get_format, round_nearest
 
 __all__ = ["BlockHealth", "block_scale_health", "gemm_block_health", "operand_layout", "quantize_dequantize"]
 
-RECIPES = ("mxfp8", "nvfp4")
-_MX_BLOCK = 32
-_NVFP4_TILE = (16, 16)
-_E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127
+_MX_BLOCK = BLOCKS["mxfp8"]
 _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 _E2M1 = jnp.dtype(jnp.float4_e2m1fn)
 
@@ -67,11 +68,6 @@ class BlockHealth(NamedTuple):
         """``{"saturated", "underflow", "clipped"}`` as f32 shares of all blocks."""
         n = jnp.float32(self.blocks)
         return {k: getattr(self, k).astype(jnp.float32) / n for k in ("saturated", "underflow", "clipped")}  # i32->f32
-
-
-def _check_recipe(recipe: str) -> None:
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
 
 
 def _rounds_above_max(v_f32: jax.Array, dtype) -> jax.Array:
@@ -94,13 +90,13 @@ def block_scale_health(x, recipe: str, axis: int = -1, *, block_shape: tuple[int
     ``axis`` / ``block_shape`` as for the quantizer: 1x32 (MXFP8) or 1x16 (NVFP4) blocks along ``axis``, or 2-D
     tiles of the last two axes (NVFP4: only (16, 16)). ValueError for an unknown recipe or a shape the blocks do
     not divide."""
-    _check_recipe(recipe)
+    check_recipe(recipe)
     if recipe == "mxfp8":
         mx = mx_block_exponents(x, _E4M3, _MX_BLOCK, axis, block_shape=block_shape)
         finite = ~mx.block_nonfinite
-        saturated = mx.block_nonfinite | (mx.exponent > _E8M0_MAX_EXP)
-        underflow = finite & (mx.block_amax > 0) & (mx.exponent < _E8M0_MIN_EXP)
-        e = jnp.clip(mx.exponent, _E8M0_MIN_EXP, _E8M0_MAX_EXP)
+        saturated = mx.block_nonfinite | (mx.exponent > E8M0_MAX_EXP)
+        underflow = finite & (mx.block_amax > 0) & (mx.exponent < E8M0_MIN_EXP)
+        e = jnp.clip(mx.exponent, E8M0_MIN_EXP, E8M0_MAX_EXP)
         # amax · 2^-e: exact in f32 for e in [-127, 119] (e4m3: e <= 119 for finite amax); 0 for a subnormal amax
         scaled = mx.block_amax * jnp.exp2(-e.astype(jnp.float32))  # i32 -> f32 exponent, exact power of two
         clipped = finite & ~underflow & _rounds_above_max(scaled, _E4M3)
@@ -124,11 +120,11 @@ def operand_layout(recipe: str, operand: str) -> dict:
     """The blocks of ``block_scaled_dot``'s operands as ``block_scale_health`` / ``quantize_dequantize`` keywords:
     ``"x"`` [M, K] and the gradient ``"g"`` [M, N] of the dX GEMM along their last axis, ``"w"`` [K, N] along K
     (MXFP8) or in 16x16 tiles (NVFP4)."""
-    _check_recipe(recipe)
+    check_recipe(recipe)
     if operand in ("x", "g"):
         return {"axis": -1}
     if operand == "w":
-        return {"axis": -1, "block_shape": _NVFP4_TILE} if recipe == "nvfp4" else {"axis": 0}
+        return {"axis": -1, "block_shape": NVFP4_TILE} if recipe == "nvfp4" else {"axis": 0}
     raise ValueError(f"operand must be one of ('x', 'w', 'g'), got {operand!r}")
 
 
@@ -162,7 +158,7 @@ def quantize_dequantize(
       rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (needs ``key``); the codes only.
       key: JAX PRNG key for ``rounding="stochastic"``.
     """
-    _check_recipe(recipe)
+    check_recipe(recipe)
     q = dict(block_shape=block_shape, rounding=rounding, key=key)
     if recipe == "mxfp8":
         codes, scales = mx_quantize(x, _E4M3, _MX_BLOCK, axis, **q)

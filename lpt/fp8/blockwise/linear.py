@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lpt.fp8.blockwise import blockwise_config, blockwise_dot
+from lpt.fp8.blockwise.dot import blockwise_config, blockwise_dot
 
 __all__ = ["Fp8Linear", "make_fp8_dot_general"]
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lpt.fp8.block_layout import (
+from lpt.fp8.microscaling._layout import (
     ROUNDINGS,
     block_tiles,
     check_float,
@@ -48,12 +48,16 @@ from lpt.fp8.block_layout import (
     expand_scales,
     grouped_shape,
 )
-from lpt.fp8.quantize import check_dtype_in
+from lpt.fp8.recipe import check_dtype_in
 from lpt.numerics import exponent_of, get_format, round_nearest, round_stochastic
 
 __all__ = [
+    "E8M0",
+    "E8M0_MAX_EXP",
+    "E8M0_MIN_EXP",
     "MX_ELEM_DTYPES",
     "NVFP4_BLOCK",
+    "NVFP4_TILE",
     "ROUNDINGS",
     "MxScales",
     "NvScales",
@@ -67,12 +71,13 @@ __all__ = [
 
 MX_ELEM_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float4_e2m1fn))
 NVFP4_BLOCK = 16
+NVFP4_TILE = (NVFP4_BLOCK, NVFP4_BLOCK)  # the 2-D tiles of a weight that is used transposed as well
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 
 _E8M0_BIAS = 127
 _E8M0_NAN = 0xFF
-_E8M0_MIN_EXP = -127
-_E8M0_MAX_EXP = 127
+E8M0_MIN_EXP = -127  # the exponents of e8m0's finite scales 2^-127 ... 2^127
+E8M0_MAX_EXP = 127
 _F32_INF_BITS = 0x7F800000
 _F32_SIGN = 0x80000000
 _F32_ABS = 0x7FFFFFFF
@@ -87,7 +92,7 @@ _ONE_SIXTH_F32 = float(np.float32(1.0) / np.float32(_E2M1_MAX))  # TE's fp4_max_
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# f32 bit arithmetic (the block layout and the argument checks: lpt.fp8.block_layout)
+# f32 bit arithmetic (the block layout and the argument checks: lpt.fp8.microscaling._layout)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -220,7 +225,7 @@ def mx_quantize(
     mx = mx_block_exponents(x, elem, block_size, axis, block_shape=block_shape)
     x32, inner, nonfinite = mx.x32, mx.inner, mx.block_nonfinite
     fmt = get_format(elem)
-    e = jnp.clip(mx.exponent, _E8M0_MIN_EXP, _E8M0_MAX_EXP)
+    e = jnp.clip(mx.exponent, E8M0_MIN_EXP, E8M0_MAX_EXP)
     e = jnp.where(nonfinite, 0, e)
 
     # x / 2^e on the bits: exact (subnormal inputs included); quotients below 2^-126 become ±0, which is what
@@ -286,7 +291,7 @@ def mx_dequantize(
 
 
 def _nvfp4_tiles(shape, axis, block_shape):
-    if block_shape is not None and tuple(block_shape) != (NVFP4_BLOCK, NVFP4_BLOCK):
+    if block_shape is not None and tuple(block_shape) != NVFP4_TILE:
         raise ValueError(f"NVFP4 block_shape must be None (1x16 blocks) or (16, 16), got {block_shape!r}")
     return block_tiles(tuple(shape), axis, NVFP4_BLOCK, block_shape)
 

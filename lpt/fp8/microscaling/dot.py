@@ -13,9 +13,9 @@ dx = g wᵀ     g: 1x32 along N; w: 1x32 along N  g: 1x16 along N; w: the same 1
 dw = xᵀ g     x, g: 32x1 along M                R x, R g in 16x1 along M (R: random Hadamard along M)
 ============  ================================  =====================================================
 
-``hadamard`` (the random Hadamard transform of dw's inputs, :mod:`lpt.fp8.hadamard`, 16x16 blocks along M) and
-``stochastic_grads`` (stochastic rounding of g's codes in dx and dw) are switches; both default to on for "nvfp4"
-and off for "mxfp8", as in the two recipes. x and w are always rounded to nearest even.
+``hadamard`` (the random Hadamard transform of dw's inputs, :mod:`lpt.fp8.microscaling.hadamard`, 16x16 blocks
+along M) and ``stochastic_grads`` (stochastic rounding of g's codes in dx and dw) are switches; both default to on for
+"nvfp4" and off for "mxfp8", as in the two recipes. x and w are always rounded to nearest even.
 
 Emulation (``impl="xla"``): an operand enters its GEMM as its codes times its block scales in bf16, which is exact
 (an e4m3 or e2m1 code times a power of two, or an e2m1 code times an e4m3 scale, has at most 6 significant bits;
@@ -41,7 +41,7 @@ Choices where the sources leave one:
   [256, 512) · scale, values above 448 · scale saturate); TransformerEngine rounds the scale up instead.
 * MXFP8 uses e4m3 for x, w and g (TransformerEngine's default MXFP8 format).
 * Stochastic rounding applies to g in both backward GEMMs (the recipe's gradient quantizer); the scales stay
-  deterministic (:mod:`lpt.fp8.block_formats`).
+  deterministic (:mod:`lpt.fp8.microscaling.formats`).
 * The Hadamard signs are drawn from the key on every call, so each layer and step has its own transform.
 * w is quantized again in the backward pass (for NVFP4 the same 16x16 codes as the forward's, since quantization is
   deterministic), so the residuals are x and w only. dw's token axis is zero-padded to a multiple of the block,
@@ -64,18 +64,32 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lpt.fp8.block_formats import mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
-from lpt.fp8.hadamard import HADAMARD_BLOCK, block_hadamard, random_hadamard
-from lpt.fp8.quantize import check_dense_operands
+from lpt.fp8.microscaling.formats import (
+    NVFP4_BLOCK,
+    NVFP4_TILE,
+    mx_dequantize,
+    mx_quantize,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+)
+from lpt.fp8.microscaling.hadamard import HADAMARD_BLOCK, block_hadamard, random_hadamard
+from lpt.fp8.recipe import check_dense_operands, check_impl, impls
 
-__all__ = ["BLOCKS", "IMPLS", "RECIPES", "BlockScaledConfig", "block_scaled_config", "block_scaled_dot"]
+__all__ = [
+    "BLOCKS",
+    "IMPLS",
+    "RECIPES",
+    "BlockScaledConfig",
+    "block_scaled_config",
+    "block_scaled_dot",
+    "check_recipe",
+]
 
 RECIPES = ("mxfp8", "nvfp4")
-IMPLS = ("auto", "xla", "scaled_matmul")
-BLOCKS = {"mxfp8": 32, "nvfp4": 16}  # elements per block along the contraction axis
+IMPLS = impls("auto", "xla", "scaled_matmul")
+BLOCKS = {"mxfp8": 32, "nvfp4": NVFP4_BLOCK}  # elements per block along the contraction axis
 _DEFAULT_ON = {"mxfp8": False, "nvfp4": True}  # hadamard and stochastic_grads unless given
 _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
-_NVFP4_TILE = (16, 16)
 _KEY_SR_DGRAD, _KEY_SR_WGRAD, _KEY_HADAMARD = 1, 2, 3
 
 
@@ -89,14 +103,17 @@ class BlockScaledConfig(NamedTuple):
     keyed: bool = False  # whether the call has a key (derived: the backward needs one for either switch)
 
 
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+
+
 def block_scaled_config(
     recipe: str, hadamard: bool | None = None, stochastic_grads: bool | None = None, impl: str = "auto"
 ) -> BlockScaledConfig:
     """The checked static options; ``None`` takes the recipe's default (on for "nvfp4", off for "mxfp8")."""
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_recipe(recipe)
+    check_impl(impl, IMPLS, f"recipe {recipe!r}")
     on = _DEFAULT_ON[recipe]
     hadamard = on if hadamard is None else hadamard
     stochastic_grads = on if stochastic_grads is None else stochastic_grads
@@ -128,8 +145,8 @@ def _quantize(a32: jax.Array, recipe: str, axis: int, *, tiles: bool = False, ke
         codes, scales = mx_quantize(a32, _E4M3, BLOCKS[recipe], axis, rounding=rounding, key=key)
         ts = None
     elif tiles:
-        codes, scales, ts = nvfp4_quantize(a32, block_shape=_NVFP4_TILE, rounding=rounding, key=key)
-        scales = jnp.repeat(scales, _NVFP4_TILE[0], axis=1 - axis)  # one scale per 1x16 block along axis: exact
+        codes, scales, ts = nvfp4_quantize(a32, block_shape=NVFP4_TILE, rounding=rounding, key=key)
+        scales = jnp.repeat(scales, NVFP4_TILE[0], axis=1 - axis)  # one scale per 1x16 block along axis: exact
     else:
         codes, scales, ts = nvfp4_quantize(a32, axis, rounding=rounding, key=key)
     last = lambda t: jnp.moveaxis(t, axis, -1)

@@ -1,4 +1,4 @@
-"""The block layout shared by the block-scaled formats (:mod:`lpt.fp8.block_formats`): argument checks, the tiles
+"""The block layout of the microscaling formats (:mod:`lpt.fp8.microscaling.formats`): argument checks, the tiles
 of a tensor along an axis (1-D blocks or 2-D tiles), the grouped shape a block reduction works on, and the scales'
 shapes."""
 
@@ -94,7 +94,3 @@ def expand_scales(s: jax.Array, shape, tiles, what: str) -> tuple[jax.Array, tup
         raise ValueError(f"{what} has shape {tuple(s.shape)}; codes of shape {tuple(shape)} need {want}")
     grouped, inner = grouped_shape(tuple(shape), tiles)
     return jnp.expand_dims(s, inner), grouped
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# f32 bit helpers (no float arithmetic, so nothing is flushed to zero)

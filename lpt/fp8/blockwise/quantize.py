@@ -1,7 +1,7 @@
 """Fine-grained FP8 quantization: 1 x B tiles (activations, gradients), B x B blocks (weights), one scale per tile.
 
 For a tile ``t`` (B consecutive elements along one axis, or a B x B block) and FP8 format with largest finite value
-``F`` (448 for float8_e4m3fn, 57344 for float8_e5m2), with the scale of :func:`lpt.numerics.block_scale`::
+``F`` (448 for float8_e4m3fn, 57344 for float8_e5m2), with the scale of :func:`lpt.fp8.recipe.block_scale`::
 
     amax  = max |t|
     r     = max(amax / F, 2^-126)             (f32; 2^-126 is the smallest normal f32)
@@ -34,19 +34,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lpt.fp8.recipe import block_scale, check_dtype_in
 from lpt.numerics import get_format, round_nearest
-from lpt.numerics.scaling import SCALE_FORMATS, check_scale_format
-from lpt.numerics.scaling import block_scale as compute_scale
 
 __all__ = [
     "FP8_DTYPES",
-    "SCALE_FORMATS",
     "QuantStats",
-    "check_dense_operands",
-    "check_dtype_in",
     "check_fp8_dtype",
-    "check_scale_format",
-    "compute_scale",
     "dequantize_blocks",
     "dequantize_tiles",
     "quantize_blocks",
@@ -56,32 +50,6 @@ __all__ = [
 ]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-
-def check_dtype_in(dtype, allowed, what: str = "dtype") -> jnp.dtype:
-    """``dtype`` as a jnp dtype if it is one of ``allowed``; a one-line ValueError naming both otherwise."""
-    names = " or ".join(jnp.dtype(a).name for a in allowed)
-    try:
-        d = jnp.dtype(dtype)
-    except TypeError as e:
-        raise ValueError(f"{what} must be {names}, got {dtype!r}") from e
-    if d not in allowed:
-        raise ValueError(f"{what} must be {names}, got {d}")
-    return d
-
-
-def check_dense_operands(x, w) -> tuple[jax.Array, jax.Array]:
-    """``(x, w)`` as arrays for a dense layer's ``x[..., K] @ w[K, N]``: a one-line ValueError for a non-float
-    operand, a ``w`` that is not 2-D, or mismatched K."""
-    x, w = jnp.asarray(x), jnp.asarray(w)
-    for name, a in (("x", x), ("w", w)):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating-point array, got dtype {a.dtype}")
-    if w.ndim != 2:
-        raise ValueError(f"w must be 2-D [K, N], got shape {w.shape}")
-    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"x[..., K] and w[K, N] disagree on K: x {x.shape}, w {w.shape}")
-    return x, w
 
 
 def check_fp8_dtype(dtype, what: str = "dtype") -> jnp.dtype:
@@ -97,7 +65,7 @@ def _check_float(x, what: str) -> jax.Array:
 
 def _quantize_grouped(x_f32: jax.Array, dtype, scale_format: str, reduce_axes: tuple[int, ...]):
     amax = jnp.max(jnp.abs(x_f32), axis=reduce_axes, keepdims=True)
-    scale = compute_scale(amax, dtype, scale_format)
+    scale = block_scale(amax, dtype, scale_format)
     q = round_nearest(x_f32 / scale, dtype, saturate=True)  # f32 -> fp8, RNE, saturating
     return q, scale
 
