@@ -17,63 +17,10 @@ NVFP4's codes are 4-bit; the package sits under :mod:`lpt.fp8` beside the blockw
 :mod:`lpt.fp8.recipe`. See docs/fp8.md.
 """
 
-from lpt.fp8.microscaling.diagnostics import (
-    BlockHealth,
-    block_scale_health,
-    gemm_block_health,
-    operand_layout,
-    quantize_dequantize,
-)
-from lpt.fp8.microscaling.dot import (
-    BLOCKS,
-    IMPLS,
-    RECIPES,
-    BlockScaledConfig,
-    block_scaled_config,
-    block_scaled_dot,
-)
-from lpt.fp8.microscaling.formats import (
-    MX_ELEM_DTYPES,
-    NVFP4_BLOCK,
-    NVFP4_TILE,
-    ROUNDINGS,
-    MxScales,
-    NvScales,
-    mx_block_exponents,
-    mx_dequantize,
-    mx_quantize,
-    nvfp4_block_scales,
-    nvfp4_dequantize,
-    nvfp4_quantize,
-)
-from lpt.fp8.microscaling.hadamard import HADAMARD_BLOCK, block_hadamard, hadamard_matrix, random_hadamard
+from lpt.fp8.microscaling import diagnostics, dot, formats, hadamard
+from lpt.fp8.microscaling.diagnostics import *  # noqa: F403  (each module's __all__ is its part of the surface)
+from lpt.fp8.microscaling.dot import *  # noqa: F403
+from lpt.fp8.microscaling.formats import *  # noqa: F403
+from lpt.fp8.microscaling.hadamard import *  # noqa: F403
 
-__all__ = [
-    "BLOCKS",
-    "HADAMARD_BLOCK",
-    "IMPLS",
-    "MX_ELEM_DTYPES",
-    "NVFP4_BLOCK",
-    "NVFP4_TILE",
-    "RECIPES",
-    "ROUNDINGS",
-    "BlockHealth",
-    "BlockScaledConfig",
-    "MxScales",
-    "NvScales",
-    "block_hadamard",
-    "block_scale_health",
-    "block_scaled_config",
-    "block_scaled_dot",
-    "gemm_block_health",
-    "hadamard_matrix",
-    "mx_block_exponents",
-    "mx_dequantize",
-    "mx_quantize",
-    "nvfp4_block_scales",
-    "nvfp4_dequantize",
-    "nvfp4_quantize",
-    "operand_layout",
-    "quantize_dequantize",
-    "random_hadamard",
-]
+__all__ = [*formats.__all__, *dot.__all__, *hadamard.__all__, *diagnostics.__all__]
