@@ -72,7 +72,7 @@ def run_params(workdir: str | Path, step: int | None = None) -> tuple[dict, Mode
     return params, cfg.model, tokenizer_file, token_ids(cfg)
 
 
-def check_out(out: str | Path, overwrite: bool = False, workdir: str | Path | None = None) -> Path:
+def _check_out(out: str | Path, overwrite: bool = False, workdir: str | Path | None = None) -> Path:
     """``out`` (symlinks resolved) if an export may be written there: missing, an empty directory, or with
     ``overwrite`` a non-empty one, and neither the run ``workdir`` nor inside it nor holding it (replacing ``out``
     would delete the run); else a ValueError naming it."""
@@ -102,7 +102,7 @@ def write(
 ) -> Path:
     """Write ``params`` as a Hugging Face directory (:func:`lpt.models.hf.save_params` with ``tokenizer_file`` and
     ``token_ids``) to a new sibling of ``out``, then swap it in for ``out`` (see the module docstring); ``out`` as
-    :func:`check_out` allows it (outside the run ``workdir``, when given).
+    :func:`_check_out` allows it (outside the run ``workdir``, when given).
 
     Args:
       out: the export directory.
@@ -113,7 +113,7 @@ def write(
       overwrite: replace a non-empty ``out``.
       workdir: the run directory, which ``out`` must lie outside; None: not checked.
     """
-    out = check_out(out, overwrite, workdir)
+    out = _check_out(out, overwrite, workdir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     new, old = out.with_name(f".{out.name}.new-{tag}"), out.with_name(f".{out.name}.old-{tag}")
@@ -134,7 +134,7 @@ def write(
 def export(workdir: str | Path, out: str | Path, step: int | None = None, *, overwrite: bool = False) -> Path:
     """Write the run ``workdir``'s checkpoint ``step`` (None: the newest) to ``out`` as a Hugging Face directory
     (:func:`write`)."""
-    check_out(out, overwrite, workdir)  # before reading the checkpoint
+    _check_out(out, overwrite, workdir)  # before reading the checkpoint
     return write(out, *run_params(workdir, step), overwrite=overwrite, workdir=workdir)
 
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare logits with transformers' (needs transformers)")
     args = parser.parse_args(argv)
     try:
-        check_out(args.out, args.overwrite, args.workdir)  # before reading the checkpoint
+        _check_out(args.out, args.overwrite, args.workdir)  # before reading the checkpoint
         params, model_cfg, tokenizer_file, ids = run_params(args.workdir, args.step)  # read once, for both
         write(args.out, params, model_cfg, tokenizer_file, ids, overwrite=args.overwrite, workdir=args.workdir)
         print(f"wrote {args.out} (eos_token_id {ids['eos_token_id']})", flush=True)

@@ -239,7 +239,7 @@ class TextStream:
         return new
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+def _encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     """Token ids of each prompt (an empty prompt is the separator token alone: the start of a document)."""
     if isinstance(prompts, str) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r}")
@@ -276,7 +276,7 @@ def generate(
       on_token: ``on_token(row, token)`` per new token id, or None.
       mesh: as :func:`generate_tokens`.
     """
-    ids = encode_prompts(tokenizer, prompts)
+    ids = _encode_prompts(tokenizer, prompts)
     if tokenizer.vocab_size > model.spec.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.spec.vocab_size}; "

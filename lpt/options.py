@@ -38,7 +38,7 @@ _TUPLE = tuple[str, ...]
 @typing.dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def section(path: str):
     """Make the decorated class a frozen dataclass for the config section at key path ``path``: construction checks
-    every field (:func:`check_fields`), then calls the class's ``check()`` if it defines one; ``obj.to_dict()`` is
+    every field (:func:`_check_fields`), then calls the class's ``check()`` if it defines one; ``obj.to_dict()`` is
     :func:`to_dict`."""
 
     def make(cls):
@@ -46,7 +46,7 @@ def section(path: str):
         own_check = cls.__dict__.get("check")
 
         def __post_init__(self):
-            check_fields(self)
+            _check_fields(self)
             if own_check is not None:
                 own_check(self)
 
@@ -166,7 +166,7 @@ class Leaf(NamedTuple):
     bounds: Range | None = None  # an int or float key's allowed numbers (a float key without one: finite ones)
 
 
-def is_section(typ: Any) -> bool:
+def _is_section(typ: Any) -> bool:
     return isinstance(typ, type) and dataclasses.is_dataclass(typ)
 
 
@@ -189,7 +189,7 @@ def leaves(cls: type, path: str | None = None) -> Iterator[Leaf]:
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         typ, key = hints[f.name], _join(path, f.name)
-        if is_section(typ):
+        if _is_section(typ):
             yield from leaves(typ, key)
         else:
             meta = f.metadata
@@ -219,12 +219,12 @@ def _coerce(key: str, value: Any, typ: Any, choices: Sequence | None, bounds: Ra
     return value
 
 
-def check_fields(obj: Any) -> None:
+def _check_fields(obj: Any) -> None:
     """Check (and normalize: int -> float, list -> tuple) every field of the section instance ``obj`` in place."""
     hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         typ, value, key = hints[f.name], getattr(obj, f.name), _join(obj.PATH, f.name)
-        if is_section(typ):
+        if _is_section(typ):
             if not isinstance(value, typ):
                 raise ValueError(f"config key {key} must be a {typ.__name__} section, got {type(value).__name__}")
             continue
@@ -271,7 +271,7 @@ def build(cls: type, values: Any = None, path: str | None = None) -> Any:
     kwargs = {}
     for name, value in given.items():
         typ = hints[name]
-        kwargs[name] = build(typ, value, _join(path, name)) if is_section(typ) else value
+        kwargs[name] = build(typ, value, _join(path, name)) if _is_section(typ) else value
     return cls(**kwargs)
 
 

@@ -36,7 +36,6 @@ __all__ = [
     "RULES",
     "axis_rules",
     "constrain",
-    "current_rules",
     "kernel_spec",
     "logical_to_mesh",
     "operand_spec",
@@ -61,7 +60,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _CONTEXT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("lpt_axis_rules", default=None)
 
 
-def check_rules(rules) -> tuple:
+def _check_rules(rules) -> tuple:
     """``rules`` as a tuple of ``(name, mesh_axes)`` pairs; ValueError for a malformed rule."""
     rules = tuple(tuple(r) for r in rules)
     for rule in rules:
@@ -73,21 +72,21 @@ def check_rules(rules) -> tuple:
 @contextlib.contextmanager
 def axis_rules(mesh, rules: Sequence = RULES) -> Iterator[None]:
     """Within this context, logical names resolve on ``mesh`` with ``rules`` (read at trace time)."""
-    token = _CONTEXT.set((mesh, check_rules(rules)))
+    token = _CONTEXT.set((mesh, _check_rules(rules)))
     try:
         yield
     finally:
         _CONTEXT.reset(token)
 
 
-def current_rules() -> tuple | None:
+def _current_rules() -> tuple | None:
     """The ``(mesh, rules)`` pair of the innermost :func:`axis_rules` context, or None."""
     return _CONTEXT.get()
 
 
 def logical_to_mesh(logical_axes: Sequence[str | None], rules: Sequence = RULES) -> PartitionSpec:
     """Map logical axis names to a ``PartitionSpec``; unmatched names (and None) stay replicated."""
-    rules = check_rules(rules)
+    rules = _check_rules(rules)
     used: set[str] = set()
     spec = []
     for name in logical_axes:

@@ -3,14 +3,14 @@
 On a machine with no accelerator device node and ``JAX_PLATFORMS`` unset, jax would try each installed plugin (the
 CUDA plugin and libtpu of the dev extras) and print their failed start-ups, and importing jax loads jaxlib's CUDA
 modules and its CUDA plugin, whose stub prints "Could not find cuda drivers on your machine" through absl (8 lines
-per process). :func:`cpu_only` makes that decision; :func:`start_quietly` acts on it before jax is imported: it
+per process). :func:`cpu_only` makes that decision; :func:`_start_quietly` acts on it before jax is imported: it
 sets ``JAX_PLATFORMS=cpu`` and keeps jaxlib's CUDA modules and the CUDA plugin unimported, so jax runs as a
 CPU-only jaxlib does.
 
-``lpt/__init__.py`` calls :func:`start_quietly` when the process is one of lpt's commands (``python -m lpt.train``,
-``lpt.generate``, ``lpt.eval``, ``lpt.export``, ``lpt.data.prepare``, ...), except ``lpt.train.compile``, which
-compiles for GPUs through the CUDA plugin. A program that imports lpt as a library is left as it is. This module
-imports no jax.
+``lpt/__init__.py`` calls :func:`start_command`, which calls :func:`_start_quietly` when the process is one of lpt's
+commands (``python -m lpt.train``, ``lpt.generate``, ``lpt.eval``, ``lpt.export``, ``lpt.data.prepare``, ...), except
+``lpt.train.compile``, which compiles for GPUs through the CUDA plugin. A program that imports lpt as a library is
+left as it is. This module imports no jax.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 
-__all__ = ["ACCELERATOR_DEVICES", "command", "cpu_only", "start_quietly"]
+__all__ = ["ACCELERATOR_DEVICES", "command", "cpu_only"]
 
 ACCELERATOR_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/accel0", "/dev/vfio", "/dev/kfd")  # CUDA, TPU, ROCm
 # jaxlib's CUDA extensions and jax's CUDA PJRT plugins (which jax imports and initializes even with JAX_PLATFORMS=cpu)
@@ -60,7 +60,7 @@ class _NoCudaExtensions(importlib.abc.MetaPathFinder):
         return None
 
 
-def start_quietly() -> bool:
+def _start_quietly() -> bool:
     """On a CPU-only machine (:func:`cpu_only`) and before jax is imported: ``JAX_PLATFORMS=cpu`` and no CUDA
     extension modules. True if it did so."""
     if "jax" in sys.modules or not cpu_only():
@@ -78,7 +78,7 @@ def _not_a_kept_out_plugin(record: logging.LogRecord) -> bool:
 
 
 def start_command() -> None:
-    """:func:`start_quietly` if this process is an lpt command other than those that compile for accelerators."""
+    """:func:`_start_quietly` if this process is an lpt command other than those that compile for accelerators."""
     name = command()
     if name is not None and name not in _NOT_QUIET:
-        start_quietly()
+        _start_quietly()

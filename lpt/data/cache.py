@@ -58,7 +58,7 @@ import numpy as np
 
 from lpt.data.tokenizer import token_dtype
 
-CACHE_VERSION = 1
+_CACHE_VERSION = 1
 SPLITS = ("train", "validation")
 VALIDATION_SPLITS = ("tail", "docs")
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # the sampled digest reads at most 64 blocks of 4 KiB of a file
@@ -76,18 +76,18 @@ class Corpus(NamedTuple):
     text_bytes: dict[str, int]
 
 
-def default_cache_dir() -> str:
+def _default_cache_dir() -> str:
     return os.environ.get("LPT_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lpt", "data")
 
 
-def cache_root(cache_dir: str | None) -> tuple[str, str]:
+def _cache_root(cache_dir: str | None) -> tuple[str, str]:
     """``(directory, where it came from)``: ``cache_dir`` ("data.cache_dir"), else ``$LPT_DATA_CACHE``, else the
     default ``~/.cache/lpt/data`` (module docstring)."""
     if cache_dir:
         return os.path.expanduser(cache_dir), "data.cache_dir"
     if os.environ.get("LPT_DATA_CACHE"):
         return os.environ["LPT_DATA_CACHE"], "$LPT_DATA_CACHE (data.cache_dir is unset)"
-    return default_cache_dir(), "the default data cache (data.cache_dir and $LPT_DATA_CACHE are unset)"
+    return _default_cache_dir(), "the default data cache (data.cache_dir and $LPT_DATA_CACHE are unset)"
 
 
 def fingerprint(
@@ -104,7 +104,7 @@ def fingerprint(
       validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
     """
     stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
-    fields = [CACHE_VERSION, source, stats, float(validation_fraction)]
+    fields = [_CACHE_VERSION, source, stats, float(validation_fraction)]
     if tokenizer != "bytes":
         fields.append(tokenizer)
     if validation_split != "tail":
@@ -146,7 +146,7 @@ def holds_out(doc: bytes | str, validation_fraction: float) -> bool:
     return int.from_bytes(h.digest(), "big") < validation_fraction * 2.0**64  # int < float compares exactly
 
 
-def document_fraction(doc: bytes | str, validation_fraction: float, validation_split: str) -> float:
+def _document_fraction(doc: bytes | str, validation_fraction: float, validation_split: str) -> float:
     """The share of ``doc`` that goes to validation: ``validation_fraction`` for ``"tail"``; 1.0 or 0.0 for
     ``"docs"`` (:func:`holds_out`). The parts are then cut with it exactly as for ``"tail"``."""
     if validation_split == "tail":
@@ -156,7 +156,7 @@ def document_fraction(doc: bytes | str, validation_fraction: float, validation_s
     raise ValueError(f"validation_split={validation_split!r} is not supported; allowed: {list(VALIDATION_SPLITS)}")
 
 
-def document_parts(doc: bytes | str, validation_fraction: float) -> tuple[Iterable[bytes], Iterable[bytes]]:
+def _document_parts(doc: bytes | str, validation_fraction: float) -> tuple[Iterable[bytes], Iterable[bytes]]:
     """(train pieces, validation pieces) of one document, given as bytes or as a file path (read in pieces, so a
     single huge file never sits in memory). Same cut as :func:`split_document`."""
     if isinstance(doc, bytes | bytearray):
@@ -222,8 +222,8 @@ def encoded_parts(
 ) -> Iterator[tuple[str, list | np.ndarray, int]]:
     """``(split, token ids, text bytes)`` of one document in stream order: the train part's pieces, its separator
     (``[separator]``, 1 byte) if the part is not empty, then the same for the validation part (with ``"docs"`` one of
-    the parts is the whole document, :func:`document_fraction`). ``name`` names the document in errors. With the
-    bytes tokenizer the pieces are :func:`document_parts` (any bytes; the uint8 ids are the bytes), so the stream is
+    the parts is the whole document, :func:`_document_fraction`). ``name`` names the document in errors. With the
+    bytes tokenizer the pieces are :func:`_document_parts` (any bytes; the uint8 ids are the bytes), so the stream is
     the one :func:`build_or_open` writes.
 
     Args:
@@ -234,9 +234,9 @@ def encoded_parts(
       name: the document's name in errors.
       validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
     """
-    validation_fraction = document_fraction(doc, validation_fraction, validation_split)
+    validation_fraction = _document_fraction(doc, validation_fraction, validation_split)
     if tokenizer.identity == "bytes":
-        for split, pieces in zip(SPLITS, document_parts(doc, validation_fraction), strict=True):
+        for split, pieces in zip(SPLITS, _document_parts(doc, validation_fraction), strict=True):
             n = 0
             for piece in pieces:
                 n += len(piece)
@@ -260,7 +260,7 @@ def encoded_parts(
             yield split, [tokenizer.separator], 1
 
 
-class DamagedCache(ValueError):
+class _DamagedCache(ValueError):
     """A cache directory whose streams do not match its ``meta.json``."""
 
 
@@ -298,7 +298,7 @@ def _chunk_digest(fd: int, start: int, stop: int, algorithm: str = "sha256") -> 
     return h.digest()
 
 
-def digest_chunks(size: int, chunk_digests: Iterable[bytes]) -> str:
+def _digest_chunks(size: int, chunk_digests: Iterable[bytes]) -> str:
     """The :func:`full_digest` of ``size`` bytes whose ``DIGEST_CHUNK`` chunks have the SHA-256 digests
     ``chunk_digests``."""
     h = hashlib.sha256(str(size).encode())
@@ -315,7 +315,7 @@ def full_digest(path: str | bytes | np.ndarray, threads: int | None = None) -> s
     if not isinstance(path, str):
         data = memoryview(np.ascontiguousarray(path)).cast("B")
         chunks = range(0, len(data), DIGEST_CHUNK)
-        return digest_chunks(len(data), (hashlib.sha256(data[a : a + DIGEST_CHUNK]).digest() for a in chunks))
+        return _digest_chunks(len(data), (hashlib.sha256(data[a : a + DIGEST_CHUNK]).digest() for a in chunks))
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -324,43 +324,43 @@ def full_digest(path: str | bytes | np.ndarray, threads: int | None = None) -> s
             chunks = list(pool.map(lambda a: _chunk_digest(fd, a, min(size, a + DIGEST_CHUNK)), starts))
     finally:
         os.close(fd)
-    return digest_chunks(size, chunks)
+    return _digest_chunks(size, chunks)
 
 
-def input_record(path: str) -> list:
+def _input_record(path: str) -> list:
     """``[absolute path, size, digest]`` of an input file, as ``meta.json`` records it in ``inputs``."""
     return [os.path.abspath(path), os.path.getsize(path), digest(path)]
 
 
 def _write_meta(directory: str, meta: dict, dtype: np.dtype, inputs: Iterable[str]) -> None:
     """``meta.json`` with each split's stream ``digest`` (sampled, read by older lpt) and ``full_digest``, that of
-    ``counts.npy`` (``counts_digest``) when there is one, and the ``inputs`` (:func:`input_record`)."""
+    ``counts.npy`` (``counts_digest``) when there is one, and the ``inputs`` (:func:`_input_record`)."""
     streams = {s: os.path.join(directory, f"{s}.{_suffix(dtype)}") for s in SPLITS}
     meta["digest"] = {s: digest(path) for s, path in streams.items()}
     meta["full_digest"] = {s: full_digest(path) for s, path in streams.items()}
     if os.path.exists(os.path.join(directory, "counts.npy")):
         meta["counts_digest"] = full_digest(os.path.join(directory, "counts.npy"))
-    meta["inputs"] = [input_record(f) for f in inputs]
+    meta["inputs"] = [_input_record(f) for f in inputs]
     with open(os.path.join(directory, "meta.json"), "w") as fh:
         json.dump(meta, fh)
 
 
-class OldCache(DamagedCache):
+class _OldCache(_DamagedCache):
     """A cache written by an older lpt, without the full digest that every open checks."""
 
 
 def _verify(directory: str, meta: dict, dtype: np.dtype) -> None:
-    """DamagedCache (one line, naming the file) unless every stream has the size and full digest ``meta`` records,
-    and ``counts.npy`` (a tokenizer's cache) its digest; OldCache when ``meta`` has no full digest."""
+    """_DamagedCache (one line, naming the file) unless every stream has the size and full digest ``meta`` records,
+    and ``counts.npy`` (a tokenizer's cache) its digest; _OldCache when ``meta`` has no full digest."""
     for split in SPLITS:
         path = os.path.join(directory, f"{split}.{_suffix(dtype)}")
         want = int(meta["tokens"][split]) * dtype.itemsize
         size = os.path.getsize(path) if os.path.isfile(path) else None
         if size != want:
             found = "missing" if size is None else f"{size} bytes"
-            raise DamagedCache(f"the data cache is damaged: {path} is {found}; its meta.json says {want} bytes")
+            raise _DamagedCache(f"the data cache is damaged: {path} is {found}; its meta.json says {want} bytes")
     if "full_digest" not in meta or "inputs" not in meta:
-        raise OldCache(
+        raise _OldCache(
             f"the data cache {directory} was written by an older lpt without a full digest (damage between its 64 "
             "sampled blocks would go unseen)"
         )
@@ -369,24 +369,24 @@ def _verify(directory: str, meta: dict, dtype: np.dtype) -> None:
         checks[os.path.join(directory, "counts.npy")] = meta.get("counts_digest")
     for path, want in checks.items():
         if not os.path.isfile(path):
-            raise DamagedCache(f"the data cache is damaged: {path} is missing")
+            raise _DamagedCache(f"the data cache is damaged: {path} is missing")
         if full_digest(path) != want:
-            raise DamagedCache(
+            raise _DamagedCache(
                 f"the data cache is damaged: {path} does not match the full digest in its meta.json (its bytes were "
                 "changed)"
             )
 
 
 def read_meta(directory: str) -> dict:
-    """The ``meta.json`` of the cache ``directory``; DamagedCache when it is missing or not JSON."""
+    """The ``meta.json`` of the cache ``directory``; _DamagedCache when it is missing or not JSON."""
     try:
         with open(os.path.join(directory, "meta.json")) as fh:
             return json.load(fh)
     except FileNotFoundError:
-        raise DamagedCache(f"the data cache is damaged: {os.path.join(directory, 'meta.json')} is missing") from None
+        raise _DamagedCache(f"the data cache is damaged: {os.path.join(directory, 'meta.json')} is missing") from None
     except ValueError:
         path = os.path.join(directory, "meta.json")
-        raise DamagedCache(f"the data cache is damaged: {path} is not valid JSON") from None
+        raise _DamagedCache(f"the data cache is damaged: {path} is not valid JSON") from None
 
 
 def _open(directory: str, verify: bool = True) -> Corpus:
@@ -427,19 +427,19 @@ def _make_tmp(root: str, origin: str, key: str) -> str:
 
 
 def cache_path(cache_dir: str | None, key: str) -> str:
-    """Where the cache of fingerprint ``key`` lives (see :func:`cache_root`)."""
-    return os.path.join(cache_root(cache_dir)[0], key)
+    """Where the cache of fingerprint ``key`` lives (see :func:`_cache_root`)."""
+    return os.path.join(_cache_root(cache_dir)[0], key)
 
 
 def _build_or_open(cache_dir: str | None, key: str, write: Callable[[str], None]) -> Corpus:
     """Open the verified cache ``<cache_dir>/key``, building it with ``write(tmp_dir)`` when it is missing, damaged
     or written without a full digest."""
-    root, origin = cache_root(cache_dir)
+    root, origin = _cache_root(cache_dir)
     final = os.path.join(root, key)
     if os.path.isdir(final):
         try:
             return _open(final)
-        except DamagedCache as e:
+        except _DamagedCache as e:
             log.warning("%s; removing %s and rebuilding it", e, final)
             try:
                 aside = tempfile.mkdtemp(prefix=f"{key}.damaged-", dir=root)
@@ -485,7 +485,7 @@ def build_or_open(
       documents: called with no arguments, yields the documents as bytes or file paths.
       validation_fraction: share held out for validation.
       separator: the byte written after each non-empty part (0..255).
-      cache_dir: the cache root; None: ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data`` (:func:`cache_root`).
+      cache_dir: the cache root; None: ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data`` (:func:`_cache_root`).
       validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
       inputs: the input file paths.
     """
@@ -496,7 +496,7 @@ def build_or_open(
         sep = bytes([separator])
         with open(os.path.join(tmp, "train.u8"), "wb") as ft, open(os.path.join(tmp, "validation.u8"), "wb") as fv:
             for doc in documents():
-                parts = document_parts(doc, document_fraction(doc, validation_fraction, validation_split))
+                parts = _document_parts(doc, _document_fraction(doc, validation_fraction, validation_split))
                 for split, pieces, fh in zip(SPLITS, parts, (ft, fv), strict=True):
                     n = 0
                     for piece in pieces:
@@ -507,7 +507,7 @@ def build_or_open(
                         fh.write(sep)
                         counts[split][separator] += 1
                         sizes[split] += n + 1
-        meta = {"version": CACHE_VERSION, "tokens": sizes, "counts": {s: counts[s].tolist() for s in SPLITS}}
+        meta = {"version": _CACHE_VERSION, "tokens": sizes, "counts": {s: counts[s].tolist() for s in SPLITS}}
         _write_meta(tmp, meta, np.dtype(np.uint8), inputs)
 
     return _build_or_open(cache_dir, key, write)
@@ -550,7 +550,7 @@ def build_or_open_tokens(
       documents: called with no arguments, yields ``(name, document)``; ``name`` appears in errors.
       validation_fraction: share held out for validation.
       tokenizer: a tokenizer of :mod:`lpt.data.tokenizer`; ids outside its ``vocab_size`` are a ValueError.
-      cache_dir: the cache root; None: ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data`` (:func:`cache_root`).
+      cache_dir: the cache root; None: ``$LPT_DATA_CACHE``, else ``~/.cache/lpt/data`` (:func:`_cache_root`).
       validation_split: ``"tail"`` or ``"docs"`` (:data:`VALIDATION_SPLITS`).
       inputs: the input file paths.
     """
@@ -569,7 +569,7 @@ def build_or_open_tokens(
                     files[split].write(counters[split].add(ids, nbytes).tobytes())
         np.save(os.path.join(tmp, "counts.npy"), np.stack([counters[s].counts for s in SPLITS]))
         meta = {
-            "version": CACHE_VERSION,
+            "version": _CACHE_VERSION,
             "tokenizer": tokenizer.identity,
             "vocab_size": tokenizer.vocab_size,
             "dtype": dtype.name,

@@ -3,7 +3,7 @@
 Sources (``config.data.source``):
 
 * ``"embedded"``: the English help texts CPython ships as ``pydoc_data.topics`` (no download), in sorted topic
-  order, with repeated paragraphs removed (:func:`dedupe_paragraphs`). The topics overlap heavily ("specialnames"
+  order, with repeated paragraphs removed (:func:`_dedupe_paragraphs`). The topics overlap heavily ("specialnames"
   contains "customization", "compound" contains "if", ...), so without the dedupe much of the validation split
   occurs verbatim in the train split (sizes and overlap: docs/models_and_data.md).
 * ``"text"``: every file matching the glob ``config.data.paths`` (``**`` recursive), sorted by path; one file is
@@ -23,10 +23,10 @@ each document: ``doc₀ 0 doc₁ 0 …``. With a tokenizer file each document pa
 tokenizer's separator id; streams are uint16 when the vocabulary fits, else uint32
 (:func:`lpt.data.cache.encoded_parts`).
 
-The file sources are the registry :data:`_FILE_SOURCES` (name -> :class:`FileFormat`: the reader, the file names
+The file sources are the registry :data:`_FILE_SOURCES` (name -> :class:`_FileFormat`: the reader, the file names
 that select it in ``python -m lpt.data.prepare``, the default validation split), shared with that tool.
 
-Split (the ``split`` of the source's :class:`FileFormat`): ``"tail"`` (embedded, text, arrayrecord): the last
+Split (the ``split`` of the source's :class:`_FileFormat`): ``"tail"`` (embedded, text, arrayrecord): the last
 ``validation_fraction`` of each document's bytes (``cut = len − round(f · len)``; with a tokenizer moved forward to
 the next UTF-8 character boundary) goes to the validation stream, the rest to the train stream; deterministic,
 disjoint, exact in proportion, and it works for a single large file as well as for many small ones. ``"docs"``
@@ -55,10 +55,10 @@ from lpt.data.cache import SPLITS, Corpus
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
 SEPARATOR = 0
-VOCAB_SIZE = 256
+_VOCAB_SIZE = 256
 
 
-def dedupe_paragraphs(docs: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+def _dedupe_paragraphs(docs: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
     """Drop every paragraph (blank-line separated) whose stripped text already appeared earlier in ``docs``."""
     seen: set[bytes] = set()
     out = []
@@ -78,7 +78,7 @@ def _embedded_documents() -> list[tuple[str, bytes]]:
     from pydoc_data import topics
 
     docs = [(name, topics.topics[name].encode("utf-8")) for name in sorted(topics.topics)]
-    return dedupe_paragraphs(docs)
+    return _dedupe_paragraphs(docs)
 
 
 def glob_files(pattern: str | None, source: str, option: str = "config.data.paths") -> list[str]:
@@ -147,7 +147,7 @@ def _iter_arrayrecord(files: list[str], text_field: str = "text", bad=None) -> I
             yield f"{f}:{i}", bytes(r)
 
 
-class FileFormat(NamedTuple):
+class _FileFormat(NamedTuple):
     """A file source. ``read(files, text_field, bad)`` yields ``(name, document bytes)`` in order (``bad``: a
     :class:`lpt.data.records.BadRecords`); ``names``: the regex (searched, case-insensitive) of the file names that
     select it when no source is named (None: any other name); ``split``: its default validation split;
@@ -160,10 +160,10 @@ class FileFormat(NamedTuple):
 
 
 _FILE_SOURCES = {
-    "text": FileFormat(_iter_text, None, "tail", False),
-    "arrayrecord": FileFormat(_iter_arrayrecord, r"\.array_?record(-\d+-of-\d+)?$", "tail", False),
-    "jsonl": FileFormat(records.read_jsonl, r"\.(jsonl|ndjson)(\.gz|\.zst)?$", "docs", True),
-    "parquet": FileFormat(records.read_parquet, r"\.parquet$", "docs", True),
+    "text": _FileFormat(_iter_text, None, "tail", False),
+    "arrayrecord": _FileFormat(_iter_arrayrecord, r"\.array_?record(-\d+-of-\d+)?$", "tail", False),
+    "jsonl": _FileFormat(records.read_jsonl, r"\.(jsonl|ndjson)(\.gz|\.zst)?$", "docs", True),
+    "parquet": _FileFormat(records.read_parquet, r"\.parquet$", "docs", True),
 }
 SOURCES = ("embedded", *_FILE_SOURCES, "prepared")
 
@@ -220,7 +220,7 @@ def _embedded_streams(validation_fraction: float) -> Corpus:
     streams = {split: _join(p) for split, p in parts.items()}
     for s in streams.values():
         s.flags.writeable = False
-    counts = {split: np.bincount(s, minlength=VOCAB_SIZE).astype(np.int64) for split, s in streams.items()}
+    counts = {split: np.bincount(s, minlength=_VOCAB_SIZE).astype(np.int64) for split, s in streams.items()}
     return Corpus(streams, counts, {split: int(s.size) for split, s in streams.items()})
 
 

@@ -35,7 +35,7 @@ from lpt.data import cache, corpus, prepared
 from lpt.data.pipeline import DataConfig, _corpus, data_options
 from lpt.data.tokenizer import load_tokenizer
 
-VERSION = 1
+_VERSION = 1
 _KEYS = ("version", "source", "tokenizer", "validation_fraction", "files", "streams")
 
 
@@ -96,7 +96,7 @@ def corpus_identity(data_cfg: DataConfig) -> dict:
     loaded = _corpus(opts)  # builds or verifies the cache; the pipeline reuses what this opened
     tok = load_tokenizer(opts.tokenizer)
     ident = {
-        "version": VERSION,
+        "version": _VERSION,
         "source": opts.source,
         "tokenizer": tok.identity,
         "validation_fraction": float(opts.validation_fraction),

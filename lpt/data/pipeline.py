@@ -115,7 +115,7 @@ def _to_example(rows: list[np.ndarray]) -> dict[str, np.ndarray]:
     return {"inputs": np.ascontiguousarray(w[:, :-1]), "targets": np.ascontiguousarray(w[:, 1:])}
 
 
-class ProcessBatches(grain.MapDataset):
+class _ProcessBatches(grain.MapDataset):
     """Element ``b`` = this process's rows of global batch ``b`` of ``parent`` (a per-row MapDataset)."""
 
     def __init__(self, parent: grain.MapDataset, global_batch: int, process_index: int, process_count: int):
@@ -133,7 +133,7 @@ class ProcessBatches(grain.MapDataset):
         return _to_example([self._parent[start + j] for j in range(self.local)])
 
     def __str__(self) -> str:
-        return f"ProcessBatches(global_batch={self.global_batch}, process_index={self.process_index})"
+        return f"_ProcessBatches(global_batch={self.global_batch}, process_index={self.process_index})"
 
 
 def _shuffle_seed(opts: DataConfig, seed: int) -> int:
@@ -174,7 +174,7 @@ def make_train_iterator(
         raise ValueError(f"start={start!r} must be an int >= 0 (a global batch index)")
     rows = grain.MapDataset.source(Windows(_streams(opts)["train"], seq_len))
     rows = rows.shuffle(seed=_shuffle_seed(opts, seed)).repeat()
-    ds = ProcessBatches(rows, global_batch, process_index, process_count)[start:].to_iter_dataset()
+    ds = _ProcessBatches(rows, global_batch, process_index, process_count)[start:].to_iter_dataset()
     if opts.worker_count > 0:
         from absl import flags
 

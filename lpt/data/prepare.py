@@ -42,7 +42,7 @@ One prepare at a time per DIR: it holds an exclusive lock (:mod:`lpt.filelock`) 
 one-line error naming the directory and the holder (:class:`OutLock`). DIR must lie apart from the input: DIR equal
 to an input file's directory, DIR containing one, or DIR inside one where the ``--input`` glob would match the files
 prepare writes (``'in/**'``) is refused before anything is written (paths resolved, symlinks followed;
-:func:`check_apart`). Each finished shard records a blake2b digest of each split's records (``digest``), taken as
+:func:`_check_apart`). Each finished shard records a blake2b digest of each split's records (``digest``), taken as
 they are written, which :mod:`lpt.data.identity` combines into the directory's identity.
 Progress: a tqdm bar over the input bytes, on stderr when it is a terminal.
 """
@@ -65,12 +65,12 @@ from lpt.data import cache, corpus, prepared, records
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
 SOURCES = tuple(corpus._FILE_SOURCES)  # the file formats, shared with the trainer's on-the-fly path
-SHARD_MB = 64
-RECORD_TOKENS = 1 << 14
-AR_OPTIONS = "group_size:1"  # one record per chunk: every record is read on its own (random access)
+_SHARD_MB = 64
+_RECORD_TOKENS = 1 << 14
+_AR_OPTIONS = "group_size:1"  # one record per chunk: every record is read on its own (random access)
 
 
-def plan_shards(files: list[str], shard_bytes: int) -> list[dict]:
+def _plan_shards(files: list[str], shard_bytes: int) -> list[dict]:
     """Consecutive groups of ``files`` of about ``shard_bytes`` input bytes each: ``[{"index", "inputs": [[path,
     size, mtime_ns], ...]}]``."""
     shards, group, size = [], [], 0
@@ -104,7 +104,7 @@ class _RecordWriter:
         from array_record.python.array_record_module import ArrayRecordWriter
 
         self.path, self.tmp = path, f"{path}.tmp-{os.getpid()}"
-        self._writer = ArrayRecordWriter(self.tmp, AR_OPTIONS)
+        self._writer = ArrayRecordWriter(self.tmp, _AR_OPTIONS)
         self.dtype, self.record_tokens = dtype.newbyteorder("<"), record_tokens
         self._pending: list[np.ndarray] = []
         self._n = 0
@@ -224,12 +224,12 @@ def _check_rerun(out: str, old: dict, new: dict) -> None:
 
 
 LOCK = "prepare.lock"  # held (flock) by the one prepare writing into a directory; removed when it ends
-WRITTEN = (prepared.MANIFEST, prepared.TOTAL_COUNTS, prepared.counts_file(0), LOCK) + tuple(
+_WRITTEN = (prepared.MANIFEST, prepared.TOTAL_COUNTS, prepared.counts_file(0), LOCK) + tuple(
     prepared.shard_file(s, 0) for s in cache.SPLITS
 )  # the names prepare writes into --out (shard 0 for each shard)
 
 
-def check_apart(out: str, files: list[str], input: str) -> None:
+def _check_apart(out: str, files: list[str], input: str) -> None:
     """ValueError (one line) when ``out`` is an input file's directory, contains one, or lies inside one where the
     ``input`` glob would match what prepare writes (resolved paths: symlinks followed). Before anything is
     written."""
@@ -240,7 +240,7 @@ def check_apart(out: str, files: list[str], input: str) -> None:
             raise ValueError(f"--out {out!r} is the directory of --input files ({d}); {apart}")
         if d.startswith(real.rstrip(os.sep) + os.sep):
             raise ValueError(f"--out {out!r} contains the directory of --input files {d}; {apart}")
-    for name in WRITTEN:
+    for name in _WRITTEN:
         if corpus.glob_matches(input, os.path.join(real, name)):
             raise ValueError(
                 f"--out {out!r} lies where --input {input!r} reads: it would match the {name} prepare writes there; "
@@ -314,8 +314,8 @@ def prepare(
     validation_split: str | None = None,
     max_bad_records: int = records.MAX_BAD_RECORDS,
     workers: int = 1,
-    shard_mb: float = SHARD_MB,
-    record_tokens: int = RECORD_TOKENS,
+    shard_mb: float = _SHARD_MB,
+    record_tokens: int = _RECORD_TOKENS,
     progress: bool = True,
 ) -> dict:
     """Prepare (or finish preparing) ``out`` (see the module docstring); returns the manifest plus ``"tokenized"``:
@@ -385,11 +385,11 @@ def prepare(
         "validation_fraction": float(validation_fraction),
         "validation_split": validation_split,
         "record_tokens": record_tokens,
-        "shards": plan_shards(files, int(shard_mb * (1 << 20))),
+        "shards": _plan_shards(files, int(shard_mb * (1 << 20))),
         "finished": {},
         "complete": False,
     }
-    check_apart(out, files, input)
+    _check_apart(out, files, input)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         help="bad records skipped (each reported on stderr) before prepare stops with an error",
     )
     parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="processes")
-    parser.add_argument("--shard-mb", type=float, default=SHARD_MB, help="input MiB per shard")
-    parser.add_argument("--record-tokens", type=int, default=RECORD_TOKENS, help="token ids per ArrayRecord record")
+    parser.add_argument("--shard-mb", type=float, default=_SHARD_MB, help="input MiB per shard")
+    parser.add_argument("--record-tokens", type=int, default=_RECORD_TOKENS, help="token ids per ArrayRecord record")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:

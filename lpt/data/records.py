@@ -3,7 +3,7 @@
 * JSON Lines (``source="jsonl"``): read line by line, through gzip for a ``.gz`` file name and zstd for ``.zst``
   (any case). Each line is one JSON object whose string field ``text_field`` (default ``"text"``) is the document,
   stored as its UTF-8 bytes; a line of whitespace only is no record. The document is named ``path:line`` (1-based).
-* Parquet (``source="parquet"``, ``pyarrow``): read in record batches of ``BATCH_ROWS`` rows of the one column
+* Parquet (``source="parquet"``, ``pyarrow``): read in record batches of ``_BATCH_ROWS`` rows of the one column
   ``text_field`` (a string or binary column); the value of each row is the document, named ``path:row R``
   (0-based). A file without that column, or with a column of another type, is an error naming the file and its
   columns (every row would be bad).
@@ -24,15 +24,15 @@ import zlib
 from collections.abc import Callable, Iterator
 
 MAX_BAD_RECORDS = 1000  # the most bad records skipped (each reported); one more stops reading with an error
-KEPT_EXAMPLES = 10  # bad records kept by name in BadRecords.examples (and a prepare manifest)
-BATCH_ROWS = 1024  # Parquet rows read at a time
+_KEPT_EXAMPLES = 10  # bad records kept by name in BadRecords.examples (and a prepare manifest)
+_BATCH_ROWS = 1024  # Parquet rows read at a time
 
 log = logging.getLogger("lpt.data")
 
 
 class BadRecords:
     """Counts bad records: ``bad(where, reason)`` reports ``"skipped bad record {where}: {reason}"`` through
-    ``report`` (default: a warning on the ``lpt.data`` logger), keeps the first ``KEPT_EXAMPLES`` in ``examples``
+    ``report`` (default: a warning on the ``lpt.data`` logger), keeps the first ``_KEPT_EXAMPLES`` in ``examples``
     and raises a one-line ValueError once ``count`` exceeds ``limit``; ``option`` names how the limit is set."""
 
     def __init__(
@@ -49,7 +49,7 @@ class BadRecords:
     def __call__(self, where: str, reason: str) -> None:
         self.count += 1
         line = f"{where}: {reason}"
-        if len(self.examples) < KEPT_EXAMPLES:
+        if len(self.examples) < _KEPT_EXAMPLES:
             self.examples.append(line)
         self.report(f"skipped bad record {line}")
         if self.count > self.limit:
@@ -66,7 +66,7 @@ def _json_type(value) -> str:
     return _JSON_TYPES.get(type(value), "a number")
 
 
-def jsonl_document(line: bytes, text_field: str, first: bool = False) -> tuple[bytes | None, str | None]:
+def _jsonl_document(line: bytes, text_field: str, first: bool = False) -> tuple[bytes | None, str | None]:
     """``(document, None)`` for a good line, ``(None, reason)`` for a bad one, ``(None, None)`` for a blank one.
     ``first``: the file's first line, which may start with a UTF-8 byte order mark."""
     if not line.strip():
@@ -122,7 +122,7 @@ def read_jsonl(
         try:
             with fh:
                 for lineno, line in enumerate(fh, 1):
-                    doc, reason = jsonl_document(line, text_field, lineno == 1)
+                    doc, reason = _jsonl_document(line, text_field, lineno == 1)
                     if reason is not None:
                         bad(f"{path}:{lineno}", reason)
                     elif doc is not None:
@@ -156,7 +156,7 @@ def read_parquet(
             raise ValueError(f"column {text_field!r} of {path!r} is {kind}; allowed: {list(_STRING_TYPES)}")
         row = 0
         with pf:
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=[text_field]):
+            for batch in pf.iter_batches(batch_size=_BATCH_ROWS, columns=[text_field]):
                 for value in batch.column(0).cast(pa.large_binary()).to_pylist():  # bytes, checked as UTF-8 below
                     if value is None:
                         bad(f"{path}:row {row}", f"column {text_field!r} is null")

@@ -55,7 +55,7 @@ def _not_a(path: Path, what: str, error: str) -> ValueError:
     )
 
 
-class HFTokenizer:
+class _HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package); no special tokens are added on ``encode``.
     ValueError naming the file when ``tokenizers`` cannot parse it."""
 
@@ -80,7 +80,7 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class SentencePieceTokenizer:
+class _SentencePieceTokenizer:
     """A SentencePiece ``.model``; the separator is its ``eos_id`` (else 0). ValueError naming the file when
     ``sentencepiece`` cannot parse it."""
 
@@ -106,7 +106,7 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
-Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
+Tokenizer = ByteTokenizer | _HFTokenizer | _SentencePieceTokenizer
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -120,7 +120,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 @functools.lru_cache(maxsize=8)
 def _load_file(path: str, size: int, mtime_ns: int) -> Tokenizer:  # keyed by size and mtime: an edit reloads
     p = Path(path)
-    return HFTokenizer(p) if p.suffix == ".json" else SentencePieceTokenizer(p)
+    return _HFTokenizer(p) if p.suffix == ".json" else _SentencePieceTokenizer(p)
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from lpt.data import cache, corpus
 
-END_OF_TEXT = "<|endoftext|>"
+_END_OF_TEXT = "<|endoftext|>"
 
 
 def _train_texts(files: list[str] | None, validation_fraction: float) -> Iterator[str]:
@@ -61,7 +61,7 @@ def train_tokenizer(
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if not isinstance(vocab_size, int) or vocab_size < 257:
-        raise ValueError(f"--vocab-size {vocab_size!r} must be an int >= 257 (256 bytes + {END_OF_TEXT})")
+        raise ValueError(f"--vocab-size {vocab_size!r} must be an int >= 257 (256 bytes + {_END_OF_TEXT})")
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"--validation-fraction {validation_fraction!r} must be in (0, 1)")
     if not str(out).endswith(".json"):
@@ -84,7 +84,7 @@ def train_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=[END_OF_TEXT],
+        special_tokens=[_END_OF_TEXT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"wrote {args.out}: vocab {r['vocab_size']} ({END_OF_TEXT} = 0, the separator), trained on "
+        f"wrote {args.out}: vocab {r['vocab_size']} ({_END_OF_TEXT} = 0, the separator), trained on "
         f"{r['train_bytes']:,} bytes in {r['seconds']:.2f} s"
     )
     return 0

@@ -46,7 +46,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-MODES = ("interpret", "triton", "mosaic", "mosaic_gpu")
+_MODES = ("interpret", "triton", "mosaic", "mosaic_gpu")
 
 
 def kernel(module: str, name: str) -> Callable:
@@ -114,7 +114,7 @@ def mode_kwargs(mode: str, *, grid_rank: int = 0, semantics: tuple[str, ...] | N
 
         sem = tuple(semantics) if semantics is not None else ("parallel",) * grid_rank
         return {"compiler_params": pltpu.CompilerParams(dimension_semantics=sem)}
-    raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    raise ValueError(f"mode={mode!r} is not one of {_MODES}")
 
 
 _MODE_OF_PLATFORM = {"cpu": "interpret", "gpu": "triton", "tpu": "mosaic"}  # a device's platform -> its mode

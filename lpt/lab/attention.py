@@ -38,7 +38,7 @@ def repeated_max_draws(n: int, seed: int = 0):
     return (qb, kb, vb), np.einsum("bhqk,bkhd->bqhd", p, v64)
 
 
-def bias_stats(policy: AttentionPolicy, block_k: int, data) -> tuple[float, float, float]:
+def _bias_stats(policy: AttentionPolicy, block_k: int, data) -> tuple[float, float, float]:
     """(mean signed error, t statistic over draws, RMS error) of the O kept for the backward."""
     (q, k, v), o64 = data
     key = jax.random.PRNGKey(0)
@@ -65,7 +65,7 @@ def run(report, quick: bool) -> dict:
         "FA2 kernel, lpt default (blocks of 16)": (default_policy(), 16),
     }
     stats = {
-        name: bias_stats(pol, bk, data) for name, (pol, bk) in tqdm(variants.items(), desc="attention", leave=False)
+        name: _bias_stats(pol, bk, data) for name, (pol, bk) in tqdm(variants.items(), desc="attention", leave=False)
     }
     report.section(
         "Biased rounding in flash attention with repeated row maxima (Qiu & Yao)",
@@ -78,7 +78,7 @@ def run(report, quick: bool) -> dict:
     report.text(f"{n} draws of 64x64 attention, 2-4 repeated maxima per row, V ~ N(-1, 0.5); error of O vs f64.")
     report.table(["variant", "mean error", "t", "RMS error"], [[k, *v] for k, v in stats.items()])
     betas = [2.0, 3.0, 5.0, 7.0, 8.0]
-    sweep = [bias_stats(paper("beta", beta=b), T, data) for b in betas]
+    sweep = [_bias_stats(paper("beta", beta=b), T, data) for b in betas]
     report.table(["paper all-bf16, β ="] + [str(b) for b in betas], [["t"] + [s[1] for s in sweep]])
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot(betas, [s[1] for s in sweep], marker="o", label="β rule")

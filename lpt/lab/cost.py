@@ -17,7 +17,7 @@ from lpt.lab import runs
 from lpt.train.machine import describe
 
 # model size name -> overrides; "tiny" is tiny_cpu itself, "small" a wider/deeper model with longer sequences
-SIZES = {
+_SIZES = {
     "tiny": {},
     "small": {
         "model.d_model": "384",
@@ -61,7 +61,7 @@ def measure(names, overrides: dict[str, str], rounds: int, batches: int) -> dict
 def plan(quick: bool, recipes=None) -> tuple[list[str], list[str]]:
     """The recipes (default: all; :func:`measure` adds the f32 baseline) and the model sizes (``--quick``: tiny)
     :func:`run` measures."""
-    return list(recipes or runs.RECIPES), ["tiny"] if quick else list(SIZES)
+    return list(recipes or runs.RECIPES), ["tiny"] if quick else list(_SIZES)
 
 
 def configs(quick: bool, recipes=None, overrides=None) -> dict:
@@ -69,7 +69,7 @@ def configs(quick: bool, recipes=None, overrides=None) -> dict:
     (checked by ``python -m lpt.lab`` before anything is written)."""
     names, sizes = plan(quick, recipes)
     names = names if runs.BASELINE in names else [runs.BASELINE, *names]
-    return {(s, n): runs.recipe_config(n, {**SIZES[s], **(overrides or {})}) for s in sizes for n in names}
+    return {(s, n): runs.recipe_config(n, {**_SIZES[s], **(overrides or {})}) for s in sizes for n in names}
 
 
 def run(report, quick: bool, recipes=None, overrides=None) -> dict:
@@ -87,9 +87,9 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
     )
     out = {}
     for size in sizes:
-        res = measure(names, {**SIZES[size], **extra}, rounds, batches)
+        res = measure(names, {**_SIZES[size], **extra}, rounds, batches)
         out[size] = res
-        cfg = runs.recipe_config(runs.BASELINE, {**SIZES[size], **extra})
+        cfg = runs.recipe_config(runs.BASELINE, {**_SIZES[size], **extra})
         m = cfg.model
         report.text(
             f"**{size}** model: d_model {m.d_model}, {m.n_layers} layers, {res[runs.BASELINE]['params']:,} params, "

@@ -45,13 +45,13 @@ RECIPES: dict[str, tuple[dict[str, str], str]] = {
 }
 BASELINE = "f32"
 LR = "1e-4"
-COMMON = {"train.diagnostics_every": "0"}
-FULL_PRETRAIN: dict[str, str] = {**COMMON}  # configs/tiny_cpu.py as shipped: 600 steps of 32 x 64 tokens
-FULL = {**COMMON, "optim.lr": LR}  # configs/finetune_cpu.py: 300 steps of 32 x 64 tokens
-SMALL_MODEL = {"model.d_model": "64", "model.n_layers": "1", "model.d_ff": "192"}
-QUICK_PRETRAIN = {
-    **COMMON,
-    **SMALL_MODEL,
+_COMMON = {"train.diagnostics_every": "0"}
+_FULL_PRETRAIN: dict[str, str] = {**_COMMON}  # configs/tiny_cpu.py as shipped: 600 steps of 32 x 64 tokens
+FULL = {**_COMMON, "optim.lr": LR}  # configs/finetune_cpu.py: 300 steps of 32 x 64 tokens
+_SMALL_MODEL = {"model.d_model": "64", "model.n_layers": "1", "model.d_ff": "192"}
+_QUICK_PRETRAIN = {
+    **_COMMON,
+    **_SMALL_MODEL,
     "train.steps": "150",
     "train.global_batch": "16",
     "optim.warmup_steps": "10",
@@ -62,7 +62,7 @@ QUICK_PRETRAIN = {
 }
 QUICK = {
     **FULL,
-    **SMALL_MODEL,
+    **_SMALL_MODEL,
     "train.steps": "100",
     "train.global_batch": "16",
     "train.eval_every": "50",
@@ -78,7 +78,7 @@ def recipe_config(name: str, overrides: dict[str, str], start: Path):
     return config_lib.apply_overrides(cfg, {**RECIPES[name][0], **overrides, "init_from.workdir": str(start)})
 
 
-def start_loss(cfg: config_lib.Config) -> float:
+def _start_loss(cfg: config_lib.Config) -> float:
     """Validation loss of ``cfg``'s step-0 state (its ``init_from`` params in its storage and compute dtypes) on the
     validation batches the trainer evaluates."""
     cfg = config_lib.resolve(cfg)
@@ -99,7 +99,7 @@ def run(report, quick: bool) -> dict:
     size = "quick" if quick else "full"
     root = Path(report.out_dir) / "finetune_runs" / size
     pre_cfg = config_lib.apply_overrides(
-        config_lib.load_config_file("tiny_cpu"), QUICK_PRETRAIN if quick else FULL_PRETRAIN
+        config_lib.load_config_file("tiny_cpu"), _QUICK_PRETRAIN if quick else _FULL_PRETRAIN
     )
     pre = loop.train(pre_cfg, root / "pretrain")
     overrides = QUICK if quick else FULL
@@ -110,7 +110,7 @@ def run(report, quick: bool) -> dict:
     for n, cfg in cfgs.items():
         key = (cfg.precision.param_dtype, cfg.precision.compute_dtype)
         if key not in starts:
-            starts[key] = start_loss(cfg)
+            starts[key] = _start_loss(cfg)
         run = runs.trained(cfg, root / n)
         results[n] = {"start": starts[key], "final": run["eval_loss"], "unigram": run["unigram"]}
         results[n]["train"], results[n]["eval"] = run["train"], run["eval"]

@@ -18,7 +18,7 @@ switches on and off.
 3. Which of NVIDIA's findings reproduce at this scale, written from the numbers.
 
 The GEMMs are captured by wrapping :func:`lpt.models.layers.matmul` for the duration of one traced forward and
-backward pass (:func:`capture_gemms`); the model and its matmuls are the trainer's.
+backward pass (:func:`_capture_gemms`); the model and its matmuls are the trainer's.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ RUNS = {
 FULL = {"train.diagnostics_every": "0"}  # tiny_cpu's own budget: 600 steps of 32 x 64 tokens, lr 3e-3
 # --quick: lpt.lab.recipes' one-layer model (d_model 64, where FP8's 128-blocks do not fit) with 4 KV heads, so that
 # q, k, v and out share one shape (fewer GEMMs to compile); two runs
-QUICK_BUDGET = {**QUICK, "model.n_kv_heads": "4"}
-QUICK_RUNS = ("bf16", "nvfp4")
+_QUICK_BUDGET = {**QUICK, "model.n_kv_heads": "4"}
+_QUICK_RUNS = ("bf16", "nvfp4")
 # the per-GEMM formats: name -> (registered matmul format, its precision switches: lpt.models.config.Precision keys)
 GEMM_FORMATS = {
     "fp8": ("fp8", {}),
@@ -71,10 +71,10 @@ GEMM_FORMATS = {
     "nvfp4_sr": ("nvfp4", {"nvfp4_hadamard": False}),
     "nvfp4_neither": ("nvfp4", {"nvfp4_hadamard": False, "nvfp4_stochastic_grads": False}),
 }
-QUICK_GEMM_FORMATS = ("mxfp8", "nvfp4", "nvfp4_neither")
+_QUICK_GEMM_FORMATS = ("mxfp8", "nvfp4", "nvfp4_neither")
 KINDS = ("qkv", "out", "up", "down")
-QUANTITIES = ("x", "w", "dy", "y", "dx", "dw")
-HEALTH = ("saturated", "underflow", "clipped")
+_QUANTITIES = ("x", "w", "dy", "y", "dx", "dw")
+_HEALTH = ("saturated", "underflow", "clipped")
 
 
 def run_config(name: str, seed: int, quick: bool):
@@ -83,7 +83,7 @@ def run_config(name: str, seed: int, quick: bool):
         raise ValueError(f"unknown run {name!r}; available: {', '.join(RUNS)}")
     file, extra, _ = RUNS[name]
     cfg = config_lib.load_config_file(file)
-    return config_lib.apply_overrides(cfg, {**(QUICK_BUDGET if quick else FULL), **extra, "train.seed": str(seed)})
+    return config_lib.apply_overrides(cfg, {**(_QUICK_BUDGET if quick else FULL), **extra, "train.seed": str(seed)})
 
 
 def lm_runs(names, seeds, workdir: Path, quick: bool) -> dict:
@@ -101,7 +101,7 @@ def lm_runs(names, seeds, workdir: Path, quick: bool) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def capture_gemms(run_dir: Path) -> tuple[list[tuple[str, jax.Array, jax.Array, jax.Array]], object]:
+def _capture_gemms(run_dir: Path) -> tuple[list[tuple[str, jax.Array, jax.Array, jax.Array]], object]:
     """``([(kind, x [M, K], w [K, N], g [M, N])], cfg)``: every matmul of the run's final checkpoint on its first
     validation batch, as f32 arrays of the compute-dtype values (x and w as the layer hands them to its matmul; g =
     ``dL/dy`` of the mean cross-entropy, the cotangent of a zero added to y), and the run's config."""
@@ -154,7 +154,7 @@ def _energies(ref, approx) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames="fmt")
-def gemm_errors(x, w, g, key, fmt: str) -> dict[str, jax.Array]:
+def _gemm_errors(x, w, g, key, fmt: str) -> dict[str, jax.Array]:
     """One matmul ``y = x w`` (f32 operands holding compute-dtype values; g = dL/dy) in the GEMM format ``fmt``
     (:data:`GEMM_FORMATS`): ``{quantity: [signal, noise]}`` energies for the operands x, w, dy and the GEMM results
     y, dx, dw against the f32-accumulated GEMMs of the unquantized operands, and for a format with block scales
@@ -190,7 +190,7 @@ def gemm_errors(x, w, g, key, fmt: str) -> dict[str, jax.Array]:
     return out
 
 
-def gemm_table(gemms, formats, seed: int = 0) -> dict:
+def _gemm_table(gemms, formats, seed: int = 0) -> dict:
     """``{(kind, fmt): {quantity: [signal, noise], "health/<operand>": counts}}`` pooled over the matmuls of each
     layer kind (and ``"all"`` over the four kinds); keys for the SR bits and Hadamard signs from ``seed``."""
     key = jax.random.key(seed)
@@ -198,7 +198,7 @@ def gemm_table(gemms, formats, seed: int = 0) -> dict:
     work = [(i, kind, x, w, g) for i, (kind, x, w, g) in enumerate(gemms) if kind in KINDS]
     for fmt in tqdm(formats, desc="formats: GEMM errors", leave=False):
         for i, kind, x, w, g in work:
-            res = jax.device_get(gemm_errors(x, w, g, jax.random.fold_in(key, i), fmt))
+            res = jax.device_get(_gemm_errors(x, w, g, jax.random.fold_in(key, i), fmt))
             for group in (kind, "all"):
                 acc = pooled.setdefault((group, fmt), {})
                 for q, v in res.items():
@@ -249,7 +249,7 @@ def findings(lm, names, seeds, table, formats, n_params: int, tokens: int) -> li
       lm: ``{(run, seed): {"eval_loss", ...}}`` of :func:`lm_runs`.
       names: the LM runs trained (keys of :data:`RUNS`).
       seeds: the seeds trained.
-      table: ``{(kind, fmt): {quantity: [signal, noise]}}`` of :func:`gemm_table`.
+      table: ``{(kind, fmt): {quantity: [signal, noise]}}`` of :func:`_gemm_table`.
       formats: the GEMM formats in ``table`` (keys of :data:`GEMM_FORMATS`).
       n_params: parameters of the LM.
       tokens: training tokens per run.
@@ -303,12 +303,12 @@ def findings(lm, names, seeds, table, formats, n_params: int, tokens: int) -> li
 
 def run(report, quick: bool) -> dict:
     """Add the section to ``report``; return the headline numbers (used by the tests)."""
-    names = QUICK_RUNS if quick else tuple(RUNS)
+    names = _QUICK_RUNS if quick else tuple(RUNS)
     seeds = (0,) if quick else (0, 1, 2)
-    formats = QUICK_GEMM_FORMATS if quick else tuple(GEMM_FORMATS)
+    formats = _QUICK_GEMM_FORMATS if quick else tuple(GEMM_FORMATS)
     lm = lm_runs(names, seeds, Path(report.out_dir) / "formats_runs", quick)
-    gemms, cfg = capture_gemms(lm[("bf16", seeds[0])]["dir"])
-    table = gemm_table(gemms, formats)
+    gemms, cfg = _capture_gemms(lm[("bf16", seeds[0])]["dir"])
+    table = _gemm_table(gemms, formats)
 
     out: dict = {}
     report.section(
@@ -370,9 +370,9 @@ def run(report, quick: bool) -> dict:
     rows = []
     for kind in (*KINDS, "all"):
         for fmt in formats:
-            snrs = {q: snr_db(table[(kind, fmt)][q]) for q in QUANTITIES}
+            snrs = {q: snr_db(table[(kind, fmt)][q]) for q in _QUANTITIES}
             out.update({f"gemm/{kind}/{fmt}/{q}_snr_db": v for q, v in snrs.items()})
-            rows.append([kind, fmt, *[f"{snrs[q]:.1f}" for q in QUANTITIES]])
+            rows.append([kind, fmt, *[f"{snrs[q]:.1f}" for q in _QUANTITIES]])
     report.table(["kind", "format", "x", "w", "dY", "y", "dX", "dW"], rows)
 
     report.text(
@@ -387,9 +387,9 @@ def run(report, quick: bool) -> dict:
             cells = []
             for op in ("x", "w", "dy"):
                 c = table[(kind, fmt)][f"health/{op}"]
-                shares = {h: float(c[i] / c[3]) for i, h in enumerate(HEALTH)}
+                shares = {h: float(c[i] / c[3]) for i, h in enumerate(_HEALTH)}
                 out.update({f"health/{kind}/{fmt}/{op}_{h}": v for h, v in shares.items()})
-                cells.append(" / ".join(f"{100 * shares[h]:.2f}%" for h in HEALTH))
+                cells.append(" / ".join(f"{100 * shares[h]:.2f}%" for h in _HEALTH))
             rows.append([kind, fmt, *cells])
     report.table(["kind", "format", "x", "w", "dY"], rows)
 

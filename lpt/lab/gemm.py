@@ -22,7 +22,7 @@ from lpt.numerics import round_nearest
 
 _emu = jax.jit(emulated_dot, static_argnames=("accumulator_bits", "promote_every", "max_abs"))
 
-ACCUMULATORS = {
+_ACCUMULATORS = {
     "FP8 register (3 bits, sat. 448)": dict(accumulator_bits=3, max_abs=448.0),
     "bf16 register (7 bits)": dict(accumulator_bits=7),
     "14-bit register": dict(accumulator_bits=14),
@@ -43,19 +43,19 @@ def _rel(out, truth) -> float:
     return float(np.mean(np.abs(np.asarray(out, np.float64) - truth)) / np.mean(np.abs(truth)))
 
 
-def accumulator_table(ks):
+def _accumulator_table(ks):
     return {
-        k: {name: _rel(_emu(*_fp8_operands(k)[:2], **kw), _fp8_operands(k)[2]) for name, kw in ACCUMULATORS.items()}
+        k: {name: _rel(_emu(*_fp8_operands(k)[:2], **kw), _fp8_operands(k)[2]) for name, kw in _ACCUMULATORS.items()}
         for k in tqdm(ks, desc="gemm: accumulators", leave=False)
     }
 
 
-def promotion_sweep(k: int, intervals):
+def _promotion_sweep(k: int, intervals):
     a, b, truth = _fp8_operands(k, seed=1)
     return {n: _rel(_emu(a, b, accumulator_bits=14, promote_every=n), truth) for n in intervals}
 
 
-def massive_activation_sweep(magnitudes, tokens: int = 128, k: int = 256, n: int = 128):
+def _massive_activation_sweep(magnitudes, tokens: int = 128, k: int = 256, n: int = 128):
     """Mean per-token relative error of blockwise vs per-tensor FP8 GEMMs; 4 tokens at ``m``, bulk in [1e-2, 1]."""
     rng = np.random.default_rng(5)
     bulk = 10.0 ** rng.uniform(-2, 0, size=(tokens, 1))
@@ -78,7 +78,7 @@ def massive_activation_sweep(magnitudes, tokens: int = 128, k: int = 256, n: int
 def run(report, quick: bool) -> dict:
     """Add the section to ``report``; return the headline numbers (used by the tests)."""
     ks = [512, 4096] if quick else [512, 1024, 4096, 16384]
-    table = accumulator_table(ks)
+    table = _accumulator_table(ks)
     report.section(
         "FP8 GEMM accumulation and promotion (DeepSeek-V3 Technical Report)",
         "with FP8 inputs and K = 4096, limited (~14-bit) tensor-core accumulation gives ~2-3e-4 relative error; "
@@ -88,10 +88,10 @@ def run(report, quick: bool) -> dict:
     )
     report.text("FP8 (e4m3) operands, 8x8 outputs; mean |error| / mean |truth| against an f64 sum.")
     report.table(
-        ["accumulator"] + [f"K={k}" for k in ks], [[name] + [table[k][name] for k in ks] for name in ACCUMULATORS]
+        ["accumulator"] + [f"K={k}" for k in ks], [[name] + [table[k][name] for k in ks] for name in _ACCUMULATORS]
     )
     intervals = [16, 32, 64, 128, 256, 512, 1024, None]
-    sweep = promotion_sweep(4096, intervals)
+    sweep = _promotion_sweep(4096, intervals)
     report.table(
         ["14-bit register, promote every"] + [str(n) if n else "never" for n in intervals],
         [["rel. error"] + list(sweep.values())],
@@ -105,7 +105,7 @@ def run(report, quick: bool) -> dict:
     report.figure(fig, "gemm_promotion", "14-bit accumulation at K = 4096: error vs promotion interval.")
 
     mags = [1e0, 1e2, 1e4] if quick else [1e0, 1e1, 1e2, 1e3, 1e4, 1e5]
-    massive = massive_activation_sweep(mags)
+    massive = _massive_activation_sweep(mags)
     report.section(
         "Blockwise vs per-tensor scaling on massive activations (DeepSeek-V3 Technical Report)",
         "fine-grained 1x128 activation tiles and 128x128 weight blocks keep outliers from destroying the precision "

@@ -4,7 +4,7 @@ Every recipe trains ``configs/gpt2_124m.py`` (12 layers, d 768, 12 heads: 85.8M 
 of a BPE of :data:`VOCAB` ids, 104.7M in all) from the same init on the same batches in the same order for the same
 number of tokens, with only ``precision`` changed (:data:`RECIPES`); the table gives each one's final validation loss
 against the float32 reference, its goal, the bytes of training state per parameter and its speed. The data needs no
-download (:func:`build_corpus`): the Python sources and documentation of this interpreter's standard library and
+download (:func:`_build_corpus`): the Python sources and documentation of this interpreter's standard library and
 installed packages (one document per file, sorted by path), with whole documents held out for validation (the
 ``jsonl`` source's ``"docs"`` split), tokenized with a byte-level BPE trained by :mod:`lpt.data.train_tokenizer` on
 the training documents only.
@@ -92,18 +92,18 @@ QUICK = {  # 2 CPU cores: about 10 s per recipe, most of it compiling
     "train.log_every": "5",
 }
 CORPUS_BYTES = {False: 32_000_000, True: 1_500_000}  # text gathered for the GPU run / --quick
-VALIDATION_FRACTION = 0.03  # of the documents (by content hash)
+_VALIDATION_FRACTION = 0.03  # of the documents (by content hash)
 _SUFFIXES = (".py", ".rst", ".txt", ".md")
 _MAX_DOC = 200_000  # bytes; larger files (generated tables, data) are skipped
 
 
-def build_corpus(directory: Path, max_bytes: int, vocab: int) -> dict:
+def _build_corpus(directory: Path, max_bytes: int, vocab: int) -> dict:
     """Write ``directory/docs.jsonl`` (one ``{"text": ...}`` per UTF-8 source or documentation file of the standard
     library, then of the installed packages, sorted by path, up to ``max_bytes``) and ``directory/tokenizer.json``
     (a byte-level BPE of ``vocab`` ids trained on the documents the ``"docs"`` split does not hold out); returns the
     corpus's ``meta.json``. Built once: a directory whose ``meta.json`` records the same request is reused."""
     meta_path = directory / "meta.json"
-    want = {"max_bytes": max_bytes, "vocab": vocab, "validation_fraction": VALIDATION_FRACTION}
+    want = {"max_bytes": max_bytes, "vocab": vocab, "validation_fraction": _VALIDATION_FRACTION}
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         if {k: meta.get(k) for k in want} == want:
@@ -122,7 +122,7 @@ def build_corpus(directory: Path, max_bytes: int, vocab: int) -> dict:
                 continue
             out.write(json.dumps({"text": text}) + "\n")
             docs, total = docs + 1, total + len(text.encode("utf-8"))
-            if not cache.holds_out(text.encode("utf-8"), VALIDATION_FRACTION):  # str -> UTF-8, as the reader does
+            if not cache.holds_out(text.encode("utf-8"), _VALIDATION_FRACTION):  # str -> UTF-8, as the reader does
                 train_text.append(text)
     tok_input = directory / "tokenizer_train.txt"  # the training documents only: validation text is never seen
     tok_input.write_text("\n\n".join(train_text), encoding="utf-8")
@@ -164,7 +164,7 @@ def configs(quick: bool, recipes=None, overrides=None, data_dir: Path | None = N
         "data.source": "jsonl",
         "data.paths": str(where / "docs.jsonl"),
         "data.tokenizer": "bytes" if data_dir is None else str(where / "tokenizer.json"),
-        "data.validation_fraction": str(VALIDATION_FRACTION),
+        "data.validation_fraction": str(_VALIDATION_FRACTION),
         "data.cache_dir": str(where / "cache"),
         "model.vocab_size": "0",
     }
@@ -180,7 +180,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
     """Build the corpus, train every recipe of :data:`RECIPES`, write the table and the plot; returns ``{recipe:
     {eval_loss, vs_f32, goal, met, bytes_per_param, tokens_per_sec, speed_vs_f32}, "tokens": ..., ...}``."""
     out_dir = Path(report.out_dir)
-    corpus = build_corpus(out_dir / "headline_data", CORPUS_BYTES[quick], 512 if quick else VOCAB)
+    corpus = _build_corpus(out_dir / "headline_data", CORPUS_BYTES[quick], 512 if quick else VOCAB)
     cfgs = configs(quick, overrides=overrides, data_dir=out_dir / "headline_data")
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     results = {name: runs.trained(cfg, out_dir / "headline_runs" / name) for name, cfg in cfgs.items()}
@@ -225,7 +225,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
     report.text(
         f"Model: {c0.model.kind} d{c0.model.d_model} L{c0.model.n_layers}, BPE of {corpus['vocab']} ids. Data: "
         f"{corpus['documents']} documents ({corpus['bytes'] / 1e6:.1f} MB of this Python's sources and docs), "
-        f"{100 * VALIDATION_FRACTION:g}% held out by document. Budget: {c0.train.steps} steps of "
+        f"{100 * _VALIDATION_FRACTION:g}% held out by document. Budget: {c0.train.steps} steps of "
         f"{c0.train.global_batch} x {c0.data.seq_len} tokens ({out['tokens'] / 1e6:.2f}M tokens) per recipe, lr "
         f"{c0.optim.lr:g} (cosine, {c0.optim.warmup_steps} warmup steps), same init and batches. Unigram baseline "
         f"{out['unigram']:.4f}. Speed: the median tokens/s of the logged intervals. Machine: {describe()}."

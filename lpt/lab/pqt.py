@@ -23,10 +23,10 @@ from tqdm import tqdm
 from lpt.numerics import round_nearest
 from lpt.pqt import ROUNDED_NORMAL_PMF, GaussWSLinear, bitwidth_loss, bitwidth_of, rounded_normal
 
-LAMBDA = 1e-2  # Eq. 12 weight of the toy's bitwidth term (pulls b_t from 6 to ~5.4 in 1000 steps)
+_LAMBDA = 1e-2  # Eq. 12 weight of the toy's bitwidth term (pulls b_t from 6 to ~5.4 in 1000 steps)
 
 
-def noise_table(n: int):
+def _noise_table(n: int):
     counts = np.zeros(5, np.int64)
     chunk = 1 << 22
     for i in range(max(1, n // chunk)):
@@ -49,7 +49,7 @@ def _fp6_blocks(w: np.ndarray, block: int = 32) -> np.ndarray:
     return (q * scale).reshape(m, n)
 
 
-def train_toy(method: str | None, steps: int, lam: float = 0.0, d: int = 64, seed: int = 0):
+def _train_toy(method: str | None, steps: int, lam: float = 0.0, d: int = 64, seed: int = 0):
     """Returns (MSE curve, b_t curve, clean MSE, FP6 MSE) for plain (None), "gaussws" or "diffq", trained on
     MSE + Eq. 12's ``lam · mean_tiles |b_t − b_target|``.
 
@@ -96,7 +96,7 @@ def train_toy(method: str | None, steps: int, lam: float = 0.0, d: int = 64, see
 
 def run(report, quick: bool) -> dict:
     """Add the section to ``report``; return the headline numbers (used by the tests)."""
-    emp, pmf, gauss, chi2, total = noise_table(1 << (22 if quick else 24))
+    emp, pmf, gauss, chi2, total = _noise_table(1 << (22 if quick else 24))
     report.section(
         "Rounded-normal noise from random bits (Ahn & Yoo, Eq. 10)",
         "R ≈ round(N(0,1)/2) built from random bits with AND/OR: Pr(±2) = 3/4·2⁻⁹, "
@@ -113,10 +113,10 @@ def run(report, quick: bool) -> dict:
         "bf16 (no noise)": (None, 0.0),
         "GaussWS": ("gaussws", 0.0),
         "DiffQ": ("diffq", 0.0),
-        f"GaussWS, λ={LAMBDA:g}": ("gaussws", LAMBDA),
-        f"DiffQ, λ={LAMBDA:g}": ("diffq", LAMBDA),
+        f"GaussWS, λ={_LAMBDA:g}": ("gaussws", _LAMBDA),
+        f"DiffQ, λ={_LAMBDA:g}": ("diffq", _LAMBDA),
     }
-    runs = {name: train_toy(m, steps, lam) for name, (m, lam) in tqdm(configs.items(), desc="pqt: toy", leave=False)}
+    runs = {name: _train_toy(m, steps, lam) for name, (m, lam) in tqdm(configs.items(), desc="pqt: toy", leave=False)}
     report.section(
         "Pseudo-quantization training on a toy (Ahn & Yoo, Gaussian Weight Sampling)",
         "the bitwidth b_t is learned per 32x32 tile; Eq. 12's term λ·|b_t − b_target| trades noise (loss) for fewer "

@@ -39,10 +39,10 @@ QUICK = {  # ~15 s per recipe on 2 quiet cores (mostly compiling): a one-layer m
     "train.checkpoint_every": "100",
     "train.keep_checkpoints": "1",
 }
-QUICK_RECIPES = ("fp32", "bf16_nearest", "bf16_kahan", "bf16_sr")
+_QUICK_RECIPES = ("fp32", "bf16_nearest", "bf16_kahan", "bf16_sr")
 
 
-def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, dict]:
+def _train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, dict]:
     """Train each recipe in ``workdir/<name>``; return ``{name: runs.trained(...)}``."""
     logging.getLogger("lpt.train").setLevel(logging.WARNING)
     out = {}
@@ -54,7 +54,7 @@ def train_recipes(names, overrides: dict[str, str], workdir: Path) -> dict[str, 
 def plan(quick: bool, recipes=None, overrides=None) -> tuple[list[str], dict[str, str]]:
     """The recipes :func:`run` trains (``recipes``, default: all; ``--quick``: four; the f32 baseline first) and
     the overrides of every run: the section's budget, then ``overrides``."""
-    names = list(recipes or (QUICK_RECIPES if quick else runs.RECIPES))
+    names = list(recipes or (_QUICK_RECIPES if quick else runs.RECIPES))
     if runs.BASELINE not in names:
         names.insert(0, runs.BASELINE)
     return names, {**(QUICK if quick else FULL), **(overrides or {})}
@@ -73,7 +73,7 @@ def run(report, quick: bool, recipes=None, overrides=None) -> dict:
     names, overrides = plan(quick, recipes, overrides)
     cfgs = {n: runs.recipe_config(n, overrides) for n in names}
     workdir = Path(report.out_dir) / "recipes_runs"
-    results = train_recipes(names, overrides, workdir)
+    results = _train_recipes(names, overrides, workdir)
 
     cost_of = cost.measure(names, overrides, rounds=2 if quick else 5, batches=3 if quick else 6)
 

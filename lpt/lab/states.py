@@ -31,11 +31,11 @@ from lpt.optim import moments8 as M8
 from lpt.train import config as config_lib
 from lpt.train.machine import describe
 
-MOMENTS = ("float32", "bfloat16", *M8.MOMENT8)
-WEIGHTS = ("kahan", "stochastic", "nearest")
+_MOMENTS = ("float32", "bfloat16", *M8.MOMENT8)
+_WEIGHTS = ("kahan", "stochastic", "nearest")
 ROUNDINGS = ("stochastic", "nearest")
 # the LM runs: name -> (config file, overrides)
-LM_RUNS = {
+_LM_RUNS = {
     "fp32": ("tiny_cpu", {}),
     "kahan_bf16": ("tiny_cpu_bf16_kahan", {}),
     "kahan_e4m3": ("tiny_cpu_bf16_kahan", {"precision.moment_dtype": "float8_e4m3fn"}),
@@ -47,7 +47,7 @@ LM_RUNS = {
     "sr_bf16": ("tiny_cpu_bf16_sr", {}),
     "sr_e4m3": ("tiny_cpu_bf16_sr", {"precision.moment_dtype": "float8_e4m3fn"}),
 }
-QUICK_LM = ("fp32", "kahan_bf16", "kahan_e4m3")
+_QUICK_LM = ("fp32", "kahan_bf16", "kahan_e4m3")
 
 
 def least_squares(moments: str, weights: str, rounding: str, seed: int, steps: int = 1500, lr: float = 3e-3):
@@ -55,7 +55,7 @@ def least_squares(moments: str, weights: str, rounding: str, seed: int, steps: i
 
     Args:
       moments: the moment dtype: ``"float32"`` (with ``weights="f32"``: optax's adamw), ``"bfloat16"`` or an 8-bit
-        moment format (keys of ``lpt.optim.moments8.MOMENT8``); see :data:`MOMENTS`.
+        moment format (keys of ``lpt.optim.moments8.MOMENT8``); see :data:`_MOMENTS`.
       weights: ``"f32"`` (only with float32 moments), ``"kahan"`` (:func:`lpt.optim.kahan_adamw`) or an update rule of
         :func:`lpt.optim.adamw` (``"stochastic"``, ``"nearest"``) on bf16 weights.
       rounding: ``moment_rounding`` of the moments (``"stochastic"`` or ``"nearest"``); unused for optax's adamw.
@@ -117,7 +117,7 @@ def least_squares(moments: str, weights: str, rounding: str, seed: int, steps: i
 
 
 def _lm_config(name: str, lr: str, seed: int, quick: bool):
-    file, extra = LM_RUNS[name]
+    file, extra = _LM_RUNS[name]
     cfg = config_lib.load_config_file(file)
     budget = {**(QUICK if quick else {"train.diagnostics_every": "0"}), "optim.lr": lr, "train.seed": str(seed)}
     return config_lib.apply_overrides(cfg, {**budget, **extra})
@@ -127,7 +127,7 @@ def lm_runs(names, lrs, seeds, workdir: Path, quick: bool) -> dict:
     """Train (or re-read) every ``name × lr × seed``; ``{(name, lr, seed): {"eval_loss", "train", "eval"}}``.
 
     Args:
-      names: LM runs (keys of :data:`LM_RUNS`).
+      names: LM runs (keys of :data:`_LM_RUNS`).
       lrs: learning rates as config strings (``"1e-3"``).
       seeds: training seeds.
       workdir: the directory holding one run directory per ``name × lr × seed``.
@@ -159,8 +159,8 @@ def run(report, quick: bool) -> dict:
     out: dict = {}
     seeds = (0,) if quick else (0, 1, 2)
     steps = 500 if quick else 1500
-    moments = ("bfloat16", "float8_e4m3fn", "e4m3_v_direct") if quick else MOMENTS
-    weights = ("kahan",) if quick else WEIGHTS
+    moments = ("bfloat16", "float8_e4m3fn", "e4m3_v_direct") if quick else _MOMENTS
+    weights = ("kahan",) if quick else _WEIGHTS
     f32 = {s: least_squares("float32", "f32", "", s, steps) for s in seeds}
     ls = {}
     for m in tqdm(moments, desc="states: least squares", leave=False):
@@ -212,7 +212,7 @@ def run(report, quick: bool) -> dict:
     ax2.legend(fontsize=6)
     report.figure(fig, "states_least_squares", "Least squares: loss and ν's 8-bit quantization error per step.")
 
-    names = QUICK_LM if quick else tuple(LM_RUNS)
+    names = _QUICK_LM if quick else tuple(_LM_RUNS)
     lrs = ("1e-3",) if quick else ("1e-3", "3e-3")
     lm = lm_runs(names, lrs, seeds, Path(report.out_dir) / "states_runs", quick)
     times = _step_times([n for n in names if n != "fp32"], quick)

@@ -24,7 +24,7 @@ import lpt.optim as O
 RULES = O.UPDATE_RULES
 
 
-def least_squares_curves(steps: int, d: int = 64, n: int = 256, sigma: float = 0.05, lr: float = 0.01):
+def _least_squares_curves(steps: int, d: int = 64, n: int = 256, sigma: float = 0.05, lr: float = 0.01):
     """Loss per step of SGD on 0.5‖Aw − b‖² for f32 and bf16 + each update rule.
 
     Args:
@@ -61,7 +61,7 @@ def least_squares_curves(steps: int, d: int = 64, n: int = 256, sigma: float = 0
     return {name: run(tx, dt) for name, (tx, dt) in tqdm(runs.items(), desc="updates: least squares", leave=False)}
 
 
-def applied_over_intended(dtype, lrs, size: int, rules=("nearest", "stochastic", "norm_preserving")):
+def _applied_over_intended(dtype, lrs, size: int, rules=("nearest", "stochastic", "norm_preserving")):
     """‖applied change‖ / ‖lr·u‖ for params ~ N(0,1) in ``dtype`` and u ~ N(0,1), per rule and learning rate."""
     p = {"w": jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)}
     u = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
@@ -76,7 +76,7 @@ def applied_over_intended(dtype, lrs, size: int, rules=("nearest", "stochastic",
 def run(report, quick: bool) -> dict:
     """Add the section to ``report``; return the headline numbers (used by the tests)."""
     steps = 2000 if quick else 6000
-    curves = least_squares_curves(steps)
+    curves = _least_squares_curves(steps)
     f32 = float(curves["f32"][-1])
     report.section(
         "Weight updates: the nearest-rounding floor (Zamirai et al., Revisiting BFloat16 Training)",
@@ -101,7 +101,7 @@ def run(report, quick: bool) -> dict:
     size = 256 if quick else 1024
     dtypes = [jnp.float8_e4m3fn, jnp.float16, jnp.bfloat16]
     sweeps = {
-        jnp.dtype(dt).name: applied_over_intended(dt, lrs, size)
+        jnp.dtype(dt).name: _applied_over_intended(dt, lrs, size)
         for dt in tqdm(dtypes, desc="updates: sweep", leave=False)
     }
     report.section(

@@ -31,7 +31,7 @@ from lpt.optim.moments8 import MOMENT8
 from lpt.optim.recipes import UPDATE_RULES as ROUNDING_RULES
 from lpt.options import above, at_least, build, option, section
 
-PARAM_DTYPES = {
+_PARAM_DTYPES = {
     "float32": jnp.float32,
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
@@ -41,12 +41,12 @@ PARAM_DTYPES = {
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 KINDS = ("llama", "gpt2")  # model.kind: the model family
 PROJECTIONS = ("qkv", "out", "up", "down", "lm_head")  # the model's matmuls: each has its format in precision.matmul
-BLOCK_PROJECTIONS = PROJECTIONS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
-PQT_METHODS = ("none", "gaussws", "diffq")
-PQT_PROJECTIONS = ("qkv", "out", "up", "down")
+_BLOCK_PROJECTIONS = PROJECTIONS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
+_ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
+_PQT_METHODS = ("none", "gaussws", "diffq")
+_PQT_PROJECTIONS = ("qkv", "out", "up", "down")
 UPDATE_RULES = ("f32_master", *ROUNDING_RULES)  # f32 master weights, or a rule of lpt.optim that rounds into params
-ROPE_SCALINGS = ("none", "linear", "llama3")
+_ROPE_SCALINGS = ("none", "linear", "llama3")
 # the model keys that shape the parameters: a fine-tune (init_from) must keep the source's values
 SHAPE_KEYS = (
     "kind",
@@ -67,7 +67,7 @@ SHAPE_KEYS = (
 class RopeScaling:
     """RoPE frequency scaling (see :func:`lpt.models.layers.rope_inv_freq`); Hugging Face's ``rope_scaling``."""
 
-    type: str = option("none", 'RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)', ROPE_SCALINGS)
+    type: str = option("none", 'RoPE frequency scaling: "none" | "linear" | "llama3" (Llama 3.1)', _ROPE_SCALINGS)
     factor: float = option(1.0, "linear / llama3: context extension factor", bounds=above(0))
     low_freq_factor: float = option(
         1.0, "llama3: wavelengths above original_max_len / this are scaled", bounds=above(0)
@@ -174,18 +174,18 @@ class AttentionConfig:
         '"auto" (by the mesh\'s devices: Mosaic GPU kernels on Hopper where they train, else the Pallas kernel on a '
         'GPU or TPU, the XLA twin on CPU), "xla" reference, "pallas" flash kernel, "softmax" (plain), or '
         '"mosaic_gpu" (Hopper flash kernels, CUDA only: needs compute_dtype bfloat16 and a head width of 64 or 128)',
-        ATTENTION_IMPLS,
+        _ATTENTION_IMPLS,
     )
     stable: bool = option(True, "Qiu & Yao's fix for repeated row maxima in low-precision softmax")
     beta: float = option(7.0, "the fix's beta (rows with a repeated max use beta*m or 0 as offset)", bounds=above(1))
 
 
 @section("precision.pqt")
-class Pqt:
+class _Pqt:
     """``precision.pqt``: pseudo-quantization training."""
 
-    method: str = option("none", 'pseudo-quantization training: "none" | "gaussws" | "diffq"', PQT_METHODS)
-    layers: tuple[str, ...] = option((), 'projections that get PQT, e.g. "out,down"', PQT_PROJECTIONS)
+    method: str = option("none", 'pseudo-quantization training: "none" | "gaussws" | "diffq"', _PQT_METHODS)
+    layers: tuple[str, ...] = option((), 'projections that get PQT, e.g. "out,down"', _PQT_PROJECTIONS)
     b_init: float = option(6.0, "initial learnable bitwidth", bounds=above(0))
     b_target: float = option(4.0, "bitwidth the aux loss and weight decay pull towards; != b_init", bounds=above(0))
     loss_weight: float = option(0.0, "weight of the bitwidth aux loss (0 = none)", bounds=at_least(0))
@@ -204,7 +204,7 @@ class Precision:
     attention, PQT) and how the optimizer's update reaches the parameters (see the module docstring)."""
 
     param_dtype: str = option(
-        "float32", "dtype the layers see the weights in (and store them in, unless stored as f32)", tuple(PARAM_DTYPES)
+        "float32", "dtype the layers see the weights in (and store them in, unless stored as f32)", tuple(_PARAM_DTYPES)
     )
     compute_dtype: str = option(
         "float32", "dtype of matmul inputs/activations (loss, softmax, norms: always f32)", tuple(COMPUTE_DTYPES)
@@ -225,7 +225,7 @@ class Precision:
         'end ("-2,-1")',
     )
     attention: AttentionConfig = option(AttentionConfig(), "attention")
-    pqt: Pqt = option(Pqt(), "pseudo-quantization training")
+    pqt: _Pqt = option(_Pqt(), "pseudo-quantization training")
     update_rule: str = option("f32_master", "f32_master | nearest | kahan | stochastic | norm_preserving", UPDATE_RULES)
     moment_rounding: str = option(
         "stochastic", '16-bit Adam moments: "stochastic" (unbiased) | "nearest"', MOMENT_ROUNDINGS
@@ -263,12 +263,12 @@ class Precision:
     def store_dtype(self):
         """dtype the parameters are stored in: float32 masters under ``update_rule="f32_master"``, else
         ``param_dtype`` (the update rule rounds into them)."""
-        return jnp.float32 if self.update_rule == "f32_master" else PARAM_DTYPES[self.param_dtype]
+        return jnp.float32 if self.update_rule == "f32_master" else _PARAM_DTYPES[self.param_dtype]
 
     @property
     def view_dtype(self):
         """dtype the layers see the weights in before casting to compute dtype."""
-        return PARAM_DTYPES[self.param_dtype]
+        return _PARAM_DTYPES[self.param_dtype]
 
     @property
     def compute(self):
@@ -312,7 +312,7 @@ class Precision:
         return tuple(sorted(out))
 
 
-def matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
+def _matmul_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, int], ...]]:
     """The ``(K, N)`` of every weight of each projection's matmuls; lm_head only when ``vocab_size`` is known."""
     D, F, Dh = spec.d_model, spec.d_ff, spec.head_width
     return {
@@ -331,14 +331,14 @@ def check_matmul_blocks(spec: ModelSpec, numerics: Precision) -> None:
     low-precision matmul."""
     formats = {k: matmul_formats.get(numerics.matmul_for(k)) for k in PROJECTIONS}
     numerics.bf16_blocks(spec.n_layers)
-    if numerics.bf16_layers and not any(formats[k].low_precision for k in BLOCK_PROJECTIONS):
+    if numerics.bf16_layers and not any(formats[k].low_precision for k in _BLOCK_PROJECTIONS):
         low = tuple(n for n in matmul_formats.names() if matmul_formats.get(n).low_precision)
         raise ValueError(
             f"precision.bf16_layers={','.join(numerics.bf16_layers)} keeps blocks in bf16, but no block matmul is "
-            f"low-precision (precision.matmul.{{{','.join(BLOCK_PROJECTIONS)}}} are all bf16); set one to one of "
+            f"low-precision (precision.matmul.{{{','.join(_BLOCK_PROJECTIONS)}}} are all bf16); set one to one of "
             f"{low} or leave bf16_layers empty"
         )
-    for projection, shapes in matmul_shapes(spec).items():
+    for projection, shapes in _matmul_shapes(spec).items():
         for k, n in shapes:
             formats[projection].check_shape(projection, k, n, numerics)
 

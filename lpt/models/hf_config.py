@@ -37,7 +37,7 @@ _MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}  # model_ty
 _CLASSES = {family: arch for arch, family in ARCHITECTURES.items()}  # family -> architecture
 
 
-def model_family(hf: dict, where) -> str:
+def _model_family(hf: dict, where) -> str:
     """The family of a config.json dict ("gpt2", "llama", "qwen2", "qwen3", "mistral"), from ``architectures`` or else
     ``model_type``; ``where`` names the file in the ValueError when neither is supported."""
     archs = hf.get("architectures") or []
@@ -57,8 +57,8 @@ def model_family(hf: dict, where) -> str:
 
 
 def model_kind(hf: dict, where) -> str:
-    """lpt's ``config.model.kind`` ("gpt2" or "llama") of a config.json dict (:func:`model_family`)."""
-    return "gpt2" if model_family(hf, where) == "gpt2" else "llama"
+    """lpt's ``config.model.kind`` ("gpt2" or "llama") of a config.json dict (:func:`_model_family`)."""
+    return "gpt2" if _model_family(hf, where) == "gpt2" else "llama"
 
 
 def read_config(path: str | Path) -> ModelSpec:
@@ -83,7 +83,7 @@ def read_config(path: str | Path) -> ModelSpec:
             f"{path} has no config.json (a Hugging Face model directory holds config.json and model.safetensors)"
         )
     hf = read_json(file)
-    family = model_family(hf, file)
+    family = _model_family(hf, file)
     return gpt2_config(hf, file) if family == "gpt2" else llama_config(hf, file, family)
 
 

@@ -27,7 +27,7 @@ from lpt.models import matmul_formats, pqt_wiring, probes
 from lpt.models.config import ModelSpec, Precision
 
 
-def make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtype, *, const: float | None = None):
+def _make_param(key: jax.Array | None, shape, std: float, axes: tuple, store_dtype, *, const: float | None = None):
     """An ``nnx.Param`` of ``shape`` with logical ``axes``: N(0, std²) drawn in float32 (or a constant), stored by RNE.
 
     ``store_dtype`` float32 keeps the draw as is; a narrower dtype rounds it to nearest even (fp8 saturates). The
@@ -238,8 +238,8 @@ class Linear(nnx.Module):
     ):
         self.projection, self.prec, self.path, self.axes = projection, prec, path, tuple(axes)
         self.pqt_method = prec.pqt_for(projection) if projection != "lm_head" else "none"
-        self.kernel = make_param(rngs.params(), (d_in, d_out), std, axes, prec.store_dtype)
-        self.bias = make_param(None, (d_out,), 0.0, axes[1:], prec.store_dtype, const=0.0) if use_bias else None
+        self.kernel = _make_param(rngs.params(), (d_in, d_out), std, axes, prec.store_dtype)
+        self.bias = _make_param(None, (d_out,), 0.0, axes[1:], prec.store_dtype, const=0.0) if use_bias else None
         self.bitwidth = None if self.pqt_method == "none" else pqt_wiring.make_bitwidth((d_in, d_out), prec)
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None, out_dtype=None) -> jax.Array:
@@ -346,7 +346,7 @@ class Embed(nnx.Module):
 
     def __init__(self, num: int, dim: int, *, axes: tuple, std: float, prec: Precision, rngs: nnx.Rngs):
         self.prec = prec
-        self.embedding = make_param(rngs.params(), (num, dim), std, axes, prec.store_dtype)
+        self.embedding = _make_param(rngs.params(), (num, dim), std, axes, prec.store_dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return view_weight(self.embedding[...], self.prec)[ids]
@@ -359,7 +359,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, prec: Precision, axes: tuple = ("embed",)):
         self.prec = prec
         self.eps = eps
-        self.scale = make_param(None, (dim,), 0.0, axes, prec.store_dtype, const=1.0)
+        self.scale = _make_param(None, (dim,), 0.0, axes, prec.store_dtype, const=1.0)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x_f32 = x.astype(jnp.float32)  # compute -> f32 statistics
@@ -374,8 +374,8 @@ class LayerNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, prec: Precision):
         self.prec = prec
         self.eps = eps
-        self.scale = make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=1.0)
-        self.bias = make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=0.0)
+        self.scale = _make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=1.0)
+        self.bias = _make_param(None, (dim,), 0.0, ("embed",), prec.store_dtype, const=0.0)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x_f32 = x.astype(jnp.float32)  # compute -> f32 statistics

@@ -126,7 +126,7 @@ class MatmulFormat:
         return None
 
 
-class Bf16(MatmulFormat):
+class _Bf16(MatmulFormat):
     """Compute-dtype operands, f32 accumulation: the reference every other format is compared with."""
 
     name, low_precision = "bf16", False
@@ -141,7 +141,7 @@ class Bf16(MatmulFormat):
         return self.gemm(x, w, w_axes=None, key=key, path="", prec=prec)  # XLA's dot already
 
 
-class BlockwiseFp8(MatmulFormat):
+class _BlockwiseFp8(MatmulFormat):
     """DeepSeek-V3's blockwise FP8 (:func:`lpt.fp8.blockwise_dot`).
 
     Its probe records, per projection ``<projection>``, with the operands quantized exactly as ``blockwise_dot`` does
@@ -201,7 +201,7 @@ class BlockwiseFp8(MatmulFormat):
         return blockwise_dot(x, w, impl="xla")  # f32 operands: the f32 result
 
 
-class BlockScaled(MatmulFormat):
+class _BlockScaled(MatmulFormat):
     """A block format of NVIDIA's Blackwell GPUs (:func:`lpt.fp8.block_scaled_dot`): "mxfp8" (e4m3 in 1×32 blocks,
     e8m0 scales) or "nvfp4" (e2m1 in 1×16 blocks and 16×16 weight tiles, e4m3 scales and an f32 tensor scale, with
     the random Hadamard transform of dW's inputs and stochastic rounding of the gradients, ``prec``'s switches).
@@ -315,7 +315,7 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
-register(Bf16())
-register(BlockwiseFp8())
-register(BlockScaled("mxfp8"))
-register(BlockScaled("nvfp4"))
+register(_Bf16())
+register(_BlockwiseFp8())
+register(_BlockScaled("mxfp8"))
+register(_BlockScaled("nvfp4"))

@@ -22,7 +22,7 @@ What the layers record (names without the trainer's ``model/`` prefix):
   ``attn/repeated_max_frac_max`` (max over layers) of :func:`lpt.attention.repeated_max_fraction` — the fraction of
   causal query rows whose scaled logits hold ≥ 2 entries within 2⁻⁹ of the row max, where a bf16 ``exp(s − m)``
   gives several exact 1s (Qiu & Yao's trigger). The logits matrix is materialised here (the flash path never does),
-  for the first ``n`` sequences of the batch with ``n · H · T² ≤ ATTENTION_LOGITS_BUDGET`` (at least one).
+  for the first ``n`` sequences of the batch with ``n · H · T² ≤ _ATTENTION_LOGITS_BUDGET`` (at least one).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import lpt.attention
 
 RATIO, DB, MAX = "ratio", "db", "max"
-ATTENTION_LOGITS_BUDGET = 2**26  # f32 logits materialised per attention layer by the repeated-max probe (256 MiB)
+_ATTENTION_LOGITS_BUDGET = 2**26  # f32 logits materialised per attention layer by the repeated-max probe (256 MiB)
 
 _local = threading.local()
 
@@ -111,7 +111,7 @@ def record_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, sliding_window: int =
     """Record the causal repeated-max fraction of one attention layer (GQA: k has K ≤ H heads; the logits the
     layer's ``sliding_window`` leaves visible)."""
     B, T, H, _ = q_BTHD.shape
-    n = max(1, min(B, ATTENTION_LOGITS_BUDGET // (H * T * T)))
+    n = max(1, min(B, _ATTENTION_LOGITS_BUDGET // (H * T * T)))
     frac = lpt.attention.repeated_max_fraction(  # GQA-aware, over n·H·T rows
         q_BTHD[:n], k_BTKD[:n], causal=True, sliding_window=sliding_window
     )

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-RNGS = ("hash", "threefry")
+_RNGS = ("hash", "threefry")
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -91,7 +91,7 @@ def random_bits(key, shape, rng: str = "hash") -> jax.Array:
         return hash_bits(key, shape)
     if rng == "threefry":
         return jax.random.bits(key, shape, jnp.uint32)
-    raise ValueError(f"unknown rng {rng!r}; choose one of {RNGS}")
+    raise ValueError(f"unknown rng {rng!r}; choose one of {_RNGS}")
 
 
 def path_id(path, *, bits: int = 32) -> np.uint32:

@@ -23,19 +23,19 @@ import jax.numpy as jnp
 from lpt.numerics import round_nearest
 
 
-class CompensatedSum(NamedTuple):
+class _CompensatedSum(NamedTuple):
     total: Any  # tree, accumulator dtype
     compensation: Any  # tree, accumulator dtype: excess of ``total`` over the exact sum
     count: jax.Array  # int32 scalar: number of trees added
 
 
-def compensated_sum_init(like: Any, dtype=jnp.bfloat16) -> CompensatedSum:
+def compensated_sum_init(like: Any, dtype=jnp.bfloat16) -> _CompensatedSum:
     """Zeros shaped like ``like`` (params or grads) in the accumulator ``dtype``."""
     zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), dtype), like)
-    return CompensatedSum(total=zeros, compensation=zeros, count=jnp.zeros((), jnp.int32))
+    return _CompensatedSum(total=zeros, compensation=zeros, count=jnp.zeros((), jnp.int32))
 
 
-def compensated_sum_add(acc: CompensatedSum, tree: Any) -> CompensatedSum:
+def compensated_sum_add(acc: _CompensatedSum, tree: Any) -> _CompensatedSum:
     """``acc + tree`` with Kahan compensation: y = x - c; s = Q(t + y); c = Q((s - t) - y); t = s (f32 arithmetic,
     roundings through :func:`lpt.numerics.round_nearest`, so they survive jit)."""
 
@@ -53,14 +53,14 @@ def compensated_sum_add(acc: CompensatedSum, tree: Any) -> CompensatedSum:
         one(t, c, x)
         for t, c, x in zip(leaves_t, treedef.flatten_up_to(acc.compensation), treedef.flatten_up_to(tree), strict=True)
     ]
-    return CompensatedSum(
+    return _CompensatedSum(
         total=treedef.unflatten([t for t, _ in pairs]),
         compensation=treedef.unflatten([c for _, c in pairs]),
         count=acc.count + 1,
     )
 
 
-def compensated_sum_value(acc: CompensatedSum) -> Any:
+def compensated_sum_value(acc: _CompensatedSum) -> Any:
     """The accumulated sum as f32: ``total - compensation``."""
     return jax.tree.map(
         lambda t, c: t.astype(jnp.float32) - c.astype(jnp.float32),  # acc dtype -> f32 (both exact)
@@ -69,7 +69,7 @@ def compensated_sum_value(acc: CompensatedSum) -> Any:
     )
 
 
-def compensated_sum_mean(acc: CompensatedSum) -> Any:
+def compensated_sum_mean(acc: _CompensatedSum) -> Any:
     """The mean of the added trees as f32 (sum / count; count 0 gives zeros)."""
     n = jnp.maximum(acc.count, 1).astype(jnp.float32)  # int32 -> f32
     return jax.tree.map(lambda v: v / n, compensated_sum_value(acc))

@@ -67,7 +67,7 @@ def _uint(bits: int):
     return {16: jnp.uint16, 32: jnp.uint32}[bits]
 
 
-def packed_dtype(moment_dtype):
+def _packed_dtype(moment_dtype):
     """The dtype of one packed (m, v) pair: uint32 for 16-bit moments, complex64 for f32 moments."""
     size = np.dtype(moment_dtype).itemsize
     if size not in (2, 4):
@@ -232,7 +232,7 @@ def kahan_adamw(
             mdt = mdt_of(p.dtype)
             if isinstance(mdt, M8.Moment8):
                 return jnp.zeros(p.shape, jnp.uint16)  # both moments' 8-bit codes (M8.pack_codes)
-            return jnp.zeros(p.shape, packed_dtype(mdt))
+            return jnp.zeros(p.shape, _packed_dtype(mdt))
 
         scales = None
         if eight_bit:

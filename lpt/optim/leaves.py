@@ -21,8 +21,8 @@ import numpy as np
 from lpt.numerics import FORMATS, change_to
 
 # Leaf dtypes an update rule rounds into; wider floats (f32, f64) pass through unchanged.
-ROUNDED_DTYPES = tuple(sorted(n for n, f in FORMATS.items() if n != "float32" and f.xla_storable))
-PASS_THROUGH_DTYPES = ("float32", "float64")
+_ROUNDED_DTYPES = tuple(sorted(n for n, f in FORMATS.items() if n != "float32" and f.xla_storable))
+_PASS_THROUGH_DTYPES = ("float32", "float64")
 
 
 class UpdateDiagnostics(NamedTuple):
@@ -44,7 +44,7 @@ def empty_diagnostics() -> UpdateDiagnostics:
     return UpdateDiagnostics(z, z, z)
 
 
-def summarize(pairs) -> UpdateDiagnostics:
+def _summarize(pairs) -> UpdateDiagnostics:
     """:class:`UpdateDiagnostics` of a step from ``[(intended_f32, applied_delta_f32), ...]``, one pair per leaf."""
     if not pairs:
         return empty_diagnostics()
@@ -76,13 +76,13 @@ def decay_mask(mask, weight_decay_mask):
 def needs_rounding(dtype) -> bool:
     """True if ``dtype`` is a low-precision float an update rule rounds into; raises for unsupported dtypes."""
     name = np.dtype(dtype).name
-    if name in ROUNDED_DTYPES:
+    if name in _ROUNDED_DTYPES:
         return True
-    if name in PASS_THROUGH_DTYPES:
+    if name in _PASS_THROUGH_DTYPES:
         return False
     raise ValueError(
-        f"unsupported parameter dtype {name!r}; lpt.optim update rules support {list(ROUNDED_DTYPES)} "
-        f"(rounded) and {list(PASS_THROUGH_DTYPES)} (passed through unchanged)"
+        f"unsupported parameter dtype {name!r}; lpt.optim update rules support {list(_ROUNDED_DTYPES)} "
+        f"(rounded) and {list(_PASS_THROUGH_DTYPES)} (passed through unchanged)"
     )
 
 
@@ -120,7 +120,7 @@ def map_leaves(
       params: the params tree; its structure is the reference.
       *states: state trees, one new leaf each per call of ``fn``.
       inputs: further trees passed to ``fn`` leaf by leaf.
-      diagnostics: summarize ``(intended, delta)`` over the leaves (:func:`summarize`).
+      diagnostics: summarize ``(intended, delta)`` over the leaves (:func:`_summarize`).
     """
     check_trees(rule, updates, params)
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -145,7 +145,7 @@ def map_leaves(
             u32 = intended() if callable(intended) else intended
             pairs.append((u32.astype(jnp.float32), delta.astype(jnp.float32)))
     outs = tuple(treedef.unflatten([leaf[j] for leaf in new_states]) for j in range(len(states)))
-    return treedef.unflatten(deltas), outs, summarize(pairs) if diagnostics else None
+    return treedef.unflatten(deltas), outs, _summarize(pairs) if diagnostics else None
 
 
 def rounded_leaves(fn: Callable[..., tuple]) -> Callable[..., tuple]:

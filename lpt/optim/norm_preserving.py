@@ -29,7 +29,7 @@ from lpt.numerics import round_nearest
 from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, map_leaves, rounded_leaves
 
 
-class NormPreservingState(NamedTuple):
+class _NormPreservingState(NamedTuple):
     diagnostics: UpdateDiagnostics | None
 
 
@@ -94,7 +94,7 @@ def norm_preserving_update(
 
     def init_fn(params):
         del params
-        return NormPreservingState(empty_diagnostics() if diagnostics else None)
+        return _NormPreservingState(empty_diagnostics() if diagnostics else None)
 
     def update_fn(updates, state, params=None):
         def leaf(_, p, u32):
@@ -105,6 +105,6 @@ def norm_preserving_update(
             "norm_preserving_update", rounded_leaves(leaf), updates, params, diagnostics=diagnostics
         )
         del state
-        return deltas, NormPreservingState(diag)
+        return deltas, _NormPreservingState(diag)
 
     return optax.GradientTransformation(init_fn, update_fn)

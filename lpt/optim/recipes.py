@@ -33,7 +33,7 @@ def update_rule(
     raise ValueError(f"unknown update rule {name!r}; choose one of {UPDATE_RULES}")
 
 
-class AddDecayedWeightsState(NamedTuple):
+class _AddDecayedWeightsState(NamedTuple):
     count: jax.Array  # int32 step count: its sign bit is the runtime zero of no_fma
 
 
@@ -50,14 +50,14 @@ def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0, mask=None) -
 
     def init_fn(params):
         del params
-        return AddDecayedWeightsState(jnp.zeros((), jnp.int32))
+        return _AddDecayedWeightsState(jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError("add_decayed_weights needs the parameters: call update(updates, state, params)")
         count = optax.safe_int32_increment(state.count)
         if isinstance(weight_decay, (int, float)) and weight_decay == 0:
-            return updates, AddDecayedWeightsState(count)
+            return updates, _AddDecayedWeightsState(count)
         wd_value = weight_decay(state.count) if callable(weight_decay) else weight_decay
         wd = jnp.asarray(wd_value).astype(jnp.float32)  # hyperparameter (maybe traced or scheduled) -> f32
         zero = runtime_zero(count)
@@ -67,7 +67,7 @@ def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0, mask=None) -
                 return None
             return u.astype(jnp.float32) + no_fma(wd * p.astype(jnp.float32), zero)  # update, param -> f32 (exact)
 
-        return jax.tree.map(one, updates, params, is_leaf=lambda x: x is None), AddDecayedWeightsState(count)
+        return jax.tree.map(one, updates, params, is_leaf=lambda x: x is None), _AddDecayedWeightsState(count)
 
     decay = optax.GradientTransformation(init_fn, update_fn)
     return decay if mask is None else optax.masked(decay, mask)

@@ -13,11 +13,11 @@ from lpt.numerics.random import path_id
 from lpt.optim.leaves import UpdateDiagnostics, empty_diagnostics, map_leaves, rounded_leaves
 
 
-class NearestRoundingState(NamedTuple):
+class _NearestRoundingState(NamedTuple):
     diagnostics: UpdateDiagnostics | None
 
 
-class StochasticRoundingState(NamedTuple):
+class _StochasticRoundingState(NamedTuple):
     """``count`` is the step number that keys the randomness; no per-parameter state is needed."""
 
     count: jax.Array
@@ -34,7 +34,7 @@ def nearest_rounding(*, diagnostics: bool = False) -> optax.GradientTransformati
 
     def init_fn(params):
         del params
-        return NearestRoundingState(empty_diagnostics() if diagnostics else None)
+        return _NearestRoundingState(empty_diagnostics() if diagnostics else None)
 
     def update_fn(updates, state, params=None):
         def leaf(_, p, u32):
@@ -43,7 +43,7 @@ def nearest_rounding(*, diagnostics: bool = False) -> optax.GradientTransformati
 
         deltas, _, diag = map_leaves("nearest_rounding", rounded_leaves(leaf), updates, params, diagnostics=diagnostics)
         del state
-        return deltas, NearestRoundingState(diag)
+        return deltas, _NearestRoundingState(diag)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -67,7 +67,7 @@ def stochastic_rounding(seed: int = 0, *, diagnostics: bool = False) -> optax.Gr
 
     def init_fn(params):
         del params
-        return StochasticRoundingState(jnp.zeros((), jnp.int32), empty_diagnostics() if diagnostics else None)
+        return _StochasticRoundingState(jnp.zeros((), jnp.int32), empty_diagnostics() if diagnostics else None)
 
     def update_fn(updates, state, params=None):
         step_key = jax.random.fold_in(jax.random.key(seed), state.count)
@@ -80,6 +80,6 @@ def stochastic_rounding(seed: int = 0, *, diagnostics: bool = False) -> optax.Gr
         deltas, _, diag = map_leaves(
             "stochastic_rounding", rounded_leaves(leaf), updates, params, diagnostics=diagnostics
         )
-        return deltas, StochasticRoundingState(optax.safe_increment(state.count), diag)
+        return deltas, _StochasticRoundingState(optax.safe_increment(state.count), diag)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -26,7 +26,7 @@ from lpt.pqt.gaussws import block_grid
 
 DEFAULT_B_INIT = 6.0
 DEFAULT_B_TARGET = 4.0
-DEFAULT_TIERS = (5.0, 9.0, 12.0)
+_DEFAULT_TIERS = (5.0, 9.0, 12.0)
 
 
 class PQTBitwidth(nnx.Param):
@@ -106,7 +106,7 @@ def tile_sizes(kernel_shape: Sequence[int], block: int) -> np.ndarray:
     return np.broadcast_to(np.outer(rows, cols), grid).astype(np.float32)
 
 
-def bitwidth_stats(model_or_state, *, tiers: Sequence[float] = DEFAULT_TIERS, prefix: str = "pqt") -> dict:
+def bitwidth_stats(model_or_state, *, tiers: Sequence[float] = _DEFAULT_TIERS, prefix: str = "pqt") -> dict:
     """Loggable b_t diagnostics (f32 scalars, jit-friendly).
 
     Per layer (key ``f"{prefix}/{path}/..."``): ``bt_mean`` (weighted by parameters per tile), ``bt_min``,
@@ -142,7 +142,6 @@ def bitwidth_stats(model_or_state, *, tiers: Sequence[float] = DEFAULT_TIERS, pr
 __all__ = [
     "DEFAULT_B_INIT",
     "DEFAULT_B_TARGET",
-    "DEFAULT_TIERS",
     "PQTBitwidth",
     "bitwidth_loss",
     "bitwidth_of",

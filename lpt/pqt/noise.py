@@ -2,7 +2,7 @@
 
 GaussWS needs R ≈ round(N(0, 1) / 2) with values in {0, ±1, ±2}. Ahn & Yoo build it from independent random bits
 with AND / OR only (P(A∧B) = P(A)·P(B), P(A∨B) = P(A) + P(B) − P(A)·P(B), Eq. 9), never Box-Muller. We use 16 bits
-per sample, two samples per 32-bit word of ``jax.random.bits`` (:func:`random_words`; bit i of a
+per sample, two samples per 32-bit word of ``jax.random.bits`` (:func:`_random_words`; bit i of a
 sample's 16 bits is called u_i):
 
 * magnitude 2:  M2 = (u_0 ∧ … ∧ u_7) ∧ (u_8 ∨ u_9)                    P(M2) = 2⁻⁸ · 3/4
@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # Exact probabilities of Eq. 10 as produced by the construction above (numerators over 2^16).
-ROUNDED_NORMAL_VALUES = (-2, -1, 0, 1, 2)
-ROUNDED_NORMAL_COUNTS_65536 = (96, 9189, 46966, 9189, 96)
-ROUNDED_NORMAL_PMF = {v: c / 65536 for v, c in zip(ROUNDED_NORMAL_VALUES, ROUNDED_NORMAL_COUNTS_65536, strict=True)}
+_ROUNDED_NORMAL_VALUES = (-2, -1, 0, 1, 2)
+_ROUNDED_NORMAL_COUNTS_65536 = (96, 9189, 46966, 9189, 96)
+ROUNDED_NORMAL_PMF = {v: c / 65536 for v, c in zip(_ROUNDED_NORMAL_VALUES, _ROUNDED_NORMAL_COUNTS_65536, strict=True)}
 
 _BF16_ONE_BITS = 0x3F80  # bf16 bit pattern of 1.0
 _BF16_TWO_BITS = 0x4000  # bf16 bit pattern of 2.0
@@ -79,7 +79,7 @@ def rounded_normal_from_bits(u: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(magnitude | sign, jnp.bfloat16)  # uint16 bits -> bf16 (no arithmetic)
 
 
-def random_words(key: jax.Array, shape: tuple[int, ...], bits: int) -> jax.Array:
+def _random_words(key: jax.Array, shape: tuple[int, ...], bits: int) -> jax.Array:
     """Uniform random ``uint{bits}`` array of ``shape`` (bits ∈ {8, 16}), cut from 32-bit PRNG words.
 
     JAX's default (partitionable) threefry spends one threefry2x32 evaluation per output element whatever its
@@ -102,12 +102,12 @@ def random_words(key: jax.Array, shape: tuple[int, ...], bits: int) -> jax.Array
 
 @functools.partial(jax.jit, static_argnums=1)
 def _rounded_normal(key, shape):
-    return rounded_normal_from_bits(random_words(key, shape, 16))
+    return rounded_normal_from_bits(_random_words(key, shape, 16))
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _symmetric_uniform(key, shape):
-    u = random_words(key, shape, 8)
+    u = _random_words(key, shape, 8)
     k = (u & jnp.uint8(0x7F)).astype(jnp.int32)  # uint8 -> int32 (exact)
     mag_f32 = (2 * k + 1).astype(jnp.float32) * np.float32(1.0 / 512.0)  # int32 -> f32, exact: ≤ 8 significant bits
     signed_f32 = jnp.where((u & jnp.uint8(0x80)) != 0, -mag_f32, mag_f32)
@@ -137,9 +137,7 @@ def symmetric_uniform(key: jax.Array, shape) -> jax.Array:
 
 __all__ = [
     "ROUNDED_NORMAL_PMF",
-    "ROUNDED_NORMAL_VALUES",
     "rounded_normal",
-    "random_words",
     "rounded_normal_from_bits",
     "symmetric_uniform",
 ]

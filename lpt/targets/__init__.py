@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-GPU_TARGETS = {"h100": "h100_sxm.txtpb", "b200": "b200.txtpb"}  # name -> GpuTargetConfigProto text beside this module
+_GPU_TARGETS = {"h100": "h100_sxm.txtpb", "b200": "b200.txtpb"}  # name -> GpuTargetConfigProto text beside this module
 _TPU = re.compile(r"^(v\d+[a-z]*|tpu\d+[a-z]*):(\d+(x\d+)*)$")  # v5e:2x4, v5p:2x2x1, tpu7x:2x2x1
 _GPU = re.compile(r"^([a-z0-9]+):(\d+)x(\d+)x(\d+)$")
 _GIB = 1 << 30
@@ -56,7 +56,7 @@ def peak_flops(device_kind: str) -> float | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceFacts:
+class _DeviceFacts:
     """One device of a topology: its kind, platform, HBM bytes and peak dense bf16 FLOP/s."""
 
     device_kind: str
@@ -79,10 +79,10 @@ def compile_only_environment() -> None:
 
 
 def gpu_target_config(name: str) -> str:
-    """The GpuTargetConfigProto text of GPU ``name`` (one of :data:`GPU_TARGETS`)."""
-    if name not in GPU_TARGETS:
-        raise ValueError(f"GPU target {name!r} is unknown; allowed: {sorted(GPU_TARGETS)}")
-    return (Path(__file__).parent / GPU_TARGETS[name]).read_text()
+    """The GpuTargetConfigProto text of GPU ``name`` (one of :data:`_GPU_TARGETS`)."""
+    if name not in _GPU_TARGETS:
+        raise ValueError(f"GPU target {name!r} is unknown; allowed: {sorted(_GPU_TARGETS)}")
+    return (Path(__file__).parent / _GPU_TARGETS[name]).read_text()
 
 
 @functools.cache
@@ -98,7 +98,7 @@ def devices(topology: str) -> tuple:
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             raise ValueError(f"topology {topology!r} is not a TPU slice libtpu knows: {first}") from None
     m = _GPU.match(topology)
-    if m and m.group(1) in GPU_TARGETS:
+    if m and m.group(1) in _GPU_TARGETS:
         try:
             topo = topologies.get_topology_desc(
                 platform="cuda", target_config=gpu_target_config(m.group(1)), topology="x".join(m.groups()[1:])
@@ -111,7 +111,7 @@ def devices(topology: str) -> tuple:
         return tuple(topo.devices)
     raise ValueError(
         f"topology {topology!r} is not recognised; use a TPU slice like 'v5e:2x4' or 'v5p:2x2x1', or a GPU node "
-        f"'<gpu>:PxHxD' with <gpu> in {sorted(GPU_TARGETS)} (e.g. 'h100:1x1x8')"
+        f"'<gpu>:PxHxD' with <gpu> in {sorted(_GPU_TARGETS)} (e.g. 'h100:1x1x8')"
     )
 
 
@@ -147,7 +147,7 @@ def lowering_for(target):
         yield
 
 
-def device_facts(topology: str) -> DeviceFacts:
+def device_facts(topology: str) -> _DeviceFacts:
     """HBM capacity and peak bf16 FLOP/s of one device of ``topology`` (see :data:`CHIP_FACTS`)."""
     devs = devices(topology)
     kind, platform = devs[0].device_kind, devs[0].platform
@@ -160,4 +160,4 @@ def device_facts(topology: str) -> DeviceFacts:
         hbm = int(mem.group(1)) if mem else hbm
     chips = len({tuple(d.coords) for d in devs}) if platform == "tpu" else len(devs)
     per_chip = len(devs) // chips
-    return DeviceFacts(kind, platform, hbm // per_chip, peak / per_chip)
+    return _DeviceFacts(kind, platform, hbm // per_chip, peak / per_chip)

@@ -41,7 +41,7 @@ from lpt.train.state import TrainState
 
 log = logging.getLogger("lpt.train")
 
-CHECKSUM = "lpt-sum64-v1"  # the algorithm of :func:`checksums`; checkpoints record it beside the values
+_CHECKSUM = "lpt-sum64-v1"  # the algorithm of :func:`checksums`; checkpoints record it beside the values
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -93,19 +93,19 @@ def _path_name(path) -> str:
     return "/".join(parts)
 
 
-class DamagedCheckpointError(ValueError):
+class _DamagedCheckpointError(ValueError):
     """A checkpoint whose arrays do not match the checksums recorded when it was saved."""
 
 
 def verify(state, metadata: dict) -> bool:
     """True if ``state`` matches the checksums in ``metadata``; False if it has none (saved without them); raises
-    DamagedCheckpointError on a mismatch."""
-    if metadata.get("checksum") != CHECKSUM:
+    _DamagedCheckpointError on a mismatch."""
+    if metadata.get("checksum") != _CHECKSUM:
         return False
     saved, got = metadata["checksums"], checksums(state)
     bad = sorted(k for k in saved.keys() | got.keys() if saved.get(k) != got.get(k))
     if bad:
-        raise DamagedCheckpointError(f"{len(bad)} array(s) do not match the checksums saved with them, e.g. {bad[:3]}")
+        raise _DamagedCheckpointError(f"{len(bad)} array(s) do not match the checksums saved with them, e.g. {bad[:3]}")
     return True
 
 
@@ -146,7 +146,7 @@ class Checkpointer:
     def save(self, step: int, state: TrainState, metadata: dict, *, force: bool = False) -> bool:
         """Start saving ``state`` (and metadata with the state's checksums) as ``step``; returns once the checksums
         are computed and the arrays copied, while the files are written."""
-        metadata = {**metadata, "checksum": CHECKSUM, "checksums": checksums(state.to_dict())}
+        metadata = {**metadata, "checksum": _CHECKSUM, "checksums": checksums(state.to_dict())}
         metadata["guard"] = guard_lib.to_json(state.guard)
         items = {"state": ocp.args.StandardSave(state.to_dict()), "metadata": ocp.args.JsonSave(metadata)}
         self.wait()  # the previous save's failure is its own (orbax waits for it before a new save anyway)
@@ -248,7 +248,7 @@ class Checkpointer:
         return saved if isinstance(saved, dict) else {}
 
     def restore(self, step: int, abstract: TrainState) -> tuple[TrainState, dict]:
-        """Restore ``step``; raises DamagedCheckpointError if its arrays do not match their recorded checksums."""
+        """Restore ``step``; raises _DamagedCheckpointError if its arrays do not match their recorded checksums."""
         items = {"state": ocp.args.StandardRestore(abstract.to_dict()), "metadata": ocp.args.JsonRestore()}
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         meta = dict(restored["metadata"])

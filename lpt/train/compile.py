@@ -38,13 +38,13 @@ from lpt.train import state as state_lib
 from lpt.train import step as step_lib
 
 GIB = 1 << 30
-USAGE = "python -m lpt.train.compile --config CFG --topology TOPO [--config.key=value ...]"
+_USAGE = "python -m lpt.train.compile --config CFG --topology TOPO [--config.key=value ...]"
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)", re.S)
 _ALLOC = re.compile(r"RESOURCE_EXHAUSTED: Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-class DoesNotCompile(RuntimeError):
+class _DoesNotCompile(RuntimeError):
     """The compiler rejected the train step (a Mosaic error, an XLA error, ...)."""
 
 
@@ -83,7 +83,7 @@ def compile_step(cfg: config_lib.Config, topology: str) -> dict:
     """Compile ``cfg``'s train step for ``topology`` and return the report (see module docstring and docs/compile.md).
 
     Raises ValueError on bad input (also a GPU topology when jax's CUDA plugin, a ``dev`` extra, is not installed)
-    and :class:`DoesNotCompile` when the compiler rejects the step (except libtpu's HBM out-of-memory, which is
+    and :class:`_DoesNotCompile` when the compiler rejects the step (except libtpu's HBM out-of-memory, which is
     reported with ``fits: false``)."""
     import jax
 
@@ -122,7 +122,7 @@ def compile_step(cfg: config_lib.Config, topology: str) -> dict:
         oom = parse_tpu_oom(text)
         if oom is None:
             first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
-            raise DoesNotCompile(f"the train step does not compile for {topology}: {type(e).__name__}: {first}") from e
+            raise _DoesNotCompile(f"the train step does not compile for {topology}: {type(e).__name__}: {first}") from e
         report.update(_oom_report(report, *oom, seconds=time.perf_counter() - t0))
         report["advice"] = advise(cfg, report)
         return report
@@ -252,7 +252,7 @@ def _summary(r: dict) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        raise ValueError(f"{message}; usage: {USAGE}")
+        raise ValueError(f"{message}; usage: {_USAGE}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if flag not in os.environ.get("LIBTPU_INIT_ARGS", ""):
         os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
 
-    parser = _Parser(prog="python -m lpt.train.compile", usage=USAGE)
+    parser = _Parser(prog="python -m lpt.train.compile", usage=_USAGE)
     parser.add_argument("--config", required=True, help="config file, e.g. configs/llama_1b.py")
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x4, v5p:2x2x1, h100:1x1x8")
     try:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except DoesNotCompile as e:
+    except _DoesNotCompile as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     report = {"config": args.config, "overrides": overrides, **report}

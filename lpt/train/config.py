@@ -206,7 +206,7 @@ SCHEMA: dict[str, tuple[Any, Sequence | None]] = {k: (leaf.type, leaf.choices) f
 # between runs.
 RESUME_FIXED = ("model.", "precision.", "data.source", "data.paths", "data.tokenizer", "data.seq_len")
 RESUME_FIXED += ("data.validation_fraction", "data.shuffle_seed", "train.global_batch", "train.seed")
-RESUME_FREE = ("model.remat", "precision.update_impl")  # the same math, another memory or kernel
+_RESUME_FREE = ("model.remat", "precision.update_impl")  # the same math, another memory or kernel
 RESUME_CONVERTED = ("precision.moment_dtype",)  # the trainer re-stores the checkpoint's moments (lpt.train.resume)
 
 
@@ -225,7 +225,7 @@ def resume_conflicts(saved: Mapping, current: Config) -> list[str]:
     return [
         f"{key}={old[key]!r} -> {new[key]!r}"
         for key in LEAVES
-        if key.startswith(RESUME_FIXED) and key not in RESUME_FREE + RESUME_CONVERTED and old[key] != new[key]
+        if key.startswith(RESUME_FIXED) and key not in _RESUME_FREE + RESUME_CONVERTED and old[key] != new[key]
     ]
 
 
@@ -339,7 +339,7 @@ def apply_overrides(cfg: Config | ml_collections.ConfigDict | Mapping, overrides
     return resolve(with_values(build(cfg), values))
 
 
-def shipped_configs() -> list[str]:
+def _shipped_configs() -> list[str]:
     """Names of the configs shipped with lpt (``configs/`` of the repository, ``lpt.configs`` in the wheel)."""
     return sorted(p.stem for p in _CONFIGS.glob("*.py") if not p.stem.startswith("_"))
 
@@ -359,7 +359,7 @@ def resolve_config(name_or_path: str | Path) -> Path:
     else:
         what = "is neither a file nor a shipped config"
     raise ValueError(
-        f"config {str(name_or_path)!r} {what}; shipped configs: {', '.join(shipped_configs())} "
+        f"config {str(name_or_path)!r} {what}; shipped configs: {', '.join(_shipped_configs())} "
         "(give one by name, or a path such as configs/tiny_cpu.py)"
     )
 

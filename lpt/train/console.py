@@ -1,7 +1,7 @@
 """What the trainer prints on stderr: lpt's log lines, and the libraries' failure reports one line each.
 
 :func:`setup` (called by ``python -m lpt.train``, ``lpt.generate``, ``lpt.eval`` and ``lpt.export``) starts jax on the
-CPU alone on a machine without accelerators (:func:`cpu_unless_accelerator`), gives the ``lpt`` logger its handler
+CPU alone on a machine without accelerators (:func:`_cpu_unless_accelerator`), gives the ``lpt`` logger its handler
 (``time LEVEL message``), and
 trims what orbax reports through absl's logger from its background threads (a failed save: the error, then its
 traceback, then a spec dump) to the message's first line: the trainer itself then raises one error line for the
@@ -120,7 +120,7 @@ def _quiet_excepthook(previous):
 ACCELERATOR_DEVICES = startup.ACCELERATOR_DEVICES
 
 
-def cpu_unless_accelerator() -> bool:
+def _cpu_unless_accelerator() -> bool:
     """Start jax on the CPU alone when :func:`lpt.startup.cpu_only` says so (no accelerator device node,
     ``JAX_PLATFORMS`` unset): jax would otherwise try each installed plugin (CUDA, libtpu) and print their failed
     start-ups (tracebacks and libtpu's host probing, ~30 lines on stderr). Call before jax starts a backend; True if
@@ -132,9 +132,9 @@ def cpu_unless_accelerator() -> bool:
 
 
 def setup() -> None:
-    """Pick the CPU on a machine without accelerators (:func:`cpu_unless_accelerator`), install the ``lpt`` log
+    """Pick the CPU on a machine without accelerators (:func:`_cpu_unless_accelerator`), install the ``lpt`` log
     handler and the one-line filters (idempotent)."""
-    cpu_unless_accelerator()
+    _cpu_unless_accelerator()
     root = logging.getLogger("lpt")  # lpt.train, lpt.data, ...
     if not root.handlers:  # our own handler: libraries may already have configured the root logger
         handler = _Stderr()

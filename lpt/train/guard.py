@@ -2,7 +2,7 @@
 
 A step is **bad** when its loss or its global gradient norm is not finite, or, with ``train.spike_sigmas = k > 0``,
 when either exceeds its running mean by more than ``k`` running standard deviations (after ``WARMUP`` good steps).
-The running statistics are exponential moving averages over the good steps only (decay ``DECAY``; West's update of
+The running statistics are exponential moving averages over the good steps only (decay ``_DECAY``; West's update of
 the variance), so a spike never raises the bar for the next one. The trainer keeps the parameters and the whole
 optimizer state of a bad step as they were (Kahan compensation, moments, the stochastic-rounding counter: bit for
 bit) and still advances the step and the data position; with ``train.bad_step="stop"`` it computes the same
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 BAD_STEPS = ("stop", "skip")
-DECAY = 0.99  # of the running mean and variance: about the last 100 good steps
+_DECAY = 0.99  # of the running mean and variance: about the last 100 good steps
 WARMUP = 20  # good steps needed to judge spikes
 
 
@@ -45,7 +45,7 @@ def init() -> Guard:
 
 def _ema(mean, var, x, first):
     """West's exponentially weighted mean and variance; the first value starts the mean with variance 0."""
-    d = jnp.float32(DECAY)
+    d = jnp.float32(_DECAY)
     delta = x - mean
     new_mean = jnp.where(first, x, mean + (1 - d) * delta)
     new_var = jnp.where(first, jnp.float32(0), d * (var + (1 - d) * delta * delta))

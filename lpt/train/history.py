@@ -36,12 +36,12 @@ KINDS = {
     "checkpoints": "directory",
     "checkpoints_damaged": "directory",
 }
-HISTORY = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "tensorboard")  # the record of a run
+_HISTORY = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "tensorboard")  # the record of a run
 
 
 def present(workdir: Path) -> list[str]:
-    """The history entries (:data:`HISTORY`) that exist in ``workdir``."""
-    return [name for name in HISTORY if (workdir / name).exists()]
+    """The history entries (:data:`_HISTORY`) that exist in ``workdir``."""
+    return [name for name in _HISTORY if (workdir / name).exists()]
 
 
 def check(workdir: Path, steps: list[int]) -> None:

@@ -57,10 +57,10 @@ log = logging.getLogger("lpt.train")
 
 # config.model keys that decide the parameters' paths and shapes (max_seq_len too for gpt2's learned positions)
 # keys compared for information only: they change the function, not the shapes
-OTHER_KEYS = ("max_seq_len", "rope_theta", "rope_scaling", "norm_eps", "sliding_window")
+_OTHER_KEYS = ("max_seq_len", "rope_theta", "rope_scaling", "norm_eps", "sliding_window")
 
 
-def origin_text(origin: dict) -> str:
+def _origin_text(origin: dict) -> str:
     """One line for the log: ``init_from.workdir=/abs/run (step 600)``, ``init_from.hf=/abs/dir`` or ``seed 0``."""
     if "workdir" in origin:
         return f"init_from.workdir={origin['workdir']} (step {origin['step']})"
@@ -76,13 +76,13 @@ def initial_state(cfg: Config, prog) -> tuple[state_lib.TrainState, dict]:
         state = state_lib.create_state(cfg, prog.tx, prog.shardings)
         origin = {"seed": int(cfg.train.seed)}
     else:
-        params, origin = load_source(cfg)
-        state = state_from_params(cfg, prog, params, origin_text(origin))
-    log.info("initialised %s parameters from %s", f"{state_lib.count_params(state.params):,}", origin_text(origin))
+        params, origin = _load_source(cfg)
+        state = state_from_params(cfg, prog, params, _origin_text(origin))
+    log.info("initialised %s parameters from %s", f"{state_lib.count_params(state.params):,}", _origin_text(origin))
     return state, origin
 
 
-def load_source(cfg: Config) -> tuple[dict, dict]:
+def _load_source(cfg: Config) -> tuple[dict, dict]:
     """``(params, origin)``: the source's params (nested dict of numpy arrays, any float dtype) after checking its
     model's shape keys against ``cfg.model``."""
     if cfg.init_from.workdir:
@@ -90,13 +90,13 @@ def load_source(cfg: Config) -> tuple[dict, dict]:
         step = _source_step(workdir, cfg.init_from.step)
         where = f"init_from.workdir={cfg.init_from.workdir!r} (step {step})"
         params, run_cfg = ckpt_lib.load_params(workdir, step)
-        check_model(run_cfg.model.to_dict(), cfg.model.to_dict(), where, scan=True)
+        _check_model(run_cfg.model.to_dict(), cfg.model.to_dict(), where, scan=True)
         return params, {"workdir": str(workdir), "step": step}
     path = Path(cfg.init_from.hf).expanduser().resolve()
     where = f"init_from.hf={cfg.init_from.hf!r}"
     if not path.is_dir():
         raise ValueError(f"{where} is not a directory (a Hugging Face model directory: config.json + *.safetensors)")
-    check_model(hf.read_config(path).to_dict(), cfg.model.to_dict(), where, scan=False)
+    _check_model(hf.read_config(path).to_dict(), cfg.model.to_dict(), where, scan=False)
     return hf.load_params(path, cfg.model), {"hf": str(path)}
 
 
@@ -114,7 +114,7 @@ def _source_step(workdir: Path, step: int) -> int:
     return step
 
 
-def check_model(source: dict, model: dict, where: str, *, scan: bool) -> None:
+def _check_model(source: dict, model: dict, where: str, *, scan: bool) -> None:
     """ValueError naming the first key of :data:`SHAPE_KEYS` (and ``scan_layers`` if ``scan``; ``max_seq_len`` for
     gpt2) where the source's ``config.model`` and this run's differ; the other differing keys are logged."""
     keys = SHAPE_KEYS + (("scan_layers",) if scan else ()) + (("max_seq_len",) if model["kind"] == "gpt2" else ())
@@ -125,7 +125,7 @@ def check_model(source: dict, model: dict, where: str, *, scan: bool) -> None:
                 f"{where} has model.{k}={source.get(k)!r} but config.model.{k}={model[k]!r}; a fine-tune keeps the "
                 f"source's shape (set config.model.{k}={source.get(k)!r})"
             )
-    other = [f"{k}={source.get(k)!r}->{model[k]!r}" for k in OTHER_KEYS if k not in keys and source.get(k) != model[k]]
+    other = [f"{k}={source.get(k)!r}->{model[k]!r}" for k in _OTHER_KEYS if k not in keys and source.get(k) != model[k]]
     if other:
         log.info("%s: this run changes config.model %s", where, ", ".join(other))
 

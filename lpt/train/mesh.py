@@ -22,7 +22,7 @@ from lpt.sharding import logical_to_mesh
 from lpt.train.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # mesh axes the global batch is split over
+_BATCH_AXES = ("data", "fsdp")  # mesh axes the global batch is split over
 
 
 def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -79,7 +79,7 @@ def tree_shardings(logical_tree, shape_tree, mesh: Mesh, rules=sharding.RULES):
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [batch, length] token array: batch over data*fsdp, length replicated."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+    return NamedSharding(mesh, PartitionSpec(_BATCH_AXES, None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -79,7 +79,7 @@ class MetricsWriter:
 
             local = self.workdir
             if self.remote:
-                local = self._staging = staging_dir(self.workdir)
+                local = self._staging = _staging_dir(self.workdir)
                 stored = read_jsonl(self.jsonl_path)  # [] when there is none
                 self.jsonl_path = local / "metrics.jsonl"
                 rewrite_jsonl(self.jsonl_path, [r for r in stored if drop_after is None or r["step"] <= drop_after])
@@ -141,7 +141,7 @@ class MetricsWriter:
                     shutil.rmtree(self._staging, ignore_errors=True)
 
 
-def staging_dir(workdir) -> Path:
+def _staging_dir(workdir) -> Path:
     """A new local directory where the metrics of the object-storage run ``workdir`` are staged:
     ``<tmp>/lpt-metrics-<digest of workdir>-<pid>``. The ones that earlier trainers of the same workdir left on this
     machine (killed before they could remove them; their records are stored up to their last checkpoint, and the

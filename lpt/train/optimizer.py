@@ -14,7 +14,7 @@ each rule; :attr:`lpt.models.Precision.store_dtype` derives the parameters' stor
   only).
 * ``"nearest" | "stochastic" | "norm_preserving"`` with 16-bit params: :func:`lpt.optim.adamw`, i.e.
   ``clip -> lpt.optim.scale_by_adam -> decoupled decay (f32) -> -lr -> rule``.
-* float8 params (any rule): AdamW runs on a float32 view (``f32_view``: fp8 moments would underflow) and only the
+* float8 params (any rule): AdamW runs on a float32 view (``_f32_view``: fp8 moments would underflow) and only the
   update rule touches the fp8 values.
 
 Both 16-bit paths keep Adam's moments in the param dtype (or ``precision.moment_dtype``), computed in f32 and stored
@@ -49,14 +49,14 @@ def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, optim_cfg.lr, warmup), after], [warmup])
 
 
-def update_rule_transform(update_rule: str, seed: int) -> optax.GradientTransformation | None:
+def _update_rule_transform(update_rule: str, seed: int) -> optax.GradientTransformation | None:
     """The last transform of the chain for ``update_rule`` (None for f32_master)."""
     if update_rule == "f32_master":
         return None
     return lpt.optim.update_rule(update_rule, seed=seed, diagnostics=True)
 
 
-def f32_view(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def _f32_view(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """Run ``inner`` on float32 copies of the gradients and params (its state, e.g. Adam moments, is float32).
 
     Used for float8 params: Adam's moments in e4m3/e5m2 would underflow (eps = 1e-8 rounds to 0, 0/0 = NaN) and JAX
@@ -82,7 +82,7 @@ def make_optimizer(cfg: Config, mesh_size: int = 1, param_shardings=None) -> opt
     schedule = make_schedule(o, cfg.train.steps)
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
     clip = o.grad_clip if o.grad_clip > 0 else None
-    last = update_rule_transform(p.update_rule, cfg.train.seed)  # None for f32_master
+    last = _update_rule_transform(p.update_rule, cfg.train.seed)  # None for f32_master
     hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if last is not None and not p.param_dtype.startswith("float8"):  # 16-bit params: lpt's AdamW
         moments = dict(
@@ -100,7 +100,7 @@ def make_optimizer(cfg: Config, mesh_size: int = 1, param_shardings=None) -> opt
     parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
     if last is None:  # f32_master
         return optax.chain(*parts)
-    return optax.chain(f32_view(optax.chain(*parts)), last)  # fp8 params: moments and update in f32, rounded by last
+    return optax.chain(_f32_view(optax.chain(*parts)), last)  # fp8 params: moments and update in f32, rounded by last
 
 
 def optimizer_diagnostics(opt_state) -> dict:

@@ -26,9 +26,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-SCHEMES = ("gs",)  # the URL schemes a workdir may have (orbax's object store)
+_SCHEMES = ("gs",)  # the URL schemes a workdir may have (orbax's object store)
 PACKAGES = {"gs": ("gcsfs", "google.cloud.storage")}  # imported by etils.epath and orbax for the scheme
-INSTALL = {"gs": "pip install 'lpt[gcs]' (gcsfs and google-cloud-storage)"}
+_INSTALL = {"gs": "pip install 'lpt[gcs]' (gcsfs and google-cloud-storage)"}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -66,7 +66,7 @@ def run_path(workdir, *, what: str = "--workdir") -> Any:
     if url_scheme is None:
         return Path(workdir)
     text = str(workdir)
-    if url_scheme not in SCHEMES:
+    if url_scheme not in _SCHEMES:
         raise ValueError(
             f"{what} {text!r}: lpt cannot write runs to {url_scheme}:// URLs; give a local path or "
             f"gs://BUCKET/PATH (orbax's object store)"
@@ -76,7 +76,9 @@ def run_path(workdir, *, what: str = "--workdir") -> Any:
         raise ValueError(f"{what} {text!r} names no directory in a bucket; give {url_scheme}://BUCKET/PATH")
     missing = missing_packages(url_scheme)
     if missing:
-        raise ValueError(f"{what} {text!r} needs {', '.join(missing)}, which cannot be imported: {INSTALL[url_scheme]}")
+        raise ValueError(
+            f"{what} {text!r} needs {', '.join(missing)}, which cannot be imported: {_INSTALL[url_scheme]}"
+        )
     from etils import epath
 
     return epath.Path(text.rstrip("/"))

@@ -30,7 +30,7 @@ from lpt.train import state as state_lib
 log = logging.getLogger("lpt.train")
 
 
-def stored_moments(precision: Precision) -> str:
+def _stored_moments(precision: Precision) -> str:
     """The concrete name of the moments' storage of ``precision``: its ``moment_dtype``, with "auto" resolved to the
     params' dtype (lpt's AdamW keeps moments there)."""
     return precision.param_dtype if precision.moment_dtype == "auto" else precision.moment_dtype
@@ -40,11 +40,11 @@ def layout_of(cfg: config_lib.Config, mesh: Mesh, current: state_lib.TrainState,
     """A function ``saved config (dict or None) -> abstract TrainState with shardings`` for
     :meth:`lpt.train.checkpoint.Checkpointer.restore_latest`: ``current`` (the run's own layout) unless the saved
     config stores its moments otherwise, else that storage's layout on ``mesh``."""
-    mine = stored_moments(cfg.precision)
+    mine = _stored_moments(cfg.precision)
 
     def layout(saved: dict | None) -> state_lib.TrainState:
         theirs = config_lib.build(saved).precision if saved else None
-        if theirs is None or stored_moments(theirs) == mine:
+        if theirs is None or _stored_moments(theirs) == mine:
             return current
         old = config_lib.with_values(cfg, {"precision.moment_dtype": theirs.moment_dtype})
         tx = optimizer.make_optimizer(old, mesh.size, state_lib.param_shardings(model_def, mesh))
@@ -57,8 +57,8 @@ def layout_of(cfg: config_lib.Config, mesh: Mesh, current: state_lib.TrainState,
 def convert(state: state_lib.TrainState, saved: dict | None, cfg: config_lib.Config, shardings: state_lib.TrainState):
     """``state`` restored with ``saved``'s moment storage (a checkpoint's config dict), re-stored into ``cfg``'s with
     ``shardings`` (unchanged when the two are the same)."""
-    dst = stored_moments(cfg.precision)
-    src = stored_moments(config_lib.build(saved).precision) if saved else dst
+    dst = _stored_moments(cfg.precision)
+    src = _stored_moments(config_lib.build(saved).precision) if saved else dst
     if src == dst:
         return state
     log.info("re-storing Adam's moments from %s (the checkpoint's) into %s (precision.moment_dtype)", src, dst)

@@ -75,14 +75,14 @@ def grad_view(params):
     return jax.tree.map(lambda p: p.astype(jnp.float32) if p.dtype.itemsize == 1 else p, params)  # fp8 -> f32
 
 
-def fp8_model(model_def: ModelDef):
+def _fp8_model(model_def: ModelDef):
     """The model with abstract variables: what :func:`lpt.models.layers.fp8_linears` walks."""
     return nnx.merge(model_def.graphdef, model_def.abstract_params, model_def.abstract_rest)
 
 
-def fp8_layers(model_def: ModelDef) -> list:
+def _fp8_layers(model_def: ModelDef) -> list:
     """The model's blockwise-FP8 ``Linear`` layers (:func:`lpt.models.layers.fp8_linears`)."""
-    return model_layers.fp8_linears(fp8_model(model_def))
+    return model_layers.fp8_linears(_fp8_model(model_def))
 
 
 def fp8_codes_bytes(cfg: Config, model_def: ModelDef, mesh: Mesh) -> int:
@@ -90,7 +90,7 @@ def fp8_codes_bytes(cfg: Config, model_def: ModelDef, mesh: Mesh) -> int:
     (each FP8 layer's weight in its GEMM's layout: whole over fsdp, split over tensor); 0 with "microbatch"."""
     if cfg.optim.fp8_gather != "step":
         return 0
-    model = fp8_model(model_def)
+    model = _fp8_model(model_def)
     params = nnx.to_pure_dict(model_def.abstract_params)
     shapes = jax.eval_shape(lambda p: model_layers.fp8_gemm_weights(model, grad_view(p)), params)
     total = 0
@@ -122,7 +122,7 @@ def make_train_step(
     use_aux = cfg.precision.pqt.method != "none"
     skip = cfg.train.bad_step == "skip"
 
-    prepare = cfg.optim.fp8_gather == "step" and bool(fp8_layers(model_def))
+    prepare = cfg.optim.fp8_gather == "step" and bool(_fp8_layers(model_def))
 
     def loss_fn(params, rest, inputs_BT, targets_BT, key, prepared):
         if prepared:  # the FP8 layers multiply the step's codes; their gradients still reach the kernels
@@ -140,7 +140,7 @@ def make_train_step(
             key = jax.random.fold_in(seed_key, state.step)
             view = grad_view(state.params)
             # optim.fp8_gather="step": FP8 weights quantized and gathered here, once for all microbatches
-            prepared = model_layers.fp8_gemm_weights(fp8_model(model_def), view) if prepare else {}
+            prepared = model_layers.fp8_gemm_weights(_fp8_model(model_def), view) if prepare else {}
             if m == 1:
                 (_, (ce, aux)), grads = grad_fn(view, state.rest, batch["inputs"], batch["targets"], key, prepared)
             else:

@@ -41,7 +41,7 @@ from lpt.train import paths
 
 log = logging.getLogger("lpt.train")
 
-LOCK_NAME = "lpt.lock"
+_LOCK_NAME = "lpt.lock"
 LEASE_SECONDS = 300.0  # an object-storage lease whose heartbeat is older is stale: a new trainer takes it over
 HEARTBEAT_SECONDS = 30.0  # how often the holder rewrites its lease's heartbeat
 
@@ -134,7 +134,7 @@ class WorkdirLock:
     (:func:`remove_if_unused`); a lock that could not be taken because another trainer holds it removes nothing."""
 
     def __init__(self, workdir: str | Path, *, enabled: bool = True, cleanup: bool = False):
-        self.path = _nonempty(workdir) / LOCK_NAME
+        self.path = _nonempty(workdir) / _LOCK_NAME
         self.enabled = enabled
         self.cleanup = cleanup
         self._created: Path | None = None
@@ -153,7 +153,7 @@ class WorkdirLock:
         created = first_missing(self.path.parent) if self.cleanup else None
         try:
             self._acquire()
-        except InUseError:
+        except _InUseError:
             raise  # the directory is the holder's, whoever created it
         except BaseException:
             if created is not None:
@@ -170,12 +170,12 @@ class WorkdirLock:
         try:
             self._fd = filelock.lock(self.path)
         except filelock.HeldError as e:
-            raise InUseError(
+            raise _InUseError(
                 f"--workdir {str(self.path.parent)!r} is in use by another trainer ({e}); wait for it to finish "
                 f"or choose another --workdir"
             ) from None
         except OSError as e:
-            raise ValueError(f"--workdir {str(self.path.parent)!r}: cannot lock {LOCK_NAME}: {e.strerror}") from None
+            raise ValueError(f"--workdir {str(self.path.parent)!r}: cannot lock {_LOCK_NAME}: {e.strerror}") from None
 
     def __exit__(self, exc_type, *exc) -> None:
         try:
@@ -194,7 +194,7 @@ class WorkdirLock:
             self._fd = None
 
 
-class InUseError(ValueError):
+class _InUseError(ValueError):
     """The workdir is held by another trainer (its lock or a fresh lease)."""
 
 
@@ -247,22 +247,22 @@ class Lease:
                 self._kv = ts.KvStore.open(paths.kvstore_spec(self.workdir)).result()
             except Exception as e:  # noqa: BLE001 -- tensorstore reports a bad spec or credentials as several types
                 raise ValueError(
-                    f"--workdir {str(self.workdir)!r}: cannot open it for {LOCK_NAME}: {_one_line(e)}"
+                    f"--workdir {str(self.workdir)!r}: cannot open it for {_LOCK_NAME}: {_one_line(e)}"
                 ) from None
         return self._kv
 
     def _read(self):
         try:
-            return self._store().read(LOCK_NAME).result()
+            return self._store().read(_LOCK_NAME).result()
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"--workdir {str(self.workdir)!r}: cannot read {LOCK_NAME}: {_one_line(e)}") from None
+            raise ValueError(f"--workdir {str(self.workdir)!r}: cannot read {_LOCK_NAME}: {_one_line(e)}") from None
 
     def _write(self, record: dict | None, if_equal: bytes) -> bytes:
         """Write (None: delete) the lease if its generation is ``if_equal``; the new generation, b"" if it was not."""
         value = None if record is None else json.dumps(record).encode()
-        return self._store().write(LOCK_NAME, value, if_equal=if_equal).result().generation
+        return self._store().write(_LOCK_NAME, value, if_equal=if_equal).result().generation
 
     def acquire(self) -> Lease:
         """Create the lease, or take over a stale one; ValueError naming the holder of a fresh one."""
@@ -272,7 +272,7 @@ class Lease:
                 holder = _parse(found.value)
                 age = time.time() - holder.get("heartbeat", 0.0) if holder else float("inf")
                 if holder and age < LEASE_SECONDS and not _pid_gone(holder):
-                    raise InUseError(
+                    raise _InUseError(
                         f"--workdir {str(self.workdir)!r} is in use by another trainer ({filelock.describe(holder)}, "
                         f"last heartbeat {age:.0f} s ago); wait for it to finish or choose another --workdir (a "
                         f"lease not renewed for {LEASE_SECONDS:.0f} s is taken over)"
@@ -287,13 +287,17 @@ class Lease:
             try:
                 generation = self._write(record, found.stamp.generation)
             except Exception as e:  # noqa: BLE001 -- permissions, a missing bucket
-                raise ValueError(f"--workdir {str(self.workdir)!r}: cannot write {LOCK_NAME}: {_one_line(e)}") from None
+                raise ValueError(
+                    f"--workdir {str(self.workdir)!r}: cannot write {_LOCK_NAME}: {_one_line(e)}"
+                ) from None
             if generation:
                 self._generation, self._record = generation, record
                 self._thread = threading.Thread(target=self._beat, name="lpt-lease", daemon=True)
                 self._thread.start()
                 return self
-        raise InUseError(f"--workdir {str(self.workdir)!r} is being taken by another trainer; choose another --workdir")
+        raise _InUseError(
+            f"--workdir {str(self.workdir)!r} is being taken by another trainer; choose another --workdir"
+        )
 
     def refresh(self) -> None:
         """Renew the heartbeat now; ValueError if the lease was taken over or deleted (this trainer must stop). A
@@ -303,7 +307,7 @@ class Lease:
                 try:
                     self._renew()
                 except Exception as e:  # noqa: BLE001 -- tensorstore reports I/O failures as several types
-                    log.warning("--workdir %s: could not renew %s (%s)", self.workdir, LOCK_NAME, _one_line(e))
+                    log.warning("--workdir %s: could not renew %s (%s)", self.workdir, _LOCK_NAME, _one_line(e))
             if self._lost is not None:
                 raise ValueError(self._lost)
 
@@ -329,7 +333,7 @@ class Lease:
                 try:
                     self._renew()
                 except Exception as e:  # noqa: BLE001 -- a failed renewal is retried; the lease lasts LEASE_SECONDS
-                    log.warning("--workdir %s: could not renew %s (%s)", self.workdir, LOCK_NAME, _one_line(e))
+                    log.warning("--workdir %s: could not renew %s (%s)", self.workdir, _LOCK_NAME, _one_line(e))
 
     def release(self) -> None:
         """Stop renewing and delete the lease if this trainer still holds it."""
@@ -341,7 +345,7 @@ class Lease:
                 try:
                     self._write(None, self._generation)
                 except Exception as e:  # noqa: BLE001 -- the lease then goes stale by itself
-                    log.warning("--workdir %s: could not delete %s (%s)", self.workdir, LOCK_NAME, _one_line(e))
+                    log.warning("--workdir %s: could not delete %s (%s)", self.workdir, _LOCK_NAME, _one_line(e))
             self._generation = None
 
 

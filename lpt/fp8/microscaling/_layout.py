@@ -15,8 +15,6 @@ __all__ = [
     "check_rounding",
     "expand_scales",
     "grouped_shape",
-    "positive_int",
-    "scale_shape",
 ]
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -38,7 +36,7 @@ def check_rounding(rounding: str, key) -> None:
         raise ValueError("rounding='stochastic' needs a key (a JAX PRNG key), got key=None")
 
 
-def positive_int(v, what: str) -> int:
+def _positive_int(v, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int | np.integer) or v <= 0:
         raise ValueError(f"{what} must be a positive int, got {v!r}")
     return int(v)
@@ -51,7 +49,7 @@ def block_tiles(shape: tuple[int, ...], axis: int, block_size, block_shape) -> d
     if block_shape is None:
         if not isinstance(axis, int | np.integer) or not -ndim <= axis < ndim:
             raise ValueError(f"axis={axis!r} is out of range for an array of shape {shape}")
-        tiles = {int(axis) % ndim: positive_int(block_size, "block_size")}
+        tiles = {int(axis) % ndim: _positive_int(block_size, "block_size")}
     else:
         if not isinstance(block_shape, tuple | list) or len(block_shape) != 2:
             raise ValueError(f"block_shape must be a pair (rows, cols) or None, got {block_shape!r}")
@@ -59,7 +57,7 @@ def block_tiles(shape: tuple[int, ...], axis: int, block_size, block_shape) -> d
             raise ValueError(f"block_shape={tuple(block_shape)} tiles the last two axes; x has shape {shape}")
         if axis not in (-1, ndim - 1):
             raise ValueError(f"block_shape tiles the last two axes, so axis must be -1; got axis={axis!r}")
-        r, c = (positive_int(b, "block_shape entries") for b in block_shape)
+        r, c = (_positive_int(b, "block_shape entries") for b in block_shape)
         tiles = {ndim - 2: r, ndim - 1: c}
     for ax, b in tiles.items():
         if shape[ax] % b:
@@ -83,13 +81,13 @@ def grouped_shape(shape: tuple[int, ...], tiles: dict[int, int]) -> tuple[tuple[
     return tuple(grouped), tuple(inner)
 
 
-def scale_shape(shape: tuple[int, ...], tiles: dict[int, int]) -> tuple[int, ...]:
+def _scale_shape(shape: tuple[int, ...], tiles: dict[int, int]) -> tuple[int, ...]:
     return tuple(n // tiles[ax] if ax in tiles else n for ax, n in enumerate(shape))
 
 
 def expand_scales(s: jax.Array, shape, tiles, what: str) -> tuple[jax.Array, tuple[int, ...]]:
     """Scales of shape ``_scale_shape`` -> broadcastable against the grouped codes; checks the shape."""
-    want = scale_shape(tuple(shape), tiles)
+    want = _scale_shape(tuple(shape), tiles)
     if tuple(s.shape) != want:
         raise ValueError(f"{what} has shape {tuple(s.shape)}; codes of shape {tuple(shape)} need {want}")
     grouped, inner = grouped_shape(tuple(shape), tiles)

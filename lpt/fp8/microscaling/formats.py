@@ -52,15 +52,11 @@ from lpt.fp8.recipe import check_dtype_in
 from lpt.numerics import exponent_of, get_format, round_nearest, round_stochastic
 
 __all__ = [
-    "E8M0",
     "E8M0_MAX_EXP",
     "E8M0_MIN_EXP",
-    "MX_ELEM_DTYPES",
     "NVFP4_BLOCK",
     "NVFP4_TILE",
     "ROUNDINGS",
-    "MxScales",
-    "NvScales",
     "mx_block_exponents",
     "mx_dequantize",
     "mx_quantize",
@@ -69,10 +65,10 @@ __all__ = [
     "nvfp4_quantize",
 ]
 
-MX_ELEM_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float4_e2m1fn))
+_MX_ELEM_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float4_e2m1fn))
 NVFP4_BLOCK = 16
 NVFP4_TILE = (NVFP4_BLOCK, NVFP4_BLOCK)  # the 2-D tiles of a weight that is used transposed as well
-E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+_E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 
 _E8M0_BIAS = 127
 _E8M0_NAN = 0xFF
@@ -157,7 +153,7 @@ def _cast_out(v_f32: jax.Array, dtype) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class MxScales(NamedTuple):
+class _MxScales(NamedTuple):
     """The steps of MX's scale rule (module docstring) for one tensor, before the exponent is clamped to e8m0."""
 
     x32: jax.Array  # x in f32, each tiled axis split into (blocks, block length)
@@ -169,7 +165,7 @@ class MxScales(NamedTuple):
 
 def mx_block_exponents(
     x, elem_dtype, block_size: int = 32, axis: int = -1, *, block_shape: tuple[int, int] | None = None
-) -> MxScales:
+) -> _MxScales:
     """The block maxima and unclamped scale exponents :func:`mx_quantize` computes for ``x`` (same arguments).
 
     Args:
@@ -179,7 +175,7 @@ def mx_block_exponents(
       axis: the blocked axis; its length a multiple of ``block_size``.
       block_shape: ``(rows, cols)`` 2-D tiles on the last two axes instead; ``axis`` stays -1.
     """
-    elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
+    elem = check_dtype_in(elem_dtype, _MX_ELEM_DTYPES, "elem_dtype")
     x = check_float(x)
     tiles = block_tiles(x.shape, axis, block_size, block_shape)
     grouped, inner = grouped_shape(x.shape, tiles)
@@ -189,7 +185,7 @@ def mx_block_exponents(
     # floor(log2 amax) from the bits; exponent_of reports -126 for subnormal and zero amax, which the clamp maps to
     # -127 exactly as the true floor(log2) would (emax_elem >= 2).
     e = exponent_of(_from_bits(amax_bits)) - get_format(elem).emax
-    return MxScales(x32, inner, _from_bits(amax_bits), nonfinite, e)
+    return _MxScales(x32, inner, _from_bits(amax_bits), nonfinite, e)
 
 
 def mx_quantize(
@@ -219,7 +215,7 @@ def mx_quantize(
       codes: x's shape in ``elem_dtype``.
       scales: ``float8_e8m0fnu`` of x's shape with each blocked axis divided by its block length.
     """
-    elem = check_dtype_in(elem_dtype, MX_ELEM_DTYPES, "elem_dtype")
+    elem = check_dtype_in(elem_dtype, _MX_ELEM_DTYPES, "elem_dtype")
     x = check_float(x)
     check_rounding(rounding, key)
     mx = mx_block_exponents(x, elem, block_size, axis, block_shape=block_shape)
@@ -237,7 +233,7 @@ def mx_quantize(
     codes = codes.astype(elem).reshape(x.shape)  # f32 (on elem's grid, or NaN) -> elem: exact
 
     biased = jnp.where(nonfinite, _E8M0_NAN, e + _E8M0_BIAS).astype(jnp.uint8)  # i32 -> u8 e8m0 byte
-    scales = lax.bitcast_convert_type(jnp.squeeze(biased, inner), E8M0)  # u8 byte -> e8m0
+    scales = lax.bitcast_convert_type(jnp.squeeze(biased, inner), _E8M0)  # u8 byte -> e8m0
     return codes, scales
 
 
@@ -263,10 +259,10 @@ def mx_dequantize(
       dtype: floating-point output dtype (f32 exact; others rounded to nearest even).
     """
     codes = jnp.asarray(codes)
-    if codes.dtype not in MX_ELEM_DTYPES:
-        raise ValueError(f"codes must be one of {[d.name for d in MX_ELEM_DTYPES]}, got dtype {codes.dtype}")
+    if codes.dtype not in _MX_ELEM_DTYPES:
+        raise ValueError(f"codes must be one of {[d.name for d in _MX_ELEM_DTYPES]}, got dtype {codes.dtype}")
     scales = jnp.asarray(scales)
-    if scales.dtype == E8M0:
+    if scales.dtype == _E8M0:
         sbytes = lax.bitcast_convert_type(scales, jnp.uint8)  # e8m0 -> u8 byte
     elif scales.dtype == jnp.uint8:
         sbytes = scales
@@ -296,7 +292,7 @@ def _nvfp4_tiles(shape, axis, block_shape):
     return block_tiles(tuple(shape), axis, NVFP4_BLOCK, block_shape)
 
 
-class NvScales(NamedTuple):
+class _NvScales(NamedTuple):
     """The f32 steps of NVFP4's scales (module docstring) for one tensor, before the block scales are rounded."""
 
     x32: jax.Array  # x in f32, f32 subnormals as ±0, each tiled axis split into (blocks, block length)
@@ -308,7 +304,7 @@ class NvScales(NamedTuple):
     block_scale_f32: jax.Array  # f32 block_amax · (S_enc · 1/6): the block decode scale, unrounded (e4m3 rounds it)
 
 
-def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> NvScales:
+def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> _NvScales:
     """The tensor scale and the unrounded block scales :func:`nvfp4_quantize` computes for ``x`` (same arguments)."""
     x = check_float(x)
     tiles = _nvfp4_tiles(x.shape, axis, block_shape)
@@ -331,7 +327,7 @@ def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None
     b_nonfinite = block_bits >= jnp.uint32(_F32_INF_BITS)
     block_amax = jnp.where(b_nonfinite, jnp.float32(0.0), _from_bits(block_bits))
     bs = block_amax * (s_enc * jnp.float32(_ONE_SIXTH_F32))  # f32 decode scale of the block (rounded to e4m3 next)
-    return NvScales(x32, inner, s_dec, t_nonfinite, block_amax, b_nonfinite, bs)
+    return _NvScales(x32, inner, s_dec, t_nonfinite, block_amax, b_nonfinite, bs)
 
 
 def nvfp4_quantize(

@@ -43,7 +43,7 @@ from lpt.kernels import dispatch
 from lpt.kernels.adamw_kahan.math import LANES, check_leaf, leaf_math, leaf_math8, shard_index_map
 from lpt.kernels.adamw_kahan.mosaic_gpu import adamw_kahan8_mgpu, adamw_kahan_mgpu
 
-__all__ = ["TPU_BLOCK_ROWS", "TPU_BLOCK_ROWS_8BIT", "TRITON_BLOCK_ROWS", "adamw_kahan"]
+__all__ = ["adamw_kahan"]
 
 
 def _grid2d_index_map(m: int, n: int, outer):
@@ -173,10 +173,10 @@ def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
     return outs
 
 
-TPU_BLOCK_ROWS = 512  # 64K elements per program: ~1.2 MB of VMEM per buffer set, double-buffered
-TPU_BLOCK_ROWS_8BIT = 1024  # 8-bit moments: 128K elements, whose scales are one (8, 128) f32 tile per moment
+_TPU_BLOCK_ROWS = 512  # 64K elements per program: ~1.2 MB of VMEM per buffer set, double-buffered
+_TPU_BLOCK_ROWS_8BIT = 1024  # 8-bit moments: 128K elements, whose scales are one (8, 128) f32 tile per moment
 # (a leaf of fewer rows is one block of the next power of two >= 128 rows)
-TRITON_BLOCK_ROWS = 16  # 2K elements per program: 16 per thread with 4 warps (a big block would spill registers)
+_TRITON_BLOCK_ROWS = 16  # 2K elements per program: 16 per thread with 4 warps (a big block would spill registers)
 
 
 def adamw_kahan(
@@ -214,8 +214,8 @@ def adamw_kahan(
       b1, b2, eps, weight_decay: AdamW's hyperparameters (Python numbers: they are compiled into the kernel).
       stochastic: stochastic moment rounding (True) or round to nearest even (False).
       block_rows: rows of 128 lanes per program, a power of two >= 16 (shrinks for small leaves). None: per
-        platform, :data:`TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`TRITON_BLOCK_ROWS` on CUDA. 8-bit
-        moments on TPU and in the interpreter: at least :data:`TPU_BLOCK_ROWS_8BIT` (whole (8, 128) scale tiles),
+        platform, :data:`_TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`_TRITON_BLOCK_ROWS` on CUDA. 8-bit
+        moments on TPU and in the interpreter: at least :data:`_TPU_BLOCK_ROWS_8BIT` (whole (8, 128) scale tiles),
         or one block of the leaf's rows (at least 128) when it has fewer.
       interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform
         (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Mosaic on TPU, and on CUDA Mosaic GPU
@@ -239,11 +239,11 @@ def adamw_kahan(
         return (p, c, mv, scales) if eight_bit else (p, c, mv)
     rows = -(-n // LANES)
     fit = max(16, 1 << (rows - 1).bit_length())  # blocks never exceed the next power of two of the leaf's rows
-    big = min(TPU_BLOCK_ROWS if block_rows is None else block_rows, fit)
+    big = min(_TPU_BLOCK_ROWS if block_rows is None else block_rows, fit)
     if eight_bit:  # lane-dense scales: whole (8, 128) tiles of them per block, or one block holding the whole leaf
-        big = max(TPU_BLOCK_ROWS_8BIT, block_rows or 0)
+        big = max(_TPU_BLOCK_ROWS_8BIT, block_rows or 0)
         big = big if rows > big else max(LANES, fit)  # one block: its (rows / 128, 128) scales are the whole array
-    small = min(TRITON_BLOCK_ROWS if block_rows is None else block_rows, fit)
+    small = min(_TRITON_BLOCK_ROWS if block_rows is None else block_rows, fit)
     rows_pad = -(-rows // big) * big  # a multiple of both block sizes (powers of two, small <= big)
     width = p.shape[-1] if p.ndim >= 2 else 0
     view_rows = n // width if width else 0
@@ -251,9 +251,9 @@ def adamw_kahan(
     # a last axis of several 128s and rows in whole blocks: (rows, 128) tiles of the (m, n) view on a 2-D grid, so no
     # array is reshaped into (rows, 128) rows (on TPU a relayout: one more pass over each input and output)
     grid2d = width % LANES == 0 and width > LANES and tall >= 16
-    tile_rows = min(max(TPU_BLOCK_ROWS_8BIT, block_rows or 0) if eight_bit else big, tall)
+    tile_rows = min(max(_TPU_BLOCK_ROWS_8BIT, block_rows or 0) if eight_bit else big, tall)
     if grid2d and eight_bit:  # lane-dense scale blocks: (8, 128) tiles of them, or the view's whole rows
-        grid2d = tile_rows >= TPU_BLOCK_ROWS_8BIT or (tile_rows == view_rows and tile_rows >= LANES)
+        grid2d = tile_rows >= _TPU_BLOCK_ROWS_8BIT or (tile_rows == view_rows and tile_rows >= LANES)
     if grid2d:
         big, small = tile_rows, min(small, tall)
 

@@ -36,7 +36,6 @@ __all__ = [
     "adamw_direction",
     "adamw_kahan_reference",
     "check_leaf",
-    "check_moments8",
     "decode_blocks",
     "encode_blocks",
     "f32",
@@ -61,7 +60,7 @@ LANES = 128
 _HI = 0xFFFF0000
 
 
-def bf16_bits_to_f32(x_u32: jax.Array) -> jax.Array:
+def _bf16_bits_to_f32(x_u32: jax.Array) -> jax.Array:
     """bf16 bit patterns in the HIGH half of a u32 (low half ignored) -> their f32 values (exact)."""
     return lax.bitcast_convert_type(x_u32 & jnp.uint32(_HI), jnp.float32)  # u32 -> f32
 
@@ -75,7 +74,7 @@ def pack_bf16_pair(hi_f32: jax.Array, lo_f32: jax.Array) -> jax.Array:
 
 def unpack_bf16_pair(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Inverse of :func:`pack_bf16_pair`: u32 -> (hi, lo) as f32 (exact)."""
-    return bf16_bits_to_f32(packed), bf16_bits_to_f32(packed << jnp.uint32(16))
+    return _bf16_bits_to_f32(packed), _bf16_bits_to_f32(packed << jnp.uint32(16))
 
 
 def no_fma(x32, zero_u32):
@@ -97,14 +96,14 @@ def f32(h) -> jax.Array:
     return jnp.asarray(h).astype(jnp.float32)  # hyperparameter -> f32
 
 
-def one_minus(h) -> jax.Array:
+def _one_minus(h) -> jax.Array:
     """``1 − h`` as f32: in f64 then rounded for Python numbers (as the chain always did), in f32 for traced ones."""
     if isinstance(h, (int, float)):
         return jnp.float32(1 - h)
     return jnp.float32(1) - f32(h)
 
 
-def is_static_zero(h) -> bool:
+def _is_static_zero(h) -> bool:
     return isinstance(h, (int, float)) and h == 0
 
 
@@ -117,8 +116,8 @@ def moment_update(g32, m32, v32, zero_u32, *, b1: float, b2: float):
       zero_u32: the runtime zero (:func:`runtime_zero`), u32, a scalar or an array of that shape.
       b1, b2: the decay rates (Python numbers, or traced scalars from ``optax.inject_hyperparams``).
     """
-    m_new = no_fma(f32(b1) * m32, zero_u32) + no_fma(one_minus(b1) * g32, zero_u32)
-    v_new = no_fma(f32(b2) * v32, zero_u32) + no_fma(one_minus(b2) * (g32 * g32), zero_u32)
+    m_new = no_fma(f32(b1) * m32, zero_u32) + no_fma(_one_minus(b1) * g32, zero_u32)
+    v_new = no_fma(f32(b2) * v32, zero_u32) + no_fma(_one_minus(b2) * (g32 * g32), zero_u32)
     return m_new, v_new
 
 
@@ -135,7 +134,7 @@ def adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, *, eps: float, we
       eps, weight_decay: AdamW's epsilon and decoupled weight decay (a static 0 adds no term).
     """
     a = (mq32 * inv_c1) / (jnp.sqrt(vq32 * inv_c2) + f32(eps))
-    if not is_static_zero(weight_decay):
+    if not _is_static_zero(weight_decay):
         a = a + no_fma(f32(weight_decay) * p32, zero_u32)
     return a
 
@@ -173,7 +172,7 @@ def stochastic_bf16(x32, r16):
     return jnp.where(x32 != x32, x32, r)
 
 
-def moment_bits(shape, key_words, base=None, index_map=None):
+def _moment_bits(shape, key_words, base=None, index_map=None):
     """One uniform u32 per element: :func:`lpt.numerics.hash_bits` of ``(k0, k1)`` and the element's flat index.
 
     ``base=None``: the whole leaf, via ``hash_bits``. Inside the kernel ``base`` is the flat index of the block's
@@ -222,7 +221,7 @@ def shard_index_map(local_shape, global_shape, offset):
 def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, index_map=None):
     """Q_m of both moments into bf16, returned as f32: nearest, or stochastic from ONE hash word per element.
 
-    Stochastic: the top 16 bits of :func:`moment_bits` round ``m`` (bit-identical to
+    Stochastic: the top 16 bits of :func:`_moment_bits` round ``m`` (bit-identical to
     ``lpt.numerics.round_stochastic(m, bf16, key)``), the low 16 bits round ``v``. bf16 stochastic rounding uses 16
     random bits, so one 32-bit hash serves both moments: half the hashing of two ``round_stochastic`` calls (what
     the hash costs in the fused step: docs/results.md).
@@ -231,22 +230,22 @@ def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, inde
       m32, v32: the unrounded moments, f32 arrays of one shape.
       stochastic: stochastic rounding (True) or round to nearest even (False).
       key_words, base, index_map: stochastic only: the raw key ``(k0, k1)`` and where the elements sit in the leaf,
-        as :func:`moment_bits` takes them.
+        as :func:`_moment_bits` takes them.
     """
     if not stochastic:
         return round_nearest(m32, jnp.bfloat16, out_dtype=jnp.float32), round_nearest(
             v32, jnp.bfloat16, out_dtype=jnp.float32
         )
-    rnd = moment_bits(m32.shape, key_words, base, index_map)
+    rnd = _moment_bits(m32.shape, key_words, base, index_map)
     return stochastic_bf16(m32, rnd >> jnp.uint32(16)), stochastic_bf16(v32, rnd & jnp.uint32(0xFFFF))
 
 
 # 8-bit moments. Every function takes blocks along the LAST axis of its arrays: values ``y[..., b]`` and their scales
 # ``s[..., 1]`` (lpt.optim.moments8 passes a leaf blocked as (..., blocks, 128), the kernel its (rows, 128) tiles).
-Moments8 = tuple  # (m's format, v's format, v stored as sqrt(v)): the kernel's view of a lpt.optim.moments8.Moment8
+_Moments8 = tuple  # (m's format, v's format, v stored as sqrt(v)): the kernel's view of a lpt.optim.moments8.Moment8
 
 
-def _load8(codes_u32, ms, vs, moments8: Moments8):
+def _load8(codes_u32, ms, vs, moments8: _Moments8):
     """Packed codes (m's high byte, v's low) and their scales -> both moments in f32."""
     m_format, v_format, v_sqrt = moments8
     m = decode_blocks(codes_u32 >> jnp.uint32(8), ms, m_format)
@@ -277,7 +276,7 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
     """One step with 8-bit moments on ``(rows, 128)`` arrays, one block per row: ``codes`` u16 (m's code high, v's
     low, as ``lpt.optim.moments8.pack_codes``), ``ms``/``vs`` the rows' f32 scales ``[rows, 1]``, or ``[rows]`` (a
     Mosaic GPU kernel's row vectors: the new scales come back in the same form). Stochastic
-    rounding: ``m`` from :func:`moment_bits` of key words ``words[0:2]``, ``v`` of ``words[2:4]``, one word per
+    rounding: ``m`` from :func:`_moment_bits` of key words ``words[0:2]``, ``v`` of ``words[2:4]``, one word per
     element each (what ``round_stochastic`` draws for the blocked leaf, whose flat index is the leaf's when its last
     axis is a multiple of 128). ``hp``: ``b1, b2, eps, weight_decay``. Returns ``(p', c', codes', ms', vs')``.
 
@@ -289,7 +288,7 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
       words: u32 key words, m's two then v's two.
       moments8: ``(m_format, v_format, v_sqrt)`` of the Moment8 that stores the moments.
       stochastic: stochastic moment rounding (True) or nearest (False).
-      base, index_map: where the elements sit in the leaf, as :func:`moment_bits` takes them.
+      base, index_map: where the elements sit in the leaf, as :func:`_moment_bits` takes them.
       **hp: ``b1, b2, eps, weight_decay``.
     """
     m_format, v_format, v_sqrt = moments8
@@ -302,8 +301,8 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
     m_new, v_new = moment_update(g32, *_load8(codes32, ms, vs, moments8), zero, b1=hp["b1"], b2=hp["b2"])
     rnd_m = rnd_v = None
     if stochastic:
-        rnd_m = moment_bits(m_new.shape, (words[0], words[1]), base, index_map)
-        rnd_v = moment_bits(m_new.shape, (words[2], words[3]), base, index_map)
+        rnd_m = _moment_bits(m_new.shape, (words[0], words[1]), base, index_map)
+        rnd_v = _moment_bits(m_new.shape, (words[2], words[3]), base, index_map)
     keep = ms.ndim == g.ndim  # [rows, 1] columns, else [rows] row vectors
     mc, ms_new = encode_blocks(m_new, m_format, rnd_m, keepdims=keep)
     vc, vs_new = encode_blocks(jnp.sqrt(v_new) if v_sqrt else v_new, v_format, rnd_v, keepdims=keep)
@@ -325,7 +324,7 @@ def leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochas
       words: the moments' raw key ``(k0, k1)`` (u32).
       b1, b2, eps, weight_decay: AdamW's hyperparameters.
       stochastic: stochastic moment rounding (True) or nearest (False).
-      base, index_map: where the elements sit in the leaf, as :func:`moment_bits` takes them.
+      base, index_map: where the elements sit in the leaf, as :func:`_moment_bits` takes them.
     """
     inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
     zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
@@ -342,7 +341,7 @@ def leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochas
     return s32.astype(jnp.bfloat16), c_new32.astype(jnp.bfloat16), pack_bf16_pair(mq, vq)
 
 
-def check_moments8(shape, moments8, scales=None, what="adamw_kahan"):
+def _check_moments8(shape, moments8, scales=None, what="adamw_kahan"):
     """ValueError unless a leaf of ``shape`` can take 8-bit moments in the kernel: a last axis of whole blocks of
     128 (one block per tile row), ``moments8`` = ``(m_format, v_format, v_sqrt)`` with 8-bit formats, and
     ``scales`` (if given) complex64 of shape ``shape[:-1] + (shape[-1] // 128,)``."""
@@ -376,7 +375,7 @@ def check_leaf(g, p, c, mv, scalars, words, *, scales=None, moments8=None):
         raise ValueError(f"pass scales and moments8 together (8-bit moments), got scales={scales!r} and {moments8=}")
     nw = 2 if moments8 is None else 4
     if moments8 is not None:
-        check_moments8(p.shape, moments8, scales)
+        _check_moments8(p.shape, moments8, scales)
         if mv.dtype != jnp.uint16:
             raise ValueError(f"adamw_kahan needs the 8-bit moments' codes packed as uint16, got {mv.dtype}")
     elif mv.dtype != jnp.uint32:

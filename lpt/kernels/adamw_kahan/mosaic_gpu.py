@@ -42,11 +42,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from lpt.kernels import compat
 from lpt.kernels.adamw_kahan.math import LANES, leaf_math, leaf_math8, shard_index_map
 
-__all__ = ["MGPU_BLOCK_ROWS", "MGPU_BLOCK_ROWS_8BIT", "MGPU_MAX_STEPS", "adamw_kahan8_mgpu", "adamw_kahan_mgpu"]
+__all__ = ["adamw_kahan8_mgpu", "adamw_kahan_mgpu"]
 
-MGPU_BLOCK_ROWS = 16  # rows of 128 per step: 2K elements, 16 per thread of the warpgroup per array
-MGPU_BLOCK_ROWS_8BIT = 64  # 8-bit moments: one WGMMA-layout tile, whose rows' amax are register row reductions
-MGPU_MAX_STEPS = 8  # blocks per CTA, pipelined (two in flight)
+_MGPU_BLOCK_ROWS = 16  # rows of 128 per step: 2K elements, 16 per thread of the warpgroup per array
+_MGPU_BLOCK_ROWS_8BIT = 64  # 8-bit moments: one WGMMA-layout tile, whose rows' amax are register row reductions
+_MGPU_MAX_STEPS = 8  # blocks per CTA, pipelined (two in flight)
 _TMA_MAX = 256  # elements along one dimension of a TMA copy
 _WORDS = 32  # the scalars and the key words travel as 32-word arrays: a TMA copy moves a multiple of 128 bytes
 
@@ -124,7 +124,7 @@ def _cta8(cta, sc_g, w_g, g_g, p_g, c_g, cd_g, ms_g, vs_g, *outs, steps, width, 
     WGMMA layout, the rows' scales as ``[64]`` row vectors; ``outs`` are the refs of ``p', c', codes', ms', vs'``
     (the scales ``[cols, rows]``: column block j's scales contiguous)."""
     i, j = cta
-    br = MGPU_BLOCK_ROWS_8BIT
+    br = _MGPU_BLOCK_ROWS_8BIT
     row0, col0 = i * (steps * br), j * LANES
     rows, cols = pl.ds(row0, steps * br), pl.ds(col0, LANES)
     wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
@@ -176,7 +176,7 @@ def _cta8(cta, sc_g, w_g, g_g, p_g, c_g, cd_g, ms_g, vs_g, *outs, steps, width, 
 
 
 def adamw_kahan_mgpu(
-    sc, w, g2, p2, c2, mv2, *, hp: dict, shapes=None, block_rows: int = MGPU_BLOCK_ROWS, interpret: bool = False
+    sc, w, g2, p2, c2, mv2, *, hp: dict, shapes=None, block_rows: int = _MGPU_BLOCK_ROWS, interpret: bool = False
 ):
     """Mosaic GPU kernel: ``(g, p, c, mv) -> (p', c', mv')`` on ``(rows, width)`` operands, 16-bit moments.
 
@@ -200,7 +200,7 @@ def adamw_kahan_mgpu(
             f"of block_rows (a power of two >= 8); got {p2.shape} with block_rows={block_rows}"
         )
     blocks = rows // block_rows
-    steps = min(MGPU_MAX_STEPS, blocks & -blocks)  # the largest power of two <= MGPU_MAX_STEPS dividing the blocks
+    steps = min(_MGPU_MAX_STEPS, blocks & -blocks)  # the largest power of two <= _MGPU_MAX_STEPS dividing the blocks
     sc32 = jnp.pad(sc, (0, _WORDS - sc.shape[0]))
     w32 = jnp.pad(w, (0, _WORDS - w.shape[0]))
     kernel = functools.partial(_cta, steps=steps, br=block_rows, width=width, hp=hp, shapes=shapes, interpret=interpret)
@@ -232,14 +232,14 @@ def adamw_kahan8_mgpu(sc, w, g2, p2, c2, codes2, ms, vs, *, hp: dict, shapes=Non
     """
     compat.ensure_mgpu_math()
     rows, width = p2.shape
-    br = MGPU_BLOCK_ROWS_8BIT
+    br = _MGPU_BLOCK_ROWS_8BIT
     if width % LANES or rows % br or ms.shape != (width // LANES, rows) or vs.shape != ms.shape:
         raise ValueError(
             f"adamw_kahan8_mgpu needs (rows, width) operands with width a multiple of {LANES} and rows of {br}, and "
             f"scales [width / {LANES}, rows]; got {p2.shape}, scales {ms.shape} and {vs.shape}"
         )
     blocks = rows // br
-    steps = min(MGPU_MAX_STEPS, blocks & -blocks)
+    steps = min(_MGPU_MAX_STEPS, blocks & -blocks)
     sc32 = jnp.pad(sc, (0, _WORDS - sc.shape[0]))
     w32 = jnp.pad(w, (0, _WORDS - w.shape[0]))
     kernel = functools.partial(_cta8, steps=steps, width=width, hp=hp, shapes=shapes, interpret=interpret)

@@ -153,7 +153,7 @@ def round_to(x: jax.Array, dtype, native: bool = False) -> jax.Array:
     return round_nearest(x, dtype)
 
 
-def round_grid_f32(x: jax.Array, dtype, native: bool = False) -> jax.Array:
+def _round_grid_f32(x: jax.Array, dtype, native: bool = False) -> jax.Array:
     """Round f32 ``x`` to the grid of ``dtype`` but keep it f32 (see :func:`round_to` for ``native``)."""
     if jnp.dtype(dtype) == jnp.float32:
         return x
@@ -244,11 +244,11 @@ def rescale(c_old, c_new, m_old, policy: AttentionPolicy, pv_dtype, native: bool
     """
     alpha = jnp.exp(c_old - c_new)
     if policy.shift == "beta":
-        alpha = round_grid_f32(alpha, pv_dtype, native)
+        alpha = _round_grid_f32(alpha, pv_dtype, native)
     return jnp.where(m_old == -jnp.inf, 1.0, alpha)
 
 
-def probs(s, valid, c):
+def _probs(s, valid, c):
     """P̄ = exp(min(s − c, 0)) on valid entries, 0 elsewhere and where c = −inf (f32).
 
     The clamp only matters when XLA recomputes s with a different last bit in another fusion (|s| > ~1e7).
@@ -258,7 +258,7 @@ def probs(s, valid, c):
     return jnp.where(ok, jnp.exp(jnp.where(ok, jnp.minimum(s - c, 0.0), -jnp.inf)), 0.0)
 
 
-def split_weights(p, s, m, policy: AttentionPolicy):
+def _split_weights(p, s, m, policy: AttentionPolicy):
     """(P̃ ∘ big, P̃ ∘ ¬big) with big = s >= m − split_bits·ln 2 (``accumulator="split"``); p in any dtype.
 
     m is the running max after this block (a row statistic, :func:`wide`); masked entries have p = 0 and may land in
@@ -288,12 +288,12 @@ def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, nat
     m_new, n_new = update_max_count(m, n, s, valid, policy.tie_tol)
     c_new = shift_of(m_new, n_new, policy)
     alpha = rescale(c, c_new, m, policy, pv_dtype, native)
-    p = probs(s, valid, c_new)
+    p = _probs(s, valid, c_new)
     p_pv = round_to(p, pv_dtype, native)  # f32 -> pv dtype (RNE)
     p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
     if policy.accumulator == "split":  # large and small weights in separate matmuls, summed once
-        p_big, p_small = split_weights(p_pv, s, m_new, policy)
-        sum_big, sum_small = split_weights(p_sum, s, m_new, policy)
+        p_big, p_small = _split_weights(p_pv, s, m_new, policy)
+        sum_big, sum_small = _split_weights(p_sum, s, m_new, policy)
         pv = matmul(p_big) + matmul(p_small)
         p_rowsum = rowsum(sum_big, m) + rowsum(sum_small, m)
     else:
@@ -302,8 +302,8 @@ def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, nat
     l_new = alpha * l + p_rowsum
     alpha_d = wide(alpha, acc)
     if policy.accumulator == "pv":
-        acc_new = round_grid_f32(
-            round_grid_f32(alpha_d * acc, pv_dtype, native) + round_grid_f32(pv, pv_dtype, native), pv_dtype, native
+        acc_new = _round_grid_f32(
+            _round_grid_f32(alpha_d * acc, pv_dtype, native) + _round_grid_f32(pv, pv_dtype, native), pv_dtype, native
         )
     else:
         acc_new = alpha_d * acc + pv
@@ -321,7 +321,7 @@ def backward_weights(s, valid, lse, dp, delta, in_dtype, native: bool = False):
       in_dtype: the input dtype that P and dS are rounded to.
       native: round with the plain conversion (:func:`round_to`).
     """
-    p = probs(s, valid, lse)
+    p = _probs(s, valid, lse)
     ds = p * (dp - wide(delta, dp))
     return round_to(p, in_dtype, native), round_to(ds, in_dtype, native)  # f32 -> input dtype (RNE)
 
