@@ -17,12 +17,16 @@ from pathlib import Path
 from tiny_run import TRAIN_FLAGS
 
 import lpt
-from lpt.options import is_section
 from lpt.train.__main__ import main
 
 LPT = str(Path(lpt.__file__).resolve().parent)
 MAX_MODULES = 10
 ROOT = ("lpt.train.loop", "train")  # where the built config starts its way (python -m lpt.train calls it)
+
+
+def is_section(typ) -> bool:
+    """A config section class: every section (and ``Config``) is a frozen dataclass of :mod:`lpt.options`."""
+    return isinstance(typ, type) and dataclasses.is_dataclass(typ)
 
 
 def _module(frame) -> str:
