@@ -301,7 +301,7 @@ def _layout(tree) -> list[tuple[tuple[int, ...], str]]:
 
 
 def _one_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {console.one_line(str(e), 200)}"
+    return f"{type(e).__name__.lstrip('_')}: {console.one_line(str(e), 200)}"
 
 
 def steps(workdir: str | Path) -> list[int]:

@@ -359,4 +359,4 @@ def _parse(value: bytes) -> dict | None:
 
 def _one_line(e: Exception) -> str:
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:200]}"
+    return f"{type(e).__name__.lstrip('_')}: {text[:200]}"
