@@ -79,11 +79,6 @@ def axis_rules(mesh, rules: Sequence = RULES) -> Iterator[None]:
         _CONTEXT.reset(token)
 
 
-def _current_rules() -> tuple | None:
-    """The ``(mesh, rules)`` pair of the innermost :func:`axis_rules` context, or None."""
-    return _CONTEXT.get()
-
-
 def logical_to_mesh(logical_axes: Sequence[str | None], rules: Sequence = RULES) -> PartitionSpec:
     """Map logical axis names to a ``PartitionSpec``; unmatched names (and None) stay replicated."""
     rules = _check_rules(rules)
