@@ -39,5 +39,9 @@ def test_blockwise_scales_are_the_shared_rule():
         _, s = quantize_tiles(x, jnp.float8_e4m3fn, scale_format=scale_format)
         amax = np.abs(x).reshape(4, 2, 128).max(-1)
         want = recipe.block_scale(jnp.asarray(amax), jnp.float8_e4m3fn, scale_format)
-        np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(want).view(np.uint32))
+        got_bits, want_bits = np.asarray(s).view(np.int32), np.asarray(want).view(np.int32)
+        if scale_format == "f32":  # amax / fp8 max: XLA:CPU may turn the division into a reciprocal multiply
+            assert np.abs(got_bits - want_bits).max() <= 1  # f32 ulps
+        else:  # a power of two: exact on every CPU
+            np.testing.assert_array_equal(got_bits, want_bits)
     assert recipe.block_scale is scaling.block_scale
