@@ -1,11 +1,17 @@
 """GPU benchmark: lpt flash attention (the Pallas Triton kernel and the Mosaic GPU kernel of Hopper, stable and
 standard policies; XLA twin) vs jax.nn.
 
-Prints forward and forward+backward TFLOP/s per configuration and the ratio against
-``jax.nn.dot_product_attention`` with its default implementation (the baseline) measured in the same run, and
-the same call with ``implementation="cudnn"`` (cuDNN's fused attention; reported as failed where cuDNN refuses).
+Prints forward and forward+backward TFLOP/s per configuration and the ratio against the first of ``--variants``
+measured in the same run (the baseline). The variants:
 
-    python benchmarks/attention_gpu.py [--batch 4] [--seq 1024 2048] [--heads 16] [--kv-heads 4] [--head-dim 64]
+* ``jax``: ``jax.nn.dot_product_attention`` with its default implementation (XLA on most GPUs);
+* ``cudnn``: the same with ``implementation="cudnn"`` (cuDNN's fused attention; reported as failed where cuDNN
+  refuses the shapes);
+* ``IMPL:POLICY``: ``lpt.attention.dot_product_attention(impl=IMPL, stable=POLICY == "stable")`` for IMPL in
+  ``pallas`` (Triton), ``mosaic_gpu`` (the Hopper kernel), ``xla`` (the twin), ``auto``.
+
+    python benchmarks/attention_gpu.py [--batch 4] [--seq 1024 2048] [--heads 16] [--kv-heads 4] [--head-dim 64] \
+        [--variants cudnn mosaic_gpu:stable mosaic_gpu:standard]
 
 On a machine without a GPU it says so and exits 0; ``--interpret`` instead runs the Pallas variants in interpret
 mode on any backend (a smoke test of this script, e.g. ``--interpret --seq 128 --batch 1 --iters 1``: the numbers
@@ -21,6 +27,18 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+VARIANTS = (
+    "jax",
+    "cudnn",
+    "pallas:stable",
+    "pallas:standard",
+    "mosaic_gpu:stable",
+    "mosaic_gpu:standard",
+    "xla:stable",
+    "auto:stable",
+    "auto:standard",
+)
 
 
 def _time(fn, *args, iters: int) -> float:
@@ -42,6 +60,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--causal", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="the first is the baseline")
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode: smoke-test without a GPU")
     args = parser.parse_args()
 
@@ -68,16 +87,20 @@ def main() -> int:
 
         return attend
 
-    variants = {
-        "jax.nn (baseline)": jax_fn(),
-        "jax.nn cudnn": jax_fn("cudnn"),
-        "lpt pallas stable": lpt_fn("pallas", True),
-        "lpt pallas standard": lpt_fn("pallas", False),
-        "lpt mosaic_gpu stable": lpt_fn("mosaic_gpu", True),  # Hopper only: reported as failed elsewhere
-        "lpt mosaic_gpu standard": lpt_fn("mosaic_gpu", False),
-        "lpt xla stable": lpt_fn("xla", True),
-    }
-    print(f"device {jax.devices()[0].device_kind}; B={b} H={h} Hkv={hkv} D={d} causal={causal} bf16")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants {' '.join(unknown)}: unknown; choose from {' '.join(VARIANTS)}")
+    variants = {}
+    for name in args.variants:
+        if name in ("jax", "cudnn"):
+            variants[name] = jax_fn(None if name == "jax" else name)
+        else:  # mosaic_gpu is Hopper only: reported as failed elsewhere
+            impl, policy = name.split(":")
+            variants[name] = lpt_fn(impl, policy == "stable")
+    print(
+        f"device {jax.devices()[0].device_kind}; B={b} H={h} Hkv={hkv} D={d} causal={causal} bf16; "
+        f"ratios against {args.variants[0]}"
+    )
     for t in args.seq:
         keys = jax.random.split(jax.random.PRNGKey(t), 3)
         q = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
@@ -93,13 +116,15 @@ def main() -> int:
                 t_f = _time(fwd, q, k, v, iters=args.iters)
                 t_fb = _time(fwdbwd, q, k, v, iters=args.iters)
             except Exception as e:  # report and continue with the other variants
-                print(f"T={t:6d} {name:22s} failed: {type(e).__name__}: {str(e)[:200]}")
+                print(f"T={t:6d} {name:20s} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             tf_f, tf_fb = flops / t_f / 1e12, 3.5 * flops / t_fb / 1e12
             if not base:
                 base = {"f": tf_f, "fb": tf_fb}
+                if name != args.variants[0]:
+                    print(f"T={t:6d} the baseline {args.variants[0]} failed: ratios against {name}")
             print(
-                f"T={t:6d} {name:22s} fwd {tf_f:7.2f} TFLOP/s ({tf_f / base['f']:5.2f}x)   "
+                f"T={t:6d} {name:20s} fwd {tf_f:7.2f} TFLOP/s ({tf_f / base['f']:5.2f}x)   "
                 f"fwd+bwd {tf_fb:7.2f} TFLOP/s ({tf_fb / base['fb']:5.2f}x)"
             )
     return 0

@@ -12,7 +12,9 @@ accumulation (cuBLAS) of:
 * ``mosaic_gpu``: the Hopper kernel ``fp8_blockwise_matmul_mgpu`` (TMA + wgmma), on compute capability 9.0 only;
 
 all on already quantized operands (1×128 tiles of a, 128×128 blocks of b); and the whole differentiable layer
-(``blockwise_dot``: quantization, forward, dX and dW) per impl against ``jnp.dot`` in bf16 forward + backward.
+(``blockwise_dot``: quantization, forward, dX and dW) per impl against ``jnp.dot`` in bf16 forward + backward,
+``default`` being what the trainer's FP8 recipe runs (``precision.fp8_impl="auto"``), each row naming its GEMM
+implementation and its output gradients' format.
 Each time is the median of ``--iters`` calls after a warm-up call (compilation). On a machine without a GPU it says
 so and exits 0.
 """
@@ -27,13 +29,15 @@ import jax.numpy as jnp
 from fp8_dot import median_time  # benchmarks/ is the script's directory, first on sys.path
 
 from lpt.fp8 import blockwise_dot, quantize_blocks, quantize_tiles
+from lpt.fp8.blockwise import wgmma_takes
 from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
+from lpt.models.config import Precision
 
 
 def _row(name, seconds, flops, base):
     ratio = "" if base is None else f"{base / seconds:7.2f}x"
-    print(f"  {name:28s} {seconds * 1e3:9.3f} ms {flops / seconds / 1e12:8.1f} TFLOP/s {ratio}")
+    print(f"  {name:44s} {seconds * 1e3:9.3f} ms {flops / seconds / 1e12:8.1f} TFLOP/s {ratio}")
 
 
 def main() -> int:
@@ -80,19 +84,22 @@ def main() -> int:
         plain = jax.jit(functools.partial(layer, lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)))
         base3 = median_time(plain, xb, wb, g, reps=args.iters)
         _row("bf16 jnp.dot", base3, 3 * flops, None)
-        impls = ["xla", "pallas"] + (["mosaic_gpu"] if hopper else [])
-        for impl in impls:
-            grad_dtype = jnp.float8_e4m3fn if impl == "mosaic_gpu" else jnp.float8_e5m2  # wgmma cannot mix formats
-            dot = functools.partial(blockwise_dot, impl=impl, grad_dtype=grad_dtype)
+        impls = {"default": Precision().fp8_options(), "xla": {"impl": "xla"}, "pallas": {"impl": "pallas"}}
+        if hopper:  # e4m3 gradients where the installed jax's wgmma cannot mix e4m3 and e5m2
+            mix = wgmma_takes(jnp.float8_e4m3fn, jnp.float8_e5m2)
+            impls["mosaic_gpu"] = {"impl": "mosaic_gpu", **({} if mix else {"grad_dtype": jnp.float8_e4m3fn})}
+        for impl, options in impls.items():
+            dot = functools.partial(blockwise_dot, **options)
+            named = f"{impl} ({options['impl']}, {jnp.dtype(options.get('grad_dtype', jnp.float8_e5m2)).name})"
             try:
                 _row(
-                    f"blockwise_dot {impl}",
+                    f"blockwise_dot {named}",
                     median_time(jax.jit(functools.partial(layer, dot)), x, w, g, reps=args.iters),
                     3 * flops,
                     base3,
                 )
             except Exception as e:  # noqa: BLE001
-                print(f"  blockwise_dot {impl:14s} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                print(f"  blockwise_dot {named} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     return 0
 
 

@@ -61,9 +61,9 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def structure(jitted, *args, n_leaves: int) -> str:
+def structure(compiled, n_leaves: int) -> str:
     """Loop fusions and copies over whole leaves (2048x2048 outputs), per leaf, of the compiled step."""
-    text = jitted.lower(*args).compile().as_text()
+    text = compiled.as_text()
     entry = text[text.index("\nENTRY") :]
     big = [ln for ln in entry.splitlines() if re.search(r"= \w+\[2048,2048\]", ln)]
     fusions = sum(" fusion(" in ln for ln in big)
@@ -128,11 +128,15 @@ ANALYTIC = {
     "optax.adamw f32 master (+ bf16 copy)": "read g 2 + p 4 + mu 4 + nu 4, write p 4 + mu 4 + nu 4 + copy 2 = 28",
     "lpt adamw_kahan Pallas kernel": "read g 2 + p 2 + c 2 + mv 4, write p 2 + c 2 + mv 4 = 18 (+ 6 for the "
     "delta that optax.apply_updates adds back: read p, p', write p = 24)",
+    "the same with 8-bit moments": "read g 2 + p 2 + c 2 + codes 2 + scales 1/16, write p 2 + c 2 + codes 2 + "
+    "scales 1/16 = 14.125 (+ 6 = 20.125)",
 }
 
 
-# Bytes per parameter that one step of a row reads plus writes, where known (:data:`ANALYTIC`).
-TRAFFIC = {"base": 28, "copy": 24, "pallas:nearest": 24, "pallas:stochastic": 24}
+# Bytes per parameter that one step of a row reads plus writes in one fused pass (:data:`ANALYTIC`; for the XLA
+# rows, what one pass would move).
+TRAFFIC = {"base": 28, "copy": 24} | {f"{k}:{r}": 24 for k in ("fused", "pallas") for r in ("nearest", "stochastic")}
+TRAFFIC |= {f"{k}:{r}": 20.125 for k in ("fused8", "pallas8") for r in ("nearest", "stochastic")}
 
 
 def main():
@@ -154,9 +158,9 @@ def main():
     runs = {}
     for row in rows:
         step, params, state, resident = build(row, args.params)
-        jitted = jax.jit(step, donate_argnums=(0, 1))
-        shape = structure(jitted, params, state, grads, n_leaves=len(grads))
-        params, state = jitted(params, state, grads)  # compile + warm up
+        jitted = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+        shape = structure(jitted, n_leaves=len(grads))
+        params, state = jitted(params, state, grads)  # warm up
         params = params[0] if row == "base" else params
         jax.block_until_ready(params)
         runs[row] = dict(jit=jitted, params=params, state=state, wall=[], cpu=[], bytes=resident / n, shape=shape)
@@ -185,7 +189,7 @@ def main():
     rate = {row: TRAFFIC[row] * n / np.median(runs[row]["wall"]) for row in rows if row in TRAFFIC}
     for row, bps in rate.items():
         vs = f" = {bps / rate['copy']:.2f}x copy" if "copy" in rate else ""
-        print(f"{row}: {TRAFFIC[row]} B/param moved at {bps / 1e9:.0f} GB/s{vs}")
+        print(f"{row}: {TRAFFIC[row]:g} B/param moved at {bps / 1e9:.0f} GB/s{vs}")
     print("analytic traffic per parameter, one fused pass (GPU/TPU):")
     for k, v in ANALYTIC.items():
         print(f"  {k}: {v}")

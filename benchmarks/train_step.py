@@ -1,6 +1,12 @@
 """Tokens/s of the lpt train step relative to a plain Flax+optax float32 step of the same model, in one run.
 
-    python benchmarks/train_step.py [--config configs/tiny_cpu.py] [--steps 20] [--config.key=value ...]
+    python benchmarks/train_step.py [--config configs/tiny_cpu.py] [--steps 20] [--runs plain lpt ...] \
+        [--config.key=value ...]
+
+``--runs`` names the steps to time; the first is the baseline of the ratios. ``plain`` is the plain step below;
+``NAME`` is lpt's step for the config; ``NAME:key=value,key=value`` is lpt's step with those overrides on top (e.g.
+``bf16:precision.matmul.qkv=bf16,precision.matmul.up=bf16``). Each lpt run also prints its MFU (model FLOPs per
+token, :func:`lpt.models.flops_per_token`, against the device's bf16 peak) where the peak is known.
 
 Baseline: the same ``lpt.models`` transformer built with the float32 recipe, ``optax.adamw`` (same
 hyperparameters), a ``jax.jit`` step with donated params/opt state, nothing else. lpt step: what ``python -m
@@ -25,9 +31,10 @@ from flax import nnx
 
 from lpt import data as data_lib
 from lpt import models
+from lpt.models.config import PROJECTIONS
 from lpt.train import config as config_lib
 from lpt.train import mesh as mesh_lib
-from lpt.train import optimizer
+from lpt.train import metrics, optimizer
 from lpt.train import state as state_lib
 from lpt.train import step as step_lib
 from lpt.train.machine import describe
@@ -103,29 +110,59 @@ def time_steps(runs: dict, batches, rounds: int = 5) -> dict:
     return best
 
 
+def run_configs(config: str, rest: list[str], runs: list[str]) -> dict:
+    """``{name: Config or "plain"}`` for ``--runs``: lpt runs get the command line's overrides, then their own."""
+    out = {}
+    for run in runs:
+        name, _, overrides = run.partition(":")
+        if name in out:
+            raise SystemExit(f"--runs {run!r}: the name {name!r} is given twice; give each run its own name")
+        if run == "plain":
+            out[name] = "plain"
+            continue
+        own = [f"--config.{kv}" for kv in overrides.split(",") if kv]
+        out[name], _ = config_lib.parse_args(["--config", config, "--workdir", "/unused", *rest, *own])
+    return out
+
+
 def main(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/tiny_cpu.py")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--runs", nargs="+", default=["plain", "lpt"], help="the first is the baseline")
     args, rest = parser.parse_known_args(argv)
+    rest = [*rest, "--config.data.worker_count=0"]  # a few batches read up front: no grain worker processes
     cfg, _ = config_lib.parse_args(["--config", args.config, "--workdir", "/unused", *rest])
-    cfg.data.worker_count = 0  # a few batches read up front: no grain worker processes to outlive the benchmark
+    configs = run_configs(args.config, rest, args.runs)
     it = data_lib.make_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, process_index=0, process_count=1
     )
     batches = [{k: jnp.asarray(np.asarray(v)) for k, v in next(it).items()} for _ in range(args.steps + 2)]
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    sec = time_steps({"plain flax+optax f32": plain_step_fn(cfg), "lpt": lpt_step_fn(cfg)}, batches)
-    results = {name: tokens / t for name, t in sec.items()}
+    runners = {name: plain_step_fn(cfg) if c == "plain" else lpt_step_fn(c) for name, c in configs.items()}
+    sec = time_steps(runners, batches)
+    base = args.runs[0].partition(":")[0]
+    peak = metrics.device_peak_flops()
+    print(f"config {args.config}, {tokens} tokens per step; {jax.device_count()} x {jax.devices()[0].device_kind}")
     for name, t in sec.items():
-        print(f"{name:>22}: {t * 1e3:8.1f} ms/step  {tokens / t:10.0f} tokens/s", flush=True)
-    p = cfg.precision
-    print(
-        f"lpt / plain = {results['lpt'] / results['plain flax+optax f32']:.3f}  "
-        f"(config {args.config}: params {p.param_dtype}, compute {p.compute_dtype}, update {p.update_rule}; "
-        f"{jax.device_count()} x {jax.devices()[0].device_kind})"
-    )
+        c = configs[name]
+        what = "plain flax+optax f32" if c == "plain" else _recipe(c.precision)
+        flops = models.flops_per_token(cfg.model, cfg.data.seq_len) * tokens / t
+        mfu = f"MFU {flops / (peak * jax.device_count()):6.1%}" if peak else ""
+        print(
+            f"{name:>12}: {t * 1e3:8.1f} ms/step {tokens / t:10.0f} tokens/s {sec[base] / t:6.3f}x {base}  {mfu}  "
+            f"({what})",
+            flush=True,
+        )
     print(f"machine: {describe()}")
+
+
+def _recipe(p) -> str:
+    formats = sorted({p.matmul_for(x) for x in PROJECTIONS})
+    return (
+        f"params {p.param_dtype}, compute {p.compute_dtype}, update {p.update_rule} ({p.update_impl}), "
+        f"moments {p.moment_dtype}, matmuls {'/'.join(formats)}"
+    )
 
 
 if __name__ == "__main__":
