@@ -3,10 +3,10 @@
 * ``plgpu.load``: jax 0.10 takes the index as a positional argument; jax 0.11 deprecates passing it (the reference
   is indexed with ``ref.at[...]`` first) and makes it optional; jax 0.12 has no index argument. :func:`mgpu_load`
   loads a whole reference in each.
-* A Mosaic GPU kernel that updates operands in place: jax >= 0.12 passes them to ``plgpu.kernel`` as mutable
-  references (``jax.new_ref``, aliased in and out of the kernel); older jax cannot trace that, and there the kernel is
-  a ``pallas_call`` with ``input_output_aliases`` (deprecated for Mosaic GPU from jax 0.11). :func:`mgpu_in_place`
-  runs one kernel body either way.
+* A Mosaic GPU kernel that updates operands in place: jax >= 0.11 passes them to ``plgpu.kernel`` as mutable
+  references (``jax.new_ref``, aliased in and out of the kernel); jax 0.10 cannot trace that, and there the kernel is
+  a ``pallas_call`` with ``input_output_aliases`` (which jax 0.11.2 no longer lowers for Mosaic GPU on a GPU).
+  :func:`mgpu_in_place` runs one kernel body either way.
 * FP8 wgmma with two formats (e4m3 x e5m2): Mosaic GPU lowers it from jax 0.11 (:data:`WGMMA_MIXES_FP8`); jax 0.10
   takes one format for both operands.
 * ``lax.sqrt`` in a Mosaic GPU kernel: jax 0.10 has no lowering rule for it (jax >= 0.11 lowers it to MLIR's
@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lpt.kernels import dispatch
 
-_REFS_INTO_KERNELS = jax.__version_info__ >= (0, 12)  # plgpu.kernel takes jax.new_ref operands
+_REFS_INTO_KERNELS = jax.__version_info__ >= (0, 11)  # plgpu.kernel takes jax.new_ref operands (0.10 cannot trace)
 WGMMA_MIXES_FP8 = jax.__version_info__ >= (0, 11)  # a Mosaic GPU wgmma of an e4m3 and an e5m2 operand
 _LOAD_INDEX = inspect.signature(plgpu.load).parameters.get("idx")
 _LOAD_TAKES_INDEX = _LOAD_INDEX is not None and _LOAD_INDEX.default is inspect.Parameter.empty
@@ -77,9 +77,9 @@ def mgpu_in_place(kernel, *operands, n_in_place: int, grid, grid_names, name: st
     """Run ``kernel(cta, *operand_refs, *out_refs)`` on every CTA of ``grid`` (``cta``: its index along each of
     ``grid_names``), where the last ``n_in_place`` operands are updated in place; returns their new values.
 
-    ``out_refs`` are where the kernel writes those operands' new values: the operands' own references (jax >= 0.12),
+    ``out_refs`` are where the kernel writes those operands' new values: the operands' own references (jax >= 0.11),
     or output buffers aliased to them (``pallas_call``), so that a CTA must read each block before it writes it, and
-    no other CTA may read it. ``interpret=True`` runs the Mosaic GPU interpreter (on jax < 0.12 with separate output
+    no other CTA may read it. ``interpret=True`` runs the Mosaic GPU interpreter (on jax 0.10 with separate output
     buffers: the interpreter gives every point of a ``pallas_call`` grid program id 0; and under
     :func:`lpt.kernels.dispatch.fresh_outputs`).
 

@@ -62,7 +62,7 @@ _FRESH_OUTPUTS = contextvars.ContextVar("lpt_kernels_fresh_outputs", default=Fal
 @contextlib.contextmanager
 def fresh_outputs():
     """Inside, kernels that update operands in place through mutable references (the Mosaic GPU kernels on jax >=
-    0.12, :func:`lpt.kernels.compat.mgpu_in_place`) write new output buffers instead: for a kernel traced where
+    0.11, :func:`lpt.kernels.compat.mgpu_in_place`) write new output buffers instead: for a kernel traced where
     ``jax.new_ref`` cannot be lowered (a ``custom_partitioning`` partition callback: "Cannot lower jaxpr with
     effects"). The same numbers; XLA may copy the outputs into the operands' buffers."""
     token = _FRESH_OUTPUTS.set(True)
