@@ -9,9 +9,10 @@ One step for a parameter ``p`` with gradient ``g``, compensation ``c`` and momen
     t  = p + (u − c)                                                         (Kahan: y = u − c, t = p + y)
     p' = Q_p(t)                          c' = Q_c(p' − t)                    (round to nearest, Zamirai et al. Alg. 1)
 
-Every product that feeds an add is kept out of FMAs (:func:`no_fma`), so that every fusion and backend computes the
-same bits. Both moments of an element travel packed in one ``uint32`` (m's bf16 bits high, v's low).
-:func:`adamw_kahan_reference` is the kernel's XLA twin on one leaf (any shape).
+Every product that feeds an add is kept out of FMAs (:func:`no_fma`), and every square root is rounded to nearest
+(:func:`lpt.kernels.sqrt_math.sqrt_rn`: a Mosaic GPU kernel's ``sqrt`` is PTX's approximate one), so that every
+fusion and backend computes the same bits. Both moments of an element travel packed in one ``uint32`` (m's bf16
+bits high, v's low). :func:`adamw_kahan_reference` is the kernel's XLA twin on one leaf (any shape).
 
 8-bit moments (:mod:`lpt.optim.moments8`): ``Q_m`` stores each moment as FP8 codes with one f32 scale per block of
 128 consecutive elements of the last axis (:func:`encode_blocks`, :func:`decode_blocks`; :func:`leaf_math8` is the
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lpt.kernels.fp8_codes_math import check_fp8_format, decode_blocks, encode_blocks, fp8_code, fp8_value, round_fp8
+from lpt.kernels.sqrt_math import sqrt_rn
 from lpt.numerics import hash_bits, round_nearest
 from lpt.numerics.random import hash_index  # hash_bits' keyed hash (Triton cannot lower hash_bits' key handling)
 
@@ -133,7 +135,7 @@ def adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, *, eps: float, we
       zero_u32: the runtime zero (:func:`runtime_zero`).
       eps, weight_decay: AdamW's epsilon and decoupled weight decay (a static 0 adds no term).
     """
-    a = (mq32 * inv_c1) / (jnp.sqrt(vq32 * inv_c2) + f32(eps))
+    a = (mq32 * inv_c1) / (sqrt_rn(vq32 * inv_c2) + f32(eps))
     if not _is_static_zero(weight_decay):
         a = a + no_fma(f32(weight_decay) * p32, zero_u32)
     return a
@@ -305,7 +307,7 @@ def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, 
         rnd_v = _moment_bits(m_new.shape, (words[2], words[3]), base, index_map)
     keep = ms.ndim == g.ndim  # [rows, 1] columns, else [rows] row vectors
     mc, ms_new = encode_blocks(m_new, m_format, rnd_m, keepdims=keep)
-    vc, vs_new = encode_blocks(jnp.sqrt(v_new) if v_sqrt else v_new, v_format, rnd_v, keepdims=keep)
+    vc, vs_new = encode_blocks(sqrt_rn(v_new) if v_sqrt else v_new, v_format, rnd_v, keepdims=keep)
     packed = (mc << jnp.uint32(8)) | vc
     mq, vq = _load8(packed, ms_new, vs_new, moments8)  # the stored moments
     vq = v_floor(mq, vq, b1=hp["b1"], b2=hp["b2"])

@@ -17,9 +17,12 @@ scales before its pipeline and writes them back after it, and its outputs go thr
 input slots of four (64, 128) tiles is most of the 227 KiB).
 
 Each element's stochastic bits hash its flat index in the leaf (``(row·width + column)``, mapped through the shard's
-index map on a mesh), so the bits are those of the XLA twin and of the Pallas kernel. ``sqrt`` and the division are
-IEEE (correctly rounded): the results are the twin's bit for bit where the twin divides as IEEE does (XLA:CPU turns
-some divisions by a broadcast block scale into multiplications by its reciprocal).
+index map on a mesh), so the bits are those of the XLA twin and of the Pallas kernel. The square roots are
+rounded to nearest by :func:`lpt.kernels.sqrt_math.sqrt_rn` (the kernel's own ``sqrt`` compiles to PTX's
+``sqrt.approx.f32``, which left the compensation of 0.03% of elements a few bits from the twin's on an H200); the
+f32 division compiles to ``div.full.f32`` here as in XLA:GPU (which sets ``-nvptx-prec-divf32=1`` for the process).
+So the results are the twin's bit for bit where the twin divides as the kernel does (XLA:CPU turns some divisions by
+a broadcast block scale into multiplications by its reciprocal).
 
 The kernels compile for a B200 (sm_100a) too, but run only on Hopper: Blackwell keeps the Triton kernel until one runs
 them (and jax's deviceless compiles of Mosaic GPU kernels for two architectures in one process are not reliable: a
