@@ -42,7 +42,7 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 KINDS = ("llama", "gpt2")  # model.kind: the model family
 PROJECTIONS = ("qkv", "out", "up", "down", "lm_head")  # the model's matmuls: each has its format in precision.matmul
 _BLOCK_PROJECTIONS = PROJECTIONS[:4]  # the matmuls inside a transformer block (precision.bf16_layers applies to them)
-_ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu")  # lpt.attention's impls
+_ATTENTION_IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu", "cudnn")  # lpt.attention's impls
 _PQT_METHODS = ("none", "gaussws", "diffq")
 _PQT_PROJECTIONS = ("qkv", "out", "up", "down")
 UPDATE_RULES = ("f32_master", *ROUNDING_RULES)  # f32 master weights, or a rule of lpt.optim that rounds into params
@@ -171,9 +171,10 @@ class AttentionConfig:
 
     impl: str = option(
         "auto",
-        '"auto" (by the mesh\'s devices: Mosaic GPU kernels on Hopper where they train, else the Pallas kernel on a '
-        'GPU or TPU, the XLA twin on CPU), "xla" reference, "pallas" flash kernel, "softmax" (plain), or '
-        '"mosaic_gpu" (Hopper flash kernels, CUDA only: needs compute_dtype bfloat16 and a head width of 64 or 128)',
+        '"auto" (by the mesh\'s devices: on a GPU cuDNN for the standard policy (stable=false) of a head width of 64 '
+        "or 128, Mosaic GPU kernels on Hopper where they train, else the Pallas kernel on a GPU or TPU, the XLA twin "
+        'on CPU), "xla" reference, "pallas" flash kernel, "softmax" (plain), "mosaic_gpu" (Hopper flash kernels, CUDA '
+        'only: needs compute_dtype bfloat16 and a head width of 64 or 128) or "cudnn" (cuDNN, CUDA only: stable=false)',
         _ATTENTION_IMPLS,
     )
     stable: bool = option(True, "Qiu & Yao's fix for repeated row maxima in low-precision softmax")

@@ -122,10 +122,10 @@ def _kernels_vs_twin(forward, backward, bk, d, causal, window, name, label):
         _close(g, g_r, f"{what} {case}")
 
 
-def _api_vs_xla(impl: str, d: int, seed: int):
-    """``dot_product_attention(impl=impl)`` vs ``impl="xla"``: forward and the three gradients through ``jax.vjp``,
-    [B, T, H, D] layout, T = 2048, causal, GQA 4:1; bf16 outputs, each within a bf16 rounding of the other on top of
-    the f32 differences."""
+def _api_vs_xla(impl: str, d: int, seed: int, **options):
+    """``dot_product_attention(impl=impl, **options)`` vs ``impl="xla"``: forward and the three gradients through
+    ``jax.vjp``, [B, T, H, D] layout, T = 2048, causal, GQA 4:1; bf16 outputs, each within a bf16 rounding of the
+    other on top of the f32 differences."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     q = jax.random.normal(ks[0], (2, 2048, 8, d), jnp.bfloat16)
     k = jax.random.normal(ks[1], (2, 2048, 2, d), jnp.bfloat16)
@@ -134,7 +134,8 @@ def _api_vs_xla(impl: str, d: int, seed: int):
 
     @functools.partial(jax.jit, static_argnames="impl")
     def run(q, k, v, impl):
-        o, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, impl=impl, causal=True), q, k, v)
+        attend = lambda q, k, v: dot_product_attention(q, k, v, impl=impl, causal=True, **options)
+        o, vjp = jax.vjp(attend, q, k, v)
         return (o, *vjp(do))
 
     for what, a, b in zip(("o", "dq", "dk", "dv"), run(q, k, v, impl), run(q, k, v, "xla"), strict=True):
@@ -193,6 +194,14 @@ def test_attention_api_mosaic_gpu_equals_xla_with_grads():
     if not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     _api_vs_xla("mosaic_gpu", 128, seed=2)
+
+
+@pytest.mark.parametrize("window", [0, 256])
+def test_attention_api_cudnn_equals_xla_with_grads(window):
+    """``dot_product_attention(impl="cudnn")``, what ``"auto"`` runs on a GPU for the standard policy, vs the twin
+    with the standard policy, D = 128, causal and a window of 256 keys (cuDNN's ``local_window_size``): the
+    tolerance of the Pallas API test."""
+    _api_vs_xla("cudnn", 128, seed=3, stable=False, sliding_window=window)
 
 
 def _fp8_magnitude(args):
