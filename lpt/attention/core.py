@@ -16,9 +16,7 @@ None), k, v, dk, dv [B, Hkv, T, D] as P(batch, kv_heads, None, None), segments [
 independent per (batch row, head), so no shard talks to another and nothing is all-gathered.
 
 ``impl="cudnn"`` (what ``"auto"`` picks on a GPU for the standard policy where cuDNN takes the call) runs
-``jax.nn.dot_product_attention(implementation="cudnn")`` on the arrays as given: the standard softmax only (the
-stable policy is lpt's kernels' alone), without segment ids or a kv mask; under a mesh cuDNN's own partitioning
-splits batch and heads.
+:mod:`lpt.attention.cudnn` on the arrays as given, after this module's checks of shapes and options.
 
 ``impl="mosaic_gpu"`` runs the Hopper kernels of :mod:`lpt.kernels.flash_attention.mosaic_gpu` (block_q = 64 query
 rows per CTA, block_k of :func:`mosaic_gpu_block_k`). They compile for CUDA only and cannot be chosen per platform
@@ -37,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from lpt import sharding
+from lpt.attention import cudnn
 from lpt.kernels import dispatch
 from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
@@ -239,14 +238,11 @@ def _pad_to(x, length: int, axis: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-CUDNN_HEAD_DIMS = (64, 128)  # head widths impl="auto" gives cuDNN (its fused attention trains D <= 128 on Ampere on)
-
-
 def auto_impl(dtype, head_dim: int, mesh=None, *, standard: bool = False, masked: bool = False) -> str:
     """The implementation ``impl="auto"`` runs for q, k, v of ``dtype`` and head width ``head_dim``, lowered for
     :func:`lpt.kernels.dispatch.target_device` of ``mesh``. On a GPU: cuDNN's fused attention ("cudnn") for the
-    standard policy (``standard``) of 16-bit inputs with D in :data:`CUDNN_HEAD_DIMS` and no segment ids or kv
-    mask (``masked``); else on a Hopper GPU the Mosaic GPU kernels where they train (16-bit inputs, D in
+    standard policy (``standard``) of 16-bit inputs with D in :data:`lpt.attention.cudnn.HEAD_DIMS` and no segment
+    ids or kv mask (``masked``); else on a Hopper GPU the Mosaic GPU kernels where they train (16-bit inputs, D in
     :data:`lpt.kernels.flash_attention.mosaic_gpu.BACKWARD_HEAD_DIMS`), on another GPU or for other inputs the
     Pallas (Triton) kernel. On a TPU the Pallas (Mosaic TPU) kernel, elsewhere (CPU) the XLA twin."""
     device = dispatch.target_device(mesh)
@@ -255,7 +251,7 @@ def auto_impl(dtype, head_dim: int, mesh=None, *, standard: bool = False, masked
     if device.platform != "gpu":
         return "xla"
     sixteen = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if standard and not masked and sixteen and head_dim in CUDNN_HEAD_DIMS:
+    if standard and not masked and sixteen and head_dim in cudnn.HEAD_DIMS:
         return "cudnn"
     if dispatch.hopper(device) and sixteen and head_dim in mg.BACKWARD_HEAD_DIMS:
         return "mosaic_gpu"
@@ -266,36 +262,6 @@ def _standard(opts: _Options) -> bool:
     """Whether the call asks for the standard policy (``stable=False`` or the policy itself)."""
     policy = opts.policy if opts.policy is not None else None if opts.stable else fm.standard_policy()
     return policy == fm.standard_policy()
-
-
-def _cudnn(q, k, v, opts: _Options, *, kv_mask, segment_ids):
-    """The standard policy through cuDNN's fused attention: ``jax.nn.dot_product_attention(implementation="cudnn")``
-    on q, k, v as given ([B, T, H, D], GQA and the window passed through); ValueError for what it does not
-    compute here (another policy, segment ids or a kv mask, inputs other than 16-bit, interpret or block sizes)."""
-    if not _standard(opts):
-        raise ValueError(
-            "impl='cudnn' computes the standard softmax only (stable=False); the stable policy runs on lpt's kernels "
-            "(impl='mosaic_gpu', 'pallas' or 'auto')"
-        )
-    if segment_ids is not None or kv_mask is not None:
-        raise ValueError("impl='cudnn' takes no segment_ids or kv_mask in lpt; use impl='mosaic_gpu' or 'pallas'")
-    if jnp.dtype(q.dtype) not in _FLOATS[:2]:
-        raise ValueError(f"impl='cudnn' takes bfloat16 or float16 q, k, v; got {q.dtype}")
-    for name in ("interpret", "block_q", "block_k"):
-        if getattr(opts, name) is not None:
-            raise ValueError(f"{name}={getattr(opts, name)!r}: impl='cudnn' has no {name}; leave it None")
-    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **_cudnn_arguments(opts))
-
-
-def _cudnn_arguments(opts: _Options) -> dict:
-    """``jax.nn.dot_product_attention``'s scale and masks for ``opts``: lpt's window of w keys (query i sees keys
-    i − w < j <= i) is ``local_window_size=(w − 1, 0)``."""
-    window = opts.sliding_window
-    return {
-        "scale": opts.scale,
-        "is_causal": bool(opts.causal),
-        "local_window_size": (window - 1, 0) if window else None,
-    }
 
 
 def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
@@ -457,7 +423,15 @@ def dot_product_attention(
         )
     q_t, k_t, v_t, q_seg, kv_seg, cfg = _canonical(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     if cfg.impl == "cudnn":  # the checks of shapes and options above, then cuDNN on the arrays as given
-        return _cudnn(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
+        cudnn.check(
+            standard=_standard(opts),
+            masked=kv_mask is not None or segment_ids is not None,
+            dtype=q.dtype,
+            interpret=opts.interpret,
+            block_q=opts.block_q,
+            block_k=opts.block_k,
+        )
+        return cudnn.attention(q, k, v, causal=opts.causal, sliding_window=opts.sliding_window, scale=opts.scale)
     tq = q.shape[1]
     if cfg.impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:
         raise ValueError("AttentionPolicy.residual='stochastic' needs a PRNG key: pass key=...")

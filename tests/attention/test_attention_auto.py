@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lpt import targets
-from lpt.attention import auto_impl, core, dot_product_attention
+from lpt.attention import auto_impl, cudnn, dot_product_attention
 
 TRITON, MOSAIC_GPU, MOSAIC_TPU = "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "tpu_custom_call"
 CUDNN = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
@@ -86,7 +86,7 @@ def test_cudnn_window_is_lpt_window():
     k = jax.random.normal(ks[1], (1, 64, 2, 16), jnp.float32)
     v = jax.random.normal(ks[2], (1, 64, 2, 16), jnp.float32)
     for w in (1, 5, 32):
-        args = core._cudnn_arguments(core._Options(sliding_window=w))
+        args = cudnn.arguments(causal=True, sliding_window=w, scale=None)
         got = jax.nn.dot_product_attention(q, k, v, implementation="xla", **args)
         want = dot_product_attention(q, k, v, sliding_window=w, impl="softmax")
         wider = dot_product_attention(q, k, v, sliding_window=w + 1, impl="softmax")
