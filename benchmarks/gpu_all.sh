@@ -51,7 +51,7 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false part kernels 120 $PY -m pytest -q -rfEP -p n
 part attention 50 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ --heads 16 --kv-heads 4 \
   --head-dim 128 --iters 10 --variants cudnn mosaic_gpu:stable mosaic_gpu:standard
 part fp8 60 $PY benchmarks/fp8_gpu.py --sizes 8192 --iters 10
-part optim 65 $PY benchmarks/optim_step.py --params 500e6 --rounds 3 \
+part optim 65 $PY benchmarks/optim_step.py --params 500e6 --side 8192 --rounds 3 \
   --rows base,copy,fused:stochastic,pallas:stochastic,pallas8:stochastic
 part train_step 60 $PY benchmarks/train_step.py --config configs/gpt2_124m.py --steps 6 \
   --config.data.source=embedded --config.train.global_batch=32

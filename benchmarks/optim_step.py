@@ -1,6 +1,7 @@
 """Benchmark: one optimizer step of bf16 AdamW + Kahan vs optax.adamw with f32 master weights, in one run.
 
-    python benchmarks/optim_step.py [--params 50e6] [--rounds 7] [--rows base,fused:stochastic,optax_kahan]
+    python benchmarks/optim_step.py [--params 50e6] [--rounds 7] [--side 2048] \
+        [--rows base,fused:stochastic,optax_kahan]
 
 Rows (all jitted with the params and optimizer state donated; without donation timings are dominated by allocation):
 
@@ -50,8 +51,7 @@ from lpt.train.machine import describe, load
 LR, WD = 1e-3, 0.1
 
 
-def make_tree(n_params: float, dtype, seed=0):
-    side = 2048
+def make_tree(n_params: float, dtype, seed=0, side=2048):
     n_mats = max(1, round(n_params / side / side))
     keys = jax.random.split(jax.random.key(seed), n_mats)
     return {f"w{i}": (0.02 * jax.random.normal(k, (side, side), jnp.float32)).astype(dtype) for i, k in enumerate(keys)}
@@ -61,24 +61,25 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def structure(compiled, n_leaves: int) -> str:
-    """Loop fusions and copies over whole leaves (2048x2048 outputs), per leaf, of the compiled step."""
+def structure(compiled, n_leaves: int, side: int) -> str:
+    """Loop fusions and copies over whole leaves (side x side outputs), per leaf, of the compiled step."""
     text = compiled.as_text()
     entry = text[text.index("\nENTRY") :]
-    big = [ln for ln in entry.splitlines() if re.search(r"= \w+\[2048,2048\]", ln)]
+    big = [ln for ln in entry.splitlines() if re.search(rf"= \w+\[{side},{side}\]", ln)]
     fusions = sum(" fusion(" in ln for ln in big)
     copies = sum(" copy(" in ln for ln in big)
     return f"{fusions / n_leaves:.0f} fusions + {copies / n_leaves:.0f} copies per leaf"
 
 
-def build(row: str, n_params: float):
+def build(row: str, n_params: float, side: int):
     """(step, params, state, resident bytes) of one row; the step maps (params, state, grads) -> (params, state)."""
     if row == "copy":  # 12 bytes per parameter, read and written once
 
         def step(params, state, grads):
             return jax.tree.map(jnp.invert, params), state
 
-        words = jax.tree.map(lambda g: jnp.zeros((3, *g.shape), jnp.uint32), make_tree(n_params, jnp.bfloat16))
+        shapes = make_tree(n_params, jnp.bfloat16, side=side)
+        words = jax.tree.map(lambda g: jnp.zeros((3, *g.shape), jnp.uint32), shapes)
         return step, words, (), nbytes(words)
     if row in ("base", "base_nocopy", "base_copy_donated"):
         tx = optax.adamw(LR, weight_decay=WD)
@@ -96,7 +97,7 @@ def build(row: str, n_params: float):
                 return params, (state, copy)
             return params, state
 
-        params = make_tree(n_params, jnp.float32)
+        params = make_tree(n_params, jnp.float32, side=side)
         state = tx.init(params)
         if row == "base_copy_donated":
             state = (state, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))  # f32 -> bf16
@@ -118,7 +119,7 @@ def build(row: str, n_params: float):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    params = make_tree(n_params, jnp.bfloat16)
+    params = make_tree(n_params, jnp.bfloat16, side=side)
     state = tx.init(params)
     return step, params, state, nbytes(params) + nbytes(state)
 
@@ -143,6 +144,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--side", type=int, default=2048, help="each leaf is side x side (larger: fewer kernel calls)")
     ap.add_argument(
         "--rows",
         default="base,base_copy_donated,base_nocopy,fused:nearest,fused:stochastic,chain:nearest,chain:stochastic,"
@@ -150,16 +152,16 @@ def main():
     )
     args = ap.parse_args()
     rows = args.rows.split(",")
-    grads = make_tree(args.params, jnp.bfloat16, seed=1)
+    grads = make_tree(args.params, jnp.bfloat16, seed=1, side=args.side)
     n = sum(x.size for x in jax.tree.leaves(grads))
-    print(f"tree: {len(grads)} x 2048x2048 = {n / 1e6:.1f}M params")
+    print(f"tree: {len(grads)} x {args.side}x{args.side} = {n / 1e6:.1f}M params")
     print(f"machine: {describe()}")
 
     runs = {}
     for row in rows:
-        step, params, state, resident = build(row, args.params)
+        step, params, state, resident = build(row, args.params, args.side)
         jitted = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
-        shape = structure(jitted, n_leaves=len(grads))
+        shape = structure(jitted, n_leaves=len(grads), side=args.side)
         params, state = jitted(params, state, grads)  # warm up
         params = params[0] if row == "base" else params
         jax.block_until_ready(params)
