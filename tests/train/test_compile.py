@@ -67,7 +67,7 @@ def check_common(r: dict, n: int) -> None:
 def test_tpu_v5e_2x2(capsys):
     rc, r, err = run(capsys, "--config", TINY, "--topology", "v5e:2x2", *FSDP4)
     assert rc == 0, err
-    assert r["platform"] == "tpu" and r["device_kind"] == "TPU v5 lite"
+    assert r["platform"] == "tpu" and r["device_kind"] == "TPU v5 lite" and r["attention_impl"] == "pallas"
     check_common(r, 4)
     assert r["temp_bytes"] > 0 and r["temp_note"] is None and r["generated_code_bytes"] > 0
     assert r["hbm_bytes"] == int(15.75 * 2**30)
@@ -89,6 +89,7 @@ def test_gpu_h100_1x1x8(capsys):
     # XLA:GPU's temporaries: a number with a note saying what it leaves out, or null ("unknown") when it reports 0
     assert r["temp_note"] and (r["temp_bytes"] is None or r["temp_bytes"] > 0)
     assert r["kernels"].get("__triton_nested_gemm_fusion", 0) > 0, r["kernels"]  # XLA:GPU's Triton GEMMs
+    assert r["attention_impl"] == "pallas" and "attention: pallas" in err  # tiny_cpu computes in f32: not wgmma
     check_common(r, 8)
 
 

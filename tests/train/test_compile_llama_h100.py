@@ -10,6 +10,7 @@ import pytest
 
 from lpt import targets
 from lpt.targets import hlo
+from lpt.train import compile as compile_lib
 from lpt.train import config as config_lib
 from lpt.train import loop
 from lpt.train import state as state_lib
@@ -49,3 +50,7 @@ def test_llama_1b_runs_attention_and_fp8_gemms_as_mosaic_gpu_kernels_on_h100s():
     assert len(gemms) >= 3 * 4, gemms
     assert any("lpt_adamw_kahan" in n for n in mgpu), hlo.kernels(text)  # the fused optimizer step
     assert not triton, triton
+    # what the compile report names: the Hopper kernels for this stable policy, cuDNN for the standard one
+    assert compile_lib._attention_impl(cfg, mesh) == "mosaic_gpu"
+    standard = config_lib.apply_overrides(cfg, {"precision.attention.stable": "false"})
+    assert compile_lib._attention_impl(standard, mesh) == "cudnn"
