@@ -3,12 +3,14 @@
 # their XLA twins, then the GPU benchmarks, each printing its ratios against a baseline measured in the same run:
 # attention against cuDNN at T = 4096 and 16384 (D 128, causal, GQA 4:1), the FP8 recipe's GEMMs against bf16, the
 # fused AdamW + Kahan step against a device copy of its bytes (500M parameters), gpt2_124m's train step against a
-# plain float32 step, and a 1B-class step with FP8 matmuls and 8-bit moments against bf16 + Kahan (MFU printed).
+# plain float32 step, and a 1B-class step with FP8 matmuls and 8-bit moments against bf16 + Kahan (MFU printed; both
+# train-step parts profile 3 steps of each run and print where the device time goes: benchmarks/trace_summary.py).
 # Each part has its own time limit, so one that hangs leaves the others' numbers; the logs go to LOGDIR (default
-# gpu_logs/), one file per part, and a summary prints last. The limits add up to 7.3 minutes (under 8 with the
-# start); most of it is compiling. PARTS names the parts to run (default: all of them, in this order), KERNELS_K is a pytest -k filter for
-# the kernel tests (run on 4 processes where pytest-xdist is installed) and ATTENTION_SEQ the attention lengths,
-# e.g. PARTS="kernels attention" KERNELS_K=mosaic_gpu. The headline run is benchmarks/gpu_quality.sh.
+# gpu_logs/), one file per part, and a summary prints last. The limits add up to 7.4 minutes (under 8 with the
+# start); most of it is compiling. PARTS names the parts to run (default: all of them, in this order), KERNELS_K is
+# a pytest -k filter for the kernel tests (run on 4 processes where pytest-xdist is installed) and ATTENTION_SEQ the
+# attention lengths, e.g. PARTS="kernels attention" KERNELS_K=mosaic_gpu. The headline run is
+# benchmarks/gpu_quality.sh.
 #
 #     bash benchmarks/gpu_all.sh [LOGDIR]
 set -u
@@ -53,11 +55,11 @@ part attention 50 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ
 part fp8 60 $PY benchmarks/fp8_gpu.py --sizes 8192 --iters 10
 part optim 65 $PY benchmarks/optim_step.py --params 500e6 --side 8192 --rounds 3 \
   --rows base,copy,fused:stochastic,pallas:stochastic,pallas8:stochastic
-part train_step 60 $PY benchmarks/train_step.py --config configs/gpt2_124m.py --steps 6 \
-  --config.data.source=embedded --config.train.global_batch=32
+part train_step 70 $PY benchmarks/train_step.py --config configs/gpt2_124m.py --steps 6 \
+  --config.data.source=embedded --config.train.global_batch=32 --profile "$LOGDIR/trace_step"
 BF16=precision.matmul.qkv=bf16,precision.matmul.out=bf16,precision.matmul.up=bf16,precision.matmul.down=bf16
-part train_1b 85 $PY benchmarks/train_step.py --config configs/llama_1b.py --steps 4 \
-  --config.data.source=embedded --config.train.global_batch=8 --config.optim.microbatches=1 \
+part train_1b 80 $PY benchmarks/train_step.py --config configs/llama_1b.py --steps 4 \
+  --config.data.source=embedded --config.train.global_batch=8 --config.optim.microbatches=1 --profile "$LOGDIR/trace_1b" \
   --runs "bf16_kahan:$BF16" "fp8_8bit:precision.moment_dtype=float8_e4m3fn"
 
 cat "$LOGDIR/machine.log"

@@ -14,6 +14,9 @@ lpt.train`` runs for the given config (sharded state, f32 loss, clipping, update
 check). Both see the same batches; each is timed over ``--steps`` steps after two warm-up steps, best of 5
 interleaved rounds (min is the least noisy estimate on a shared machine). Prints tokens/s of both and
 the ratio lpt / baseline.
+
+``--profile DIR`` then traces 3 more steps of each run with ``jax.profiler`` into ``DIR/NAME`` and prints where each
+one's device time goes (:mod:`trace_summary`: busy time per step, by kind of kernel, the top kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import trace_summary  # benchmarks/ is the script's directory, first on sys.path
 from flax import nnx
 
 from lpt import data as data_lib
@@ -130,6 +134,7 @@ def main(argv):
     parser.add_argument("--config", default="configs/tiny_cpu.py")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--runs", nargs="+", default=["plain", "lpt"], help="the first is the baseline")
+    parser.add_argument("--profile", default=None, help="trace 3 steps of each run into PROFILE/NAME, summarized")
     args, rest = parser.parse_known_args(argv)
     rest = [*rest, "--config.data.worker_count=0"]  # a few batches read up front: no grain worker processes
     cfg, _ = config_lib.parse_args(["--config", args.config, "--workdir", "/unused", *rest])
@@ -137,7 +142,7 @@ def main(argv):
     it = data_lib.make_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch, process_index=0, process_count=1
     )
-    batches = [{k: jnp.asarray(np.asarray(v)) for k, v in next(it).items()} for _ in range(args.steps + 2)]
+    batches = [{k: jnp.asarray(np.asarray(v)) for k, v in next(it).items()} for _ in range(max(args.steps, 3) + 2)]
     tokens = cfg.train.global_batch * cfg.data.seq_len
     runners = {name: plain_step_fn(cfg) if c == "plain" else lpt_step_fn(c) for name, c in configs.items()}
     sec = time_steps(runners, batches)
@@ -155,6 +160,19 @@ def main(argv):
             flush=True,
         )
     print(f"machine: {describe()}")
+    if args.profile:
+        for name, run in runners.items():
+            profile(run, batches[2:5], f"{args.profile}/{name}")
+            print(f"--- {name}: {trace_summary.summarize(f'{args.profile}/{name}', steps=3, top=12)}", flush=True)
+
+
+def profile(run, batches, log_dir: str) -> None:
+    """``run`` over ``batches`` under ``jax.profiler.trace(log_dir)`` (with a perfetto trace), after a warm-up."""
+    jax.block_until_ready(run(batches[0]))
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for b in batches:
+            out = run(b)
+        jax.block_until_ready(out)
 
 
 def _recipe(p) -> str:
