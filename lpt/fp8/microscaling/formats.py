@@ -54,8 +54,10 @@ from lpt.numerics import exponent_of, get_format, round_nearest, round_stochasti
 __all__ = [
     "E8M0_MAX_EXP",
     "E8M0_MIN_EXP",
+    "MxScales",
     "NVFP4_BLOCK",
     "NVFP4_TILE",
+    "NvScales",
     "ROUNDINGS",
     "mx_block_exponents",
     "mx_dequantize",
@@ -153,7 +155,7 @@ def _cast_out(v_f32: jax.Array, dtype) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _MxScales(NamedTuple):
+class MxScales(NamedTuple):
     """The steps of MX's scale rule (module docstring) for one tensor, before the exponent is clamped to e8m0."""
 
     x32: jax.Array  # x in f32, each tiled axis split into (blocks, block length)
@@ -165,7 +167,7 @@ class _MxScales(NamedTuple):
 
 def mx_block_exponents(
     x, elem_dtype, block_size: int = 32, axis: int = -1, *, block_shape: tuple[int, int] | None = None
-) -> _MxScales:
+) -> MxScales:
     """The block maxima and unclamped scale exponents :func:`mx_quantize` computes for ``x`` (same arguments).
 
     Args:
@@ -185,7 +187,7 @@ def mx_block_exponents(
     # floor(log2 amax) from the bits; exponent_of reports -126 for subnormal and zero amax, which the clamp maps to
     # -127 exactly as the true floor(log2) would (emax_elem >= 2).
     e = exponent_of(_from_bits(amax_bits)) - get_format(elem).emax
-    return _MxScales(x32, inner, _from_bits(amax_bits), nonfinite, e)
+    return MxScales(x32, inner, _from_bits(amax_bits), nonfinite, e)
 
 
 def mx_quantize(
@@ -292,7 +294,7 @@ def _nvfp4_tiles(shape, axis, block_shape):
     return block_tiles(tuple(shape), axis, NVFP4_BLOCK, block_shape)
 
 
-class _NvScales(NamedTuple):
+class NvScales(NamedTuple):
     """The f32 steps of NVFP4's scales (module docstring) for one tensor, before the block scales are rounded."""
 
     x32: jax.Array  # x in f32, f32 subnormals as ±0, each tiled axis split into (blocks, block length)
@@ -304,7 +306,7 @@ class _NvScales(NamedTuple):
     block_scale_f32: jax.Array  # f32 block_amax · (S_enc · 1/6): the block decode scale, unrounded (e4m3 rounds it)
 
 
-def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> _NvScales:
+def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> NvScales:
     """The tensor scale and the unrounded block scales :func:`nvfp4_quantize` computes for ``x`` (same arguments)."""
     x = check_float(x)
     tiles = _nvfp4_tiles(x.shape, axis, block_shape)
@@ -327,7 +329,7 @@ def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None
     b_nonfinite = block_bits >= jnp.uint32(_F32_INF_BITS)
     block_amax = jnp.where(b_nonfinite, jnp.float32(0.0), _from_bits(block_bits))
     bs = block_amax * (s_enc * jnp.float32(_ONE_SIXTH_F32))  # f32 decode scale of the block (rounded to e4m3 next)
-    return _NvScales(x32, inner, s_dec, t_nonfinite, block_amax, b_nonfinite, bs)
+    return NvScales(x32, inner, s_dec, t_nonfinite, block_amax, b_nonfinite, bs)
 
 
 def nvfp4_quantize(
