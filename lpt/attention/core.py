@@ -419,7 +419,7 @@ def dot_product_attention(
         dispatch.check_auto_interpret(interpret)
         masked = kv_mask is not None or segment_ids is not None
         opts = dataclasses.replace(
-            opts, impl=auto_impl(q.dtype, q.shape[3], mesh, standard=_standard(opts), masked=masked)
+            opts, impl=auto_impl(q.dtype, q.shape[-1], mesh, standard=_standard(opts), masked=masked)
         )
     q_t, k_t, v_t, q_seg, kv_seg, cfg = _canonical(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     if cfg.impl == "cudnn":  # the checks of shapes and options above, then cuDNN on the arrays as given
