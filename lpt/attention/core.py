@@ -244,7 +244,15 @@ def auto_impl(dtype, head_dim: int, mesh=None, *, standard: bool = False, masked
     standard policy (``standard``) of 16-bit inputs with D in :data:`lpt.attention.cudnn.HEAD_DIMS` and no segment
     ids or kv mask (``masked``); else on a Hopper GPU the Mosaic GPU kernels where they train (16-bit inputs, D in
     :data:`lpt.kernels.flash_attention.mosaic_gpu.BACKWARD_HEAD_DIMS`), on another GPU or for other inputs the
-    Pallas (Triton) kernel. On a TPU the Pallas (Mosaic TPU) kernel, elsewhere (CPU) the XLA twin."""
+    Pallas (Triton) kernel. On a TPU the Pallas (Mosaic TPU) kernel, elsewhere (CPU) the XLA twin.
+
+    Args:
+      dtype: the dtype of q, k and v.
+      head_dim: their head width D.
+      mesh: the mesh the program is lowered for (None: the ``jax.set_mesh`` mesh, else the default device).
+      standard: the call asks for the standard policy (``stable=False``).
+      masked: the call has segment ids or a kv mask.
+    """
     device = dispatch.target_device(mesh)
     if device.platform == "tpu":
         return "pallas"

@@ -20,7 +20,14 @@ _SIXTEEN = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def check(*, standard: bool, masked: bool, dtype, interpret, block_q, block_k) -> None:
     """ValueError, in one line, for a call cuDNN does not compute here: another policy than the standard one, segment
-    ids or a kv mask (``masked``), inputs other than bf16 / f16, or an ``interpret``, ``block_q`` or ``block_k``."""
+    ids or a kv mask (``masked``), inputs other than bf16 / f16, or an ``interpret``, ``block_q`` or ``block_k``.
+
+    Args:
+      standard: the call asks for the standard policy.
+      masked: the call has segment ids or a kv mask.
+      dtype: the dtype of q, k and v.
+      interpret, block_q, block_k: the call's options of those names (each must be None).
+    """
     if not standard:
         raise ValueError(
             "impl='cudnn' computes the standard softmax only (stable=False); the stable policy runs on lpt's kernels "
@@ -46,6 +53,13 @@ def arguments(*, causal: bool, sliding_window: int, scale: float | None) -> dict
 
 
 def attention(q, k, v, *, causal: bool, sliding_window: int, scale: float | None):
-    """cuDNN's fused attention of q [B, Tq, H, D], k and v [B, Tk, Hkv, D]; returns [B, Tq, H, D] in q.dtype."""
+    """cuDNN's fused attention of q [B, Tq, H, D], k and v [B, Tk, Hkv, D]; returns [B, Tq, H, D] in q.dtype.
+
+    Args:
+      q, k, v: the shapes above, bf16 or f16, H a multiple of Hkv.
+      causal: key j is visible to query i only if j <= i.
+      sliding_window: w > 0: query i sees only the keys i − w < j <= i; 0: no window.
+      scale: the logit scale (None: 1/sqrt(D)).
+    """
     args = arguments(causal=causal, sliding_window=sliding_window, scale=scale)
     return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **args)

@@ -24,6 +24,9 @@ Public API
     ``w_underflow_frac``, ``w_subnormal_frac``, ``x_scale_range_log2``, ``snr_db``). The trainer runs it every
     ``train.diagnostics_every`` steps; without it the layers add no operation.
 ``flops_per_token(model_cfg, seq_len) -> float``, ``param_count(model_cfg)``, ``matmul_params(model_cfg)``
+``attention_impl(model_cfg, precision_cfg, mesh=None) -> str``
+    the attention implementation the model runs on the mesh's devices (``"auto"`` resolved; the compile report's
+    ``attention_impl``).
 ``partitioning``: ``param_partition_specs(state, rules)``, ``param_shardings(state, mesh, rules)``,
     ``place(model, mesh)``: the NNX side of sharding; the rules table, ``axis_rules`` and ``constrain`` are in
     :mod:`lpt.sharding`.
@@ -49,6 +52,7 @@ See docs/models_and_data.md for the precision recipe.
 """
 
 from lpt.models import matmul_formats, partitioning, probes
+from lpt.models.attention_block import attention_impl
 from lpt.models.config import ModelSpec, Precision, model_spec
 from lpt.models.decode import KVCache, decode_step, init_cache, prefill
 from lpt.models.diagnostics import activation_diagnostics, diagnostics
@@ -57,6 +61,7 @@ from lpt.models.hf import from_pretrained, save_pretrained
 from lpt.models.transformer import Transformer, build_model
 
 __all__ = [
+    "attention_impl",
     "KVCache",
     "ModelSpec",
     "Precision",

@@ -49,6 +49,20 @@ def attend(
     )
 
 
+def attention_impl(spec: ModelSpec, prec: Precision, mesh=None) -> str:
+    """The implementation :func:`attend` runs on ``mesh``'s devices: ``prec.attention.impl``, or what ``"auto"``
+    picks there for the compute dtype and head width (:func:`lpt.attention.auto_impl`; no segment ids or kv mask).
+
+    Args:
+      spec: the model's :class:`lpt.models.config.ModelSpec` (its head width).
+      prec: the model's :class:`lpt.models.config.Precision` (compute dtype, ``attention.impl`` and ``stable``).
+      mesh: the mesh the step is lowered for (None: the default device).
+    """
+    if prec.attention.impl != "auto":
+        return prec.attention.impl
+    return lpt.attention.auto_impl(prec.compute, spec.head_width, mesh, standard=not prec.attention.stable)
+
+
 class Attention(nnx.Module):
     """x -> (q, k, v) projections (projection "qkv") -> [RoPE] -> causal GQA attention -> out projection ("out")."""
 

@@ -29,7 +29,7 @@ import re
 import sys
 import time
 
-from lpt import attention, models, targets
+from lpt import models, targets
 from lpt.targets import flops as flops_lib
 from lpt.targets import hlo
 from lpt.train import config as config_lib
@@ -110,7 +110,7 @@ def compile_step(cfg: config_lib.Config, topology: str) -> dict:
         "hbm_bytes": facts.hbm_bytes,
         "peak_flops": facts.peak_flops,
         "model_flops": model_flops,
-        "attention_impl": _attention_impl(cfg, mesh),
+        "attention_impl": models.attention_impl(cfg.model, cfg.precision, mesh),
     }
     t0 = time.perf_counter()
     try:
@@ -140,15 +140,6 @@ def compile_step(cfg: config_lib.Config, topology: str) -> dict:
     report["error"] = None
     report["advice"] = [] if report["fits"] else advise(cfg, report)
     return report
-
-
-def _attention_impl(cfg: config_lib.Config, mesh) -> str:
-    """What the step's attention runs on ``mesh``'s devices: ``precision.attention.impl``, or what ``"auto"`` picks
-    there (:func:`lpt.attention.auto_impl`; the model passes no segment ids or kv mask)."""
-    a = cfg.precision.attention
-    if a.impl != "auto":
-        return a.impl
-    return attention.auto_impl(cfg.precision.compute, cfg.model.head_width, mesh, standard=not a.stable)
 
 
 def _memory(ma, facts) -> dict:

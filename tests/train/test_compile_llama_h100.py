@@ -8,9 +8,8 @@ import re
 
 import pytest
 
-from lpt import targets
+from lpt import models, targets
 from lpt.targets import hlo
-from lpt.train import compile as compile_lib
 from lpt.train import config as config_lib
 from lpt.train import loop
 from lpt.train import state as state_lib
@@ -51,6 +50,6 @@ def test_llama_1b_runs_attention_and_fp8_gemms_as_mosaic_gpu_kernels_on_h100s():
     assert any("lpt_adamw_kahan" in n for n in mgpu), hlo.kernels(text)  # the fused optimizer step
     assert not triton, triton
     # what the compile report names: the Hopper kernels for this stable policy, cuDNN for the standard one
-    assert compile_lib._attention_impl(cfg, mesh) == "mosaic_gpu"
+    assert models.attention_impl(cfg.model, cfg.precision, mesh) == "mosaic_gpu"
     standard = config_lib.apply_overrides(cfg, {"precision.attention.stable": "false"})
-    assert compile_lib._attention_impl(standard, mesh) == "cudnn"
+    assert models.attention_impl(standard.model, standard.precision, mesh) == "cudnn"
