@@ -285,7 +285,7 @@ def _bits_equal(a, b, what):
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_adamw_kahan_equals_twin(stochastic, shape):
     """(1000, 4099): flattened into rows of 128, the last block padded; (1024, 4096): tiled in place on a 2-D grid.
-    The kernel the GPU runs: Mosaic GPU on Hopper and Blackwell, Triton on other GPUs."""
+    The kernel the GPU runs: Mosaic GPU on Hopper, Triton on other GPUs (Blackwell included)."""
     g, p, c, mv = _leaf(shape, seed=0)
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([1, 2], jnp.uint32)
