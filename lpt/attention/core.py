@@ -15,8 +15,8 @@ None), k, v, dk, dv [B, Hkv, T, D] as P(batch, kv_heads, None, None), segments [
 [B, H, T] as P(batch, heads, None), the logical names resolved by :func:`lpt.sharding.kernel_spec`. Attention is
 independent per (batch row, head), so no shard talks to another and nothing is all-gathered.
 
-``impl="cudnn"`` (what ``"auto"`` picks on a GPU for the standard policy where cuDNN takes the call) runs
-:mod:`lpt.attention.cudnn` on the arrays as given, after this module's checks of shapes and options.
+``impl="cudnn"`` (``"auto"`` on a GPU for the standard policy where cuDNN takes the call) runs
+:mod:`lpt.attention.cudnn` on the arrays as given, after this module's checks.
 
 ``impl="mosaic_gpu"`` runs the Hopper kernels of :mod:`lpt.kernels.flash_attention.mosaic_gpu` (block_q = 64 query
 rows per CTA, block_k of :func:`mosaic_gpu_block_k`). They compile for CUDA only and cannot be chosen per platform
@@ -247,11 +247,9 @@ def auto_impl(dtype, head_dim: int, mesh=None, *, standard: bool = False, masked
     Pallas (Triton) kernel. On a TPU the Pallas (Mosaic TPU) kernel, elsewhere (CPU) the XLA twin.
 
     Args:
-      dtype: the dtype of q, k and v.
-      head_dim: their head width D.
+      dtype, head_dim: the dtype of q, k and v, and their head width D.
       mesh: the mesh the program is lowered for (None: the ``jax.set_mesh`` mesh, else the default device).
-      standard: the call asks for the standard policy (``stable=False``).
-      masked: the call has segment ids or a kv mask.
+      standard, masked: the call asks for the standard policy (``stable=False``); it has segment ids or a kv mask.
     """
     device = dispatch.target_device(mesh)
     if device.platform == "tpu":
@@ -423,23 +421,16 @@ def dot_product_attention(
         interpret=interpret,
         mesh=mesh,
     )
+    standard, masked = _standard(opts), kv_mask is not None or segment_ids is not None
     if impl == "auto":
         dispatch.check_auto_interpret(interpret)
-        masked = kv_mask is not None or segment_ids is not None
-        opts = dataclasses.replace(
-            opts, impl=auto_impl(q.dtype, q.shape[-1], mesh, standard=_standard(opts), masked=masked)
-        )
+        auto = auto_impl(q.dtype, q.shape[-1], mesh, standard=standard, masked=masked)
+        opts = dataclasses.replace(opts, impl=auto)
     q_t, k_t, v_t, q_seg, kv_seg, cfg = _canonical(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     if cfg.impl == "cudnn":  # the checks of shapes and options above, then cuDNN on the arrays as given
-        cudnn.check(
-            standard=_standard(opts),
-            masked=kv_mask is not None or segment_ids is not None,
-            dtype=q.dtype,
-            interpret=opts.interpret,
-            block_q=opts.block_q,
-            block_k=opts.block_k,
-        )
-        return cudnn.attention(q, k, v, causal=opts.causal, sliding_window=opts.sliding_window, scale=opts.scale)
+        kw = {"interpret": interpret, "block_q": block_q, "block_k": block_k}
+        cudnn.check(standard=standard, masked=masked, dtype=q.dtype, **kw)
+        return cudnn.attention(q, k, v, causal=causal, sliding_window=sliding_window, scale=scale)
     tq = q.shape[1]
     if cfg.impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:
         raise ValueError("AttentionPolicy.residual='stochastic' needs a PRNG key: pass key=...")
