@@ -69,6 +69,30 @@ def pytest_runtest_makereport(item, call):
         )
 
 
+_SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
+
+
+def _slow_ids() -> set[str]:
+    """The test ids of tests/slow_tests.txt (one per line, then ``  # seconds``; ``#`` lines are comments)."""
+    lines = _SLOW_LIST.read_text("utf-8").splitlines()
+    return {line.split("  #", 1)[0].strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection reads the marks
+def pytest_collection_modifyitems(session, config, items):
+    """Marks the tests that tests/slow_tests.txt names ``slow``. A run that collects the whole suite fails on an id
+    there that no test has (a renamed or removed test), so the list stays the suite's."""
+    slow = _slow_ids()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+    whole = [Path(config.invocation_params.dir, a).resolve() for a in config.args] == [Path(__file__).parent]
+    if whole:
+        stale = sorted(slow - {item.nodeid for item in items})
+        if stale:
+            raise pytest.UsageError(f"tests/slow_tests.txt names {len(stale)} test(s) that do not exist: {stale[:3]}")
+
+
 _MODULE_FIXTURE = re.compile(r"""scope=["']module["']""")
 
 
