@@ -21,7 +21,7 @@ Tokens (``config.data.tokenizer``, :mod:`lpt.data.tokenizer`): with ``"bytes"`` 
 bytes (vocab 256, uint8 streams) and documents are joined with the separator token 0 (NUL, absent from text) after
 each document: ``doc₀ 0 doc₁ 0 …``. With a tokenizer file each document part is encoded by it and followed by the
 tokenizer's separator id; streams are uint16 when the vocabulary fits, else uint32
-(:func:`lpt.data.cache.encoded_parts`).
+(:func:`lpt.data.documents.encoded_parts`).
 
 The file sources are the registry :data:`_FILE_SOURCES` (name -> :class:`_FileFormat`: the reader, the file names
 that select it in ``python -m lpt.data.prepare``, the default validation split), shared with that tool.
@@ -31,7 +31,7 @@ Split (the ``split`` of the source's :class:`_FileFormat`): ``"tail"`` (embedded
 the next UTF-8 character boundary) goes to the validation stream, the rest to the train stream; deterministic,
 disjoint, exact in proportion, and it works for a single large file as well as for many small ones. ``"docs"``
 (jsonl, parquet: many small documents): whole documents go to validation, those whose content hash falls below the
-fraction (:func:`lpt.data.cache.holds_out`): held-out text is never trained on, and identical documents share a
+fraction (:func:`lpt.data.documents.holds_out`): held-out text is never trained on, and identical documents share a
 split.
 
 The embedded corpus lives in memory; file sources are streamed once into an on-disk cache and memory-mapped
@@ -50,8 +50,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lpt.data import cache, prepared, records
-from lpt.data.cache import SPLITS, Corpus
+from lpt.data import cache, documents, prepared, records
+from lpt.data.cache import Corpus
+from lpt.data.documents import SPLITS
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
 SEPARATOR = 0
@@ -213,7 +214,7 @@ def _check(streams: dict, source: str, paths) -> None:
 def _embedded_streams(validation_fraction: float) -> Corpus:
     parts = {"train": [], "validation": []}
     for _, doc in _embedded_documents():
-        train, val = cache.split_document(doc, validation_fraction)
+        train, val = documents.split_document(doc, validation_fraction)
         for split, part in (("train", train), ("validation", val)):
             if part:
                 parts[split].append(part)
@@ -231,7 +232,7 @@ def _embedded_tokens(validation_fraction: float, tokenizer: str, identity: str) 
     counters = {s: cache.TokenCounter(tok, dtype) for s in SPLITS}
     parts = {s: [] for s in SPLITS}
     for name, doc in _embedded_documents():
-        for split, ids, nbytes in cache.encoded_parts(tok, doc, validation_fraction, name):
+        for split, ids, nbytes in documents.encoded_parts(tok, doc, validation_fraction, name):
             parts[split].append(counters[split].add(ids, nbytes))
     streams = {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, dtype) for s in SPLITS}
     for s in streams.values():

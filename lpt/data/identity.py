@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from lpt.data import cache, corpus, prepared
+from lpt.data import cache, corpus, documents, prepared
 from lpt.data.pipeline import DataConfig, _corpus, data_options
 from lpt.data.tokenizer import load_tokenizer
 
@@ -47,7 +47,7 @@ def _file_identity(source: str, paths: str, validation_fraction: float, cache_di
     root = corpus.glob_root(paths)
     return {
         "files": {os.path.relpath(p, root): {"size": size, "digest": d} for p, size, d in meta["inputs"]},
-        "streams": {s: {"tokens": int(meta["tokens"][s]), "digest": meta["full_digest"][s]} for s in cache.SPLITS},
+        "streams": {s: {"tokens": int(meta["tokens"][s]), "digest": meta["full_digest"][s]} for s in documents.SPLITS},
     }
 
 
@@ -60,7 +60,9 @@ def _embedded_identity(streams: dict) -> dict:
     size = sum(len(doc) for _, doc in docs)
     return {
         "files": {"pydoc_data.topics": {"size": size, "digest": h.hexdigest()}},
-        "streams": {s: {"tokens": int(streams[s].size), "digest": cache.full_digest(streams[s])} for s in cache.SPLITS},
+        "streams": {
+            s: {"tokens": int(streams[s].size), "digest": cache.full_digest(streams[s])} for s in documents.SPLITS
+        },
     }
 
 
@@ -70,7 +72,7 @@ def _prepared_identity(directory: str) -> dict:
     root = os.path.commonpath([os.path.dirname(p) for p, _, _ in inputs]) if inputs else ""
     finished = [manifest["finished"][str(s["index"])] for s in manifest["shards"]]
     streams = {}
-    for s in cache.SPLITS:
+    for s in documents.SPLITS:
         digests = [f.get("digest", {}).get(s) for f in finished]
         if all(digests):
             h = hashlib.blake2b(digest_size=16)
@@ -142,7 +144,7 @@ def corpus_changes(saved: dict, current: dict) -> list[str]:
             out.append(f"{name}: size {a['size']} -> {b['size']}")
         elif a["digest"] != b["digest"]:
             out.append(f"{name}: content changed (same size)")
-    for split in cache.SPLITS:
+    for split in documents.SPLITS:
         a, b = saved["streams"][split], current["streams"][split]
         if a["tokens"] != b["tokens"]:
             out.append(f"{split} tokens {a['tokens']} -> {b['tokens']}")

@@ -18,13 +18,13 @@ More than ``--max-bad-records`` (default 1000) stops prepare with a one-line err
 
 Validation hold-out (``--validation-split``, recorded in the manifest): ``tail`` holds out the last
 ``--validation-fraction`` of every document, the default for text and arrayrecord (few, large documents); ``docs``
-holds out whole documents, those whose content hash falls below the fraction (:func:`lpt.data.cache.holds_out`:
+holds out whole documents, those whose content hash falls below the fraction (:func:`lpt.data.documents.holds_out`:
 about that share of the documents, identical documents in the same split, independent of the shard plan), the
 default for jsonl and parquet (many documents).
 
 The input files (sorted, ``**`` recursive) are grouped in order into shards of about ``--shard-mb`` MiB of input
 (a larger file is a shard of its own). Each shard is tokenized by one worker process (``--workers``) exactly as the
-on-the-fly path does (:func:`lpt.data.cache.encoded_parts`) and written to
+on-the-fly path does (:func:`lpt.data.documents.encoded_parts`) and written to
 ``DIR/{train,validation}-iiiii.array_record`` in records of ``--record-tokens`` ids, with the shard's per-id counts
 in ``DIR/counts-iiiii.npy`` and, at the end, their sum in ``DIR/counts.npy`` (layout: :mod:`lpt.data.prepared`).
 The trainer reads the result with ``config.data.source="prepared"``, ``config.data.paths=DIR`` and the same
@@ -61,7 +61,7 @@ import time
 import numpy as np
 
 from lpt import filelock
-from lpt.data import cache, corpus, prepared, records
+from lpt.data import cache, corpus, documents, prepared, records
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
 SOURCES = tuple(corpus._FILE_SOURCES)  # the file formats, shared with the trainer's on-the-fly path
@@ -143,19 +143,19 @@ def tokenize_shard(task: dict) -> dict:
     tok = _TOKENIZERS.setdefault(task["tokenizer"], load_tokenizer(task["tokenizer"]))
     dtype = token_dtype(tok.vocab_size)
     out, index = task["out"], task["index"]
-    counters = {s: cache.TokenCounter(tok, dtype) for s in cache.SPLITS}
+    counters = {s: cache.TokenCounter(tok, dtype) for s in documents.SPLITS}
     writers = {
         s: _RecordWriter(os.path.join(out, prepared.shard_file(s, index)), dtype, task["record_tokens"])
-        for s in cache.SPLITS
+        for s in documents.SPLITS
     }
-    documents, split_documents = 0, dict.fromkeys(cache.SPLITS, 0)
+    n_documents, split_documents = 0, dict.fromkeys(documents.SPLITS, 0)
     bad = records.BadRecords(task["max_bad_records"], _report, "--max-bad-records")
     fraction, how = task["validation_fraction"], task["validation_split"]
     try:
         for name, doc in _documents(task, bad):
-            documents += 1
+            n_documents += 1
             seen = set()
-            for split, ids, nbytes in cache.encoded_parts(tok, doc, fraction, name, how):
+            for split, ids, nbytes in documents.encoded_parts(tok, doc, fraction, name, how):
                 writers[split].add(counters[split].add(ids, nbytes))
                 if len(ids):  # the bytes tokenizer hands over an empty part as one empty piece
                     seen.add(split)
@@ -167,15 +167,15 @@ def tokenize_shard(task: dict) -> dict:
             os.remove(w.tmp)
         raise
     counts_path = os.path.join(out, prepared.counts_file(index))
-    np.save(counts_path + ".tmp.npy", np.stack([counters[s].counts for s in cache.SPLITS]))
+    np.save(counts_path + ".tmp.npy", np.stack([counters[s].counts for s in documents.SPLITS]))
     os.replace(counts_path + ".tmp.npy", counts_path)
     for w in writers.values():
         w.close()
     return {
         "index": index,
-        "tokens": {s: counters[s].tokens for s in cache.SPLITS},
-        "bytes": {s: counters[s].text_bytes for s in cache.SPLITS},
-        "documents": documents,
+        "tokens": {s: counters[s].tokens for s in documents.SPLITS},
+        "bytes": {s: counters[s].text_bytes for s in documents.SPLITS},
+        "documents": n_documents,
         "split_documents": split_documents,
         "bad_records": bad.count,
         "bad_examples": bad.examples,
@@ -225,7 +225,7 @@ def _check_rerun(out: str, old: dict, new: dict) -> None:
 
 LOCK = "prepare.lock"  # held (flock) by the one prepare writing into a directory; removed when it ends
 _WRITTEN = (prepared.MANIFEST, prepared.TOTAL_COUNTS, prepared.counts_file(0), LOCK) + tuple(
-    prepared.shard_file(s, 0) for s in cache.SPLITS
+    prepared.shard_file(s, 0) for s in documents.SPLITS
 )  # the names prepare writes into --out (shard 0 for each shard)
 
 
@@ -332,7 +332,7 @@ def prepare(
       text_field: the field of a jsonl / parquet record that holds the text; not for the other formats. None:
         ``"text"``.
       validation_fraction: share held out for validation, in (0, 1).
-      validation_split: ``"tail"`` or ``"docs"`` (:data:`lpt.data.cache.VALIDATION_SPLITS`); None: the format's.
+      validation_split: ``"tail"`` or ``"docs"`` (:data:`lpt.data.documents.VALIDATION_SPLITS`); None: the format's.
       max_bad_records: bad records skipped over all shards (an int >= 0) before it stops with a ValueError.
       workers: tokenizing processes, >= 1.
       shard_mb: input MiB per shard, > 0 (a larger file is a shard of its own).
@@ -341,9 +341,9 @@ def prepare(
     """
     if source is not None and source not in SOURCES:
         raise ValueError(f"--source {source!r} is not supported; allowed: {list(SOURCES)}")
-    if validation_split is not None and validation_split not in cache.VALIDATION_SPLITS:
+    if validation_split is not None and validation_split not in documents.VALIDATION_SPLITS:
         raise ValueError(
-            f"--validation-split {validation_split!r} is not supported; allowed: {list(cache.VALIDATION_SPLITS)}"
+            f"--validation-split {validation_split!r} is not supported; allowed: {list(documents.VALIDATION_SPLITS)}"
         )
     if text_field is not None and (not isinstance(text_field, str) or not text_field):
         raise ValueError(f"--text-field {text_field!r} must be a non-empty field name")
@@ -413,7 +413,7 @@ def _prepare_locked(
             for k, v in old["finished"].items()
             if all(
                 os.path.exists(os.path.join(out, f))
-                for f in (*(prepared.shard_file(s, int(k)) for s in cache.SPLITS), prepared.counts_file(int(k)))
+                for f in (*(prepared.shard_file(s, int(k)) for s in documents.SPLITS), prepared.counts_file(int(k)))
             )
         }
     for f in os.listdir(out):  # files an interrupted run left half-written
@@ -456,13 +456,13 @@ def _prepare_locked(
         bar.close()
     _check_bad_records(manifest, max_bad_records)  # counts every shard in the manifest, resumed ones included
     for key in ("tokens", "bytes"):
-        manifest[key] = {s: sum(f[key][s] for f in manifest["finished"].values()) for s in cache.SPLITS}
+        manifest[key] = {s: sum(f[key][s] for f in manifest["finished"].values()) for s in documents.SPLITS}
     finished = manifest["finished"].values()
     manifest["documents"] = sum(f["documents"] for f in finished)
     per_split = [f.get("split_documents", {}) for f in finished]
-    manifest["split_documents"] = {s: sum(d.get(s, 0) for d in per_split) for s in cache.SPLITS}
+    manifest["split_documents"] = {s: sum(d.get(s, 0) for d in per_split) for s in documents.SPLITS}
     manifest["bad_records"] = sum(f.get("bad_records", 0) for f in finished)
-    total = np.zeros((len(cache.SPLITS), tok.vocab_size), np.int64)
+    total = np.zeros((len(documents.SPLITS), tok.vocab_size), np.int64)
     for s in manifest["shards"]:
         total += np.load(os.path.join(out, prepared.counts_file(s["index"])))
     np.save(os.path.join(out, prepared.TOTAL_COUNTS + ".tmp.npy"), total)
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--validation-split",
         default=None,
-        choices=cache.VALIDATION_SPLITS,
+        choices=documents.VALIDATION_SPLITS,
         help="tail: the end of every document; docs: whole documents, by content hash (default: docs for jsonl and "
         "parquet, tail for text and arrayrecord)",
     )

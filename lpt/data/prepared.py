@@ -30,7 +30,8 @@ import threading
 
 import numpy as np
 
-from lpt.data.cache import SPLITS, Corpus
+from lpt.data.cache import Corpus
+from lpt.data.documents import SPLITS
 
 MANIFEST = "manifest.json"
 TOTAL_COUNTS = "counts.npy"

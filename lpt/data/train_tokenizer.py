@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from lpt.data import cache, corpus
+from lpt.data import corpus, documents
 
 _END_OF_TEXT = "<|endoftext|>"
 
@@ -30,7 +30,7 @@ def _train_texts(files: list[str] | None, validation_fraction: float) -> Iterato
     else:
         docs = ((f, f) for f in files)  # paths: read in line-aligned pieces
     for name, doc in docs:
-        train, _ = cache.text_parts(doc, validation_fraction)
+        train, _ = documents.text_parts(doc, validation_fraction)
         for piece in train:
             try:
                 yield piece.decode("utf-8")

@@ -27,7 +27,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lpt.data import cache
+from lpt.data import documents
 from lpt.data.train_tokenizer import train_tokenizer
 from lpt.lab import runs
 from lpt.train import config as config_lib
@@ -122,7 +122,7 @@ def _build_corpus(directory: Path, max_bytes: int, vocab: int) -> dict:
                 continue
             out.write(json.dumps({"text": text}) + "\n")
             docs, total = docs + 1, total + len(text.encode("utf-8"))
-            if not cache.holds_out(text.encode("utf-8"), _VALIDATION_FRACTION):  # str -> UTF-8, as the reader does
+            if not documents.holds_out(text.encode("utf-8"), _VALIDATION_FRACTION):  # str -> UTF-8, as the reader does
                 train_text.append(text)
     tok_input = directory / "tokenizer_train.txt"  # the training documents only: validation text is never seen
     tok_input.write_text("\n\n".join(train_text), encoding="utf-8")

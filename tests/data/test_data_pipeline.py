@@ -9,6 +9,7 @@ import pytest
 
 import lpt.data as D
 from lpt.data import cache as data_cache
+from lpt.data import documents as data_documents
 from lpt.data import corpus
 
 CFG = {"source": "embedded", "validation_fraction": 0.1, "shuffle_seed": 0}
@@ -137,7 +138,7 @@ def test_clear_errors(tmp_path):
 
 
 def test_text_files_by_glob_through_the_disk_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(data_cache, "CHUNK_BYTES", 7)  # files are copied in 7-byte pieces: exercise the seams
+    monkeypatch.setattr(data_documents, "CHUNK_BYTES", 7)  # files are copied in 7-byte pieces: exercise the seams
     (tmp_path / "sub").mkdir()
     docs = {"a.txt": b"alpha " * 200, "sub/b.txt": b"beta " * 300, "c.md": b"not matched"}
     for name, text in docs.items():

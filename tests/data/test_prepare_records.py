@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lpt.data as D
-from lpt.data import cache, prepare, prepared
+from lpt.data import documents, prepare, prepared
 
 N = 120
 
@@ -61,7 +61,7 @@ def _expected(tok, texts, split="docs", fraction=0.1):
     """The train / validation streams of ``texts`` tokenized directly, one document each."""
     out = {"train": [], "validation": []}
     for t in texts:
-        held = cache.holds_out(t.encode(), fraction) if split == "docs" else None
+        held = documents.holds_out(t.encode(), fraction) if split == "docs" else None
         for s in ("train", "validation"):
             if (s == "validation") == held:
                 out[s] += [*tok.encode(t), tok.separator]
@@ -78,7 +78,7 @@ def test_each_record_is_one_document_of_its_text_alone(bpe512, tmp_path, name):
     assert m["documents"] == N and m["bad_records"] == 0 and m["validation_split"] == "docs"
     own = sum(len(tok.encode(t)) + 1 for t in texts)  # the texts' own tokens and one separator each
     assert sum(m["tokens"].values()) == own
-    held = {t for t in texts if cache.holds_out(t.encode(), 0.1)}
+    held = {t for t in texts if documents.holds_out(t.encode(), 0.1)}
     assert m["bytes"]["validation"] == sum(len(t.encode()) + 1 for t in held)  # UTF-8 text + 1 per separator
     assert m["bytes"]["train"] == sum(len(t.encode()) + 1 for t in texts if t not in held)
     got, want = _streams(tmp_path / "prep", bpe512), _expected(tok, texts)
@@ -96,12 +96,12 @@ def test_bytes_tokenizer_and_the_config_source(tmp_path):
     cfg = {"source": "jsonl", "paths": glob, "cache_dir": str(tmp_path / "cache"), "validation_fraction": 0.2}
     s = D.load_corpus("jsonl", glob, 0.2, cfg["cache_dir"]).streams
     for split in ("train", "validation"):
-        held = [t for t in texts if (split == "validation") == cache.holds_out(t.encode(), 0.2)]
+        held = [t for t in texts if (split == "validation") == documents.holds_out(t.encode(), 0.2)]
         assert s[split].tobytes() == b"".join(t.encode() + b"\0" for t in held)
     batch = D.make_eval_batches(cfg, seq_len=16, batch=2, num_batches=1)[0]
     assert batch["inputs"].shape == (2, 16)
     m = _run("bytes", glob, tmp_path / "prep", validation_fraction=0.2)
-    held = sum(cache.holds_out(t.encode(), 0.2) for t in texts)
+    held = sum(documents.holds_out(t.encode(), 0.2) for t in texts)
     assert m["split_documents"] == {"train": 40 - held, "validation": held} and 0 < held < 40
     pre = D.load_corpus("prepared", str(tmp_path / "prep"), 0.2).streams
     assert {k: v[0 : v.size].tobytes() for k, v in pre.items()} == {k: v.tobytes() for k, v in s.items()}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lpt.data as D
-from lpt.data import cache as data_cache
+from lpt.data import documents as data_documents
 from lpt.data import train_tokenizer
 
 TEXT = "Grüße, 世界! def f(x):\n    return x ** 2  # 🙂\n\n"
@@ -135,20 +135,20 @@ def test_file_sources_with_a_tokenizer_and_the_cache_key(bpe512, tmp_path, monke
 
 
 def test_long_documents_are_encoded_in_line_pieces(bpe512, tmp_path, monkeypatch):
-    monkeypatch.setattr(data_cache, "CHUNK_BYTES", 7)  # files are read in 7-byte chunks
-    monkeypatch.setattr(data_cache, "PIECE_BYTES", 40)  # and tokenized in pieces of <= 40 bytes
+    monkeypatch.setattr(data_documents, "CHUNK_BYTES", 7)  # files are read in 7-byte chunks
+    monkeypatch.setattr(data_documents, "PIECE_BYTES", 40)  # and tokenized in pieces of <= 40 bytes
     text = ("Grüße aus 世界, line %d\n" * 30 % tuple(range(30))) + "ä" * 60  # the tail has no line break
     raw = text.encode()
-    pieces = list(data_cache._line_pieces([raw], 40))
+    pieces = list(data_documents._line_pieces([raw], 40))
     assert b"".join(pieces) == raw and max(map(len, pieces)) <= 40
     assert all(p.endswith(b"\n") for p in pieces[:-3]) and all(p.decode() for p in pieces)
-    assert list(data_cache._line_pieces([raw[i : i + 5] for i in range(0, len(raw), 5)], 40)) == pieces
+    assert list(data_documents._line_pieces([raw[i : i + 5] for i in range(0, len(raw), 5)], 40)) == pieces
     (tmp_path / "big.txt").write_bytes(raw)
     tok = D.load_tokenizer(bpe512)
     s = D.load_corpus("text", str(tmp_path / "*.txt"), 0.1, str(tmp_path / "cache"), tokenizer=bpe512).streams
     train, val = _char_split(raw, 0.1)
     assert tok.decode(s["train"]) == train + "<|endoftext|>" and tok.decode(s["validation"]) == val + "<|endoftext|>"
-    pieces = list(data_cache._line_pieces([train.encode()], 40))
+    pieces = list(data_documents._line_pieces([train.encode()], 40))
     assert len(pieces) > 10 and s["train"].size == sum(len(tok.encode(p.decode())) for p in pieces) + 1
 
 
