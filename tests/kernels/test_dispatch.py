@@ -67,7 +67,7 @@ def test_shard_map_is_the_function_itself_without_a_multi_device_mesh():
 
 def test_training_on_a_cpu_never_imports_the_triton_backend(tmp_path):
     """Pallas' Triton backend (deprecated since jax 0.11) is imported only by a trace of a Triton kernel: importing
-    lpt and training ``tiny_cpu_bf16_kahan`` with the Pallas attention and update kernels leave it unloaded (under
+    lpt and training ``tiny_cpu_bf16_kahan`` (one layer, 2 steps) with the Pallas attention and update kernels leave it unloaded (under
     the trainer's mesh of CPU devices only the interpreted kernels are traced). It would be loaded if dispatch
     imported it at its top, or traced every platform's kernel."""
     import subprocess
@@ -76,7 +76,8 @@ def test_training_on_a_cpu_never_imports_the_triton_backend(tmp_path):
     script = (
         "import sys; from lpt.train import config, loop; "
         "cfg = config.apply_overrides(config.load_config_file('tiny_cpu_bf16_kahan'), {'train.steps': '2', "
-        "'train.eval_every': '2', 'precision.attention.impl': 'pallas', 'precision.update_impl': 'pallas'}); "
+        "'train.eval_every': '2', 'train.eval_batches': '1', 'train.global_batch': '8', 'model.n_layers': '1', "
+        "'precision.attention.impl': 'pallas', 'precision.update_impl': 'pallas'}); "
         "loop.train(cfg, sys.argv[1]); "
         "print(sorted(m for m in sys.modules if m.startswith('jax.experimental.pallas.triton')))"
     )
