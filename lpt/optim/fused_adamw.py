@@ -270,9 +270,9 @@ def kahan_adamw(
             mdt, cdt = mdt_of(p.dtype), cdt_of(p.dtype)
             if impl == "pallas" and needs_rounding(p.dtype):
                 _check_pallas_leaf(name, p, mdt, cdt)
-                delta, (new_mv, scl), new_c, u = _pallas_leaf(
-                    g, p, c, (mv, scl), sc, leaf_keys, hp, mdt, stochastic=stochastic, interpret=interpret, spec=spec
-                )
+                moments8 = (mdt.m_format, mdt.v_format, mdt.v_sqrt) if isinstance(mdt, M8.Moment8) else None
+                options = K.StepOptions(**hp, stochastic=stochastic, moments8=moments8, interpret=interpret)
+                delta, (new_mv, scl), new_c, u = _pallas_leaf(g, p, c, (mv, scl), sc, leaf_keys, options, mdt, spec)
             else:
                 delta, (new_mv, scl), new_c, u, dep = _xla_leaf(
                     g, p, c, (mv, scl), sc, leaf_keys, hp, mdt, cdt, dep, stochastic, sequential_leaves
@@ -330,7 +330,7 @@ def _check_pallas_leaf(name, p, mdt, cdt) -> None:
         )
 
 
-def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: bool, interpret, spec):
+def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, options: K.StepOptions, mdt, spec):
     """One bf16 leaf through the fused kernel: ``(update, (moments', scales'), compensation', intended update
     thunk)``; ``mv`` is ``(moments, scales)`` (scales None for 16-bit moments)."""
 
@@ -338,11 +338,9 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
     eight = isinstance(mdt, M8.Moment8)
     if eight:  # m's and v's key words: the bits M8.store draws with keys (km, kv)
         words = jnp.concatenate([key_words(keys[0])[:2], key_words(keys[1])[:2]])
-        extra = dict(scales=scl, moments8=(mdt.m_format, mdt.v_format, mdt.v_sqrt))
     else:  # one hash word per element for both moments (K.round_moments)
-        words, extra = key_words(keys[0]), {}
+        words = key_words(keys[0])
     scalars = jnp.stack([sc.inv_c1, sc.inv_c2, sc.neg_lr, lax.bitcast_convert_type(sc.zero, jnp.float32)])
-    kw = dict(stochastic=stochastic, interpret=interpret, **hp)
     mesh = kernel_mesh(None)
     if mesh is not None and mesh.size > 1 and sharding.explicit(mesh):
         # typed shardings: the leaf's own split (unless param_specs names one), its gradient and state laid out like it
@@ -351,7 +349,7 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
         spec = jax.sharding.PartitionSpec(*getattr(spec, "spec", spec))
         if eight:  # the scales split like the param (checked: a shard holds whole blocks)
             sharded.check_whole_blocks(p.shape, spec, mesh)
-            extra["scales"] = jax.sharding.reshard(scl, spec)
+            scl = jax.sharding.reshard(scl, spec)
         g, p, c, mv = (jax.sharding.reshard(x, spec) for x in (g, p, c, mv))
     if spec is None:
         if mesh is not None and mesh.size > 1 and kernel_platform(mesh) == "tpu":
@@ -360,9 +358,9 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
                 "their PartitionSpecs or NamedShardings) or Explicit mesh axes: XLA:TPU cannot run the "
                 "custom_partitioning call that finds each leaf's split otherwise"
             )
-        out = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, **kw, **extra)
+        out = sharded.adamw_kahan_partitioned(g, p, c, mv, scalars, words, scl, options=options)
     else:
-        out = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, spec=spec, **kw, **extra)
+        out = sharded.adamw_kahan_on_shards(g, p, c, mv, scalars, words, scl, options=options, spec=spec)
     new_p, new_c, new_mv = out[:3]
     new_scl = out[3] if eight else None
     p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
@@ -371,10 +369,11 @@ def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, *, stochastic: 
     def intended():
         if eight:
             mq, vq = M8.load(mdt, *M8.unpack_codes(new_mv), new_scl)
-            vq = K.v_floor(mq, vq, b1=hp["b1"], b2=hp["b2"])
+            vq = K.v_floor(mq, vq, b1=options.b1, b2=options.b2)
         else:
             mq, vq = K.unpack_bf16_pair(new_mv)
-        return sc.neg_lr * K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **_direction_hp(hp))
+        dhp = dict(eps=options.eps, weight_decay=options.weight_decay)
+        return sc.neg_lr * K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **dhp)
 
     return delta, (new_mv, new_scl), new_c, intended
 
@@ -414,7 +413,8 @@ def _xla_leaf(g, p, c, mv, sc: _Scalars, keys, hp: dict, mdt, cdt, dep, stochast
         u = intended()  # f32 (as the chain's update)
         return u, mv_new, c, lambda: u, dep
     c32 = c.astype(jnp.float32)  # compensation dtype -> f32 (exact)
-    t = K.kahan_target(mq, vq, p32, c32, sc.inv_c1, sc.inv_c2, sc.neg_lr, sc.zero, **dhp) / _runtime_one(p32, dep)
+    direction = K.adamw_direction(mq, vq, p32, sc.inv_c1, sc.inv_c2, sc.zero, **dhp)
+    t = K.kahan_target(direction, p32, c32, sc.neg_lr, sc.zero) / _runtime_one(p32, dep)
     s32, c_new32 = K.kahan_round(t, p.dtype, cdt)
     if sequential and c_new32.size:  # next leaf's t waits for this c': t's buffer is reused
         dep = lax.bitcast_convert_type(c_new32.reshape(-1)[0], jnp.uint32)  # f32 -> u32 bits

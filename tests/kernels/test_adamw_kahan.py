@@ -13,6 +13,7 @@ import pytest
 from lowering import lowering
 
 import lpt.optim as O
+from lpt.kernels.adamw_kahan import StepOptions
 from lpt.kernels.adamw_kahan.kernel import adamw_kahan
 from lpt.kernels.adamw_kahan.math import adamw_kahan_reference
 
@@ -33,8 +34,9 @@ def test_interpret_matches_xla_twin(stochastic):
     g, p, c, mv = _leaf((37, 129), seed=0)  # 4773 elements: 3 blocks of 16 x 128, the last one padded
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([1, 2], jnp.uint32)
-    kernel = jax.jit(functools.partial(adamw_kahan, **HP, stochastic=stochastic, block_rows=16, interpret=True))
-    ref = jax.jit(functools.partial(adamw_kahan_reference, **HP, stochastic=stochastic))
+    options = StepOptions(**HP, stochastic=stochastic, block_rows=16, interpret=True)
+    kernel = jax.jit(functools.partial(adamw_kahan, options=options))
+    ref = jax.jit(functools.partial(adamw_kahan_reference, options=options))
     # the twin's stochastic rounding is lpt.numerics.round_stochastic on the whole leaf: the kernel must draw the
     # same hash bits from each block's global indices
     for out, expect in zip(kernel(g, p, c, mv, scalars, words), ref(g, p, c, mv, scalars, words), strict=True):
@@ -74,7 +76,7 @@ def test_kahan_adamw_pallas_interpreted_equals_xla_over_steps():
 def test_lowers_to_the_kernel(platform, marker):
     g, p, c, mv = _leaf((40, 300), seed=2)
     scalars, words = jnp.ones(4, jnp.float32), jnp.arange(2, dtype=jnp.uint32)
-    f = functools.partial(adamw_kahan, **HP, stochastic=True)  # interpret=None: platform_dependent
+    f = functools.partial(adamw_kahan, options=StepOptions(**HP, stochastic=True))  # interpret=None: per platform
     with lowering(platform):
         text = jax.jit(f).trace(g, p, c, mv, scalars, words).lower(lowering_platforms=(platform,)).as_text()
     assert marker in text and "triton" not in text  # an H100: the Mosaic GPU variant
@@ -84,11 +86,11 @@ def test_bad_input():
     g, p, c, mv = _leaf((4, 4), seed=3)
     s, w = jnp.ones(4, jnp.float32), jnp.arange(2, dtype=jnp.uint32)
     with pytest.raises(ValueError, match="interpret must be None"):
-        adamw_kahan(g, p, c, mv, s, w, **HP, stochastic=False, interpret=False)
+        adamw_kahan(g, p, c, mv, s, w, options=StepOptions(**HP, stochastic=False, interpret=False))
     with pytest.raises(ValueError, match="needs bf16 params"):
-        adamw_kahan(g, p.astype(jnp.float16), c, mv, s, w, **HP, stochastic=False)
+        adamw_kahan(g, p.astype(jnp.float16), c, mv, s, w, options=StepOptions(**HP, stochastic=False))
     with pytest.raises(ValueError, match="block_rows must be a power of two"):
-        adamw_kahan(g, p, c, mv, s, w, **HP, stochastic=False, block_rows=24)
+        adamw_kahan(g, p, c, mv, s, w, options=StepOptions(**HP, stochastic=False, block_rows=24))
 
 
 @pytest.mark.parametrize("shape", [(48, 384), (2, 16, 256)], ids=["matrix", "stacked"])
@@ -100,11 +102,12 @@ def test_wide_leaves_run_on_a_2d_grid_and_equal_the_twin(shape, stochastic):
     g, p, c, mv = _leaf(shape, seed=4)
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([5, 6], jnp.uint32)
-    kernel = functools.partial(adamw_kahan, **HP, stochastic=stochastic, block_rows=16, interpret=True)
+    options = StepOptions(**HP, stochastic=stochastic, block_rows=16, interpret=True)
+    kernel = functools.partial(adamw_kahan, options=options)
     (eqn,) = [e for e in jax.make_jaxpr(kernel)(g, p, c, mv, scalars, words).eqns if e.primitive.name == "pallas_call"]
     m = int(np.prod(shape[:-1]))
     assert tuple(eqn.params["grid_mapping"].grid) == (m // 16, shape[-1] // 128)
-    ref = jax.jit(functools.partial(adamw_kahan_reference, **HP, stochastic=stochastic))
+    ref = jax.jit(functools.partial(adamw_kahan_reference, options=options))
     for out, expect in zip(jax.jit(kernel)(g, p, c, mv, scalars, words), ref(g, p, c, mv, scalars, words), strict=True):
         assert out.shape == expect.shape == shape
         np.testing.assert_array_equal(np.asarray(out), np.asarray(expect))

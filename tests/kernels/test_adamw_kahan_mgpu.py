@@ -4,6 +4,7 @@ and pipeline steps, a shard of a leaf; 16-bit moments bit for bit, 8-bit moments
 elements), and compiled deviceless for an H100 as one ``mosaic_gpu_v2`` call whose outputs alias the params,
 compensation and moments; a B200 keeps the Triton kernel."""
 
+import dataclasses
 import functools
 import re
 
@@ -16,6 +17,7 @@ from test_adamw_kahan_8bit import random_state8
 
 from lpt import targets
 from lpt.kernels import dispatch
+from lpt.kernels.adamw_kahan import StepOptions
 from lpt.kernels.adamw_kahan import kernel as kernel_lib
 from lpt.kernels.adamw_kahan import mosaic_gpu as mg
 from lpt.kernels.adamw_kahan.kernel import adamw_kahan
@@ -36,11 +38,16 @@ def _leaf(shape, seed, g_dtype=jnp.float32):
     return g, p, c, mv
 
 
+def _interpreted(fn):
+    """A Mosaic GPU entry point run in the Mosaic GPU interpreter: its ``options`` with ``interpret=True``."""
+    return lambda *args, options, **kw: fn(*args, options=dataclasses.replace(options, interpret=True), **kw)
+
+
 @pytest.fixture
 def interpreted_mgpu(monkeypatch):
     """``adamw_kahan`` with its CUDA choice made on a CPU: the Mosaic GPU variant, run in the Mosaic GPU
     interpreter (everything else of ``adamw_kahan``, the operand preparation, unchanged)."""
-    monkeypatch.setattr(kernel_lib, "adamw_kahan_mgpu", functools.partial(mg.adamw_kahan_mgpu, interpret=True))
+    monkeypatch.setattr(kernel_lib, "adamw_kahan_mgpu", _interpreted(mg.adamw_kahan_mgpu))
 
     def platform_call(build, *args, interpret, mosaic_gpu=False):
         assert mosaic_gpu  # adamw_kahan offers the variant for 16-bit moments
@@ -68,9 +75,9 @@ def _assert_bits_equal(out, ref):
 )
 def test_interpreted_mgpu_step_equals_the_twin_bit_for_bit(interpreted_mgpu, shape, stochastic, g_dtype):
     g, p, c, mv = _leaf(shape, seed=1, g_dtype=g_dtype)
-    hp = dict(HP, stochastic=stochastic)
-    out = jax.jit(functools.partial(adamw_kahan, **hp))(g, p, c, mv, SCALARS, WORDS)
-    _assert_bits_equal(out, adamw_kahan_reference(g, p, c, mv, SCALARS, WORDS, **hp))
+    options = StepOptions(**HP, stochastic=stochastic)
+    out = jax.jit(functools.partial(adamw_kahan, options=options))(g, p, c, mv, SCALARS, WORDS)
+    _assert_bits_equal(out, adamw_kahan_reference(g, p, c, mv, SCALARS, WORDS, options=options))
     assert np.mean(np.asarray(out[0]) != np.asarray(p)) > 0.5  # the step moved most params
 
 
@@ -79,11 +86,11 @@ def test_interpreted_mgpu_shard_hashes_global_indices(interpreted_mgpu):
     the shard's step equals the twin's step on the whole leaf, restricted to those rows; an index map that ignored
     the offset would hash the first half's indices."""
     g, p, c, mv = _leaf((256, 256), seed=2)
-    hp = dict(HP, stochastic=True)
-    whole = adamw_kahan_reference(g, p, c, mv, SCALARS, WORDS, **hp)
+    options = StepOptions(**HP, stochastic=True)
+    whole = adamw_kahan_reference(g, p, c, mv, SCALARS, WORDS, options=options)
     half = slice(128, 256)
     offset = jnp.uint32(128 * 256)
-    step = functools.partial(adamw_kahan, **hp, global_shape=(256, 256))
+    step = lambda *leaf, offset: adamw_kahan(*leaf, options=options, shard=((256, 256), offset))
     out = jax.jit(step)(g[half], p[half], c[half], mv[half], SCALARS, WORDS, offset=offset)
     _assert_bits_equal(out, tuple(x[half] for x in whole))
     assert shard_index_map((128, 256), (256, 256), offset)(jnp.uint32(0)) == 128 * 256
@@ -97,7 +104,7 @@ def _compiled(topology: str, shape=(4096, 1024)):
     one = jax.sharding.SingleDeviceSharding(device)
     shapes = [(shape, jnp.bfloat16)] * 3 + [(shape, jnp.uint32), ((4,), jnp.float32), ((2,), jnp.uint32)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in shapes]
-    step = functools.partial(adamw_kahan, **HP, stochastic=True)
+    step = functools.partial(adamw_kahan, options=StepOptions(**HP, stochastic=True))
     with targets.lowering_for(topology):
         return jax.jit(step, donate_argnums=(1, 2, 3)).lower(*args).compile().as_text()
 
@@ -117,7 +124,7 @@ def test_compiles_as_one_mosaic_gpu_call_updating_in_place():
 def test_mosaic_gpu_serves_hopper_and_triton_the_rest():
     """adamw_kahan lowered for a mesh of H100s runs the Mosaic GPU variant; for B200s (Blackwell) the Triton kernel."""
     g, p, c, mv = _leaf((64, 256), seed=4)
-    step = functools.partial(adamw_kahan, **HP, stochastic=True)
+    step = functools.partial(adamw_kahan, options=StepOptions(**HP, stochastic=True))
     texts = {}
     for topology in ("h100:1x1x1", "b200:1x1x1"):
         try:
@@ -133,7 +140,7 @@ def test_mosaic_gpu_serves_hopper_and_triton_the_rest():
 @pytest.fixture
 def interpreted_mgpu8(monkeypatch):
     """As ``interpreted_mgpu``, for the 8-bit variant."""
-    monkeypatch.setattr(kernel_lib, "adamw_kahan8_mgpu", functools.partial(mg.adamw_kahan8_mgpu, interpret=True))
+    monkeypatch.setattr(kernel_lib, "adamw_kahan8_mgpu", _interpreted(mg.adamw_kahan8_mgpu))
     monkeypatch.setattr(dispatch, "platform_call", lambda build, *args, **_: build("mosaic_gpu")(*args))
 
 
@@ -160,9 +167,9 @@ def test_interpreted_mgpu_8bit_step_equals_the_twin(interpreted_mgpu8, spec, sha
     grid step apart (seen: 1 element of 49,152). The scales agree bit for bit; at most 2^-12 of the elements may
     differ, each by one code step, and p and c only there. A wrong tile, row or scale moves most elements."""
     g, p, c, codes, scales, scalars, words, moments8 = random_state8(shape, spec, seed=2)
-    kw = dict(HP, stochastic=stochastic, scales=scales, moments8=moments8)
-    out = jax.jit(lambda *a: adamw_kahan(*a, **kw))(g, p, c, codes, scalars, words)
-    ref = adamw_kahan_reference(g, p, c, codes, scalars, words, **kw)
+    options = StepOptions(**HP, stochastic=stochastic, moments8=moments8)
+    out = jax.jit(lambda *a: adamw_kahan(*a, scales, options=options))(g, p, c, codes, scalars, words)
+    ref = adamw_kahan_reference(g, p, c, codes, scalars, words, scales, options=options)
     np.testing.assert_array_equal(np.asarray(out[3]).view(np.uint32), np.asarray(ref[3]).view(np.uint32))
     apart = _codes_apart(out[2], ref[2])
     assert apart.max() <= 1 and np.mean(apart > 0) <= 2.0**-12, (apart.max(), np.mean(apart > 0))
@@ -181,9 +188,9 @@ def test_8bit_moments_compile_as_one_mosaic_gpu_call():
     g, p, c, codes, scales, scalars, words, moments8 = random_state8((2048, 1024), sorted(M8.MOMENT8)[0], seed=3)
     one = jax.sharding.SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in (g, p, c, codes, scales, scalars, words)]
-    step = functools.partial(adamw_kahan, **HP, stochastic=True, moments8=moments8)
+    step = functools.partial(adamw_kahan, options=StepOptions(**HP, stochastic=True, moments8=moments8))
     with targets.lowering_for(topology):
-        text = jax.jit(lambda g, p, c, m, s, sc, w: step(g, p, c, m, sc, w, scales=s)).lower(*args).compile().as_text()
+        text = jax.jit(lambda g, p, c, m, s, sc, w: step(g, p, c, m, sc, w, s)).lower(*args).compile().as_text()
     assert re.findall(r'custom_call_target="([^"]+)"', text) == ["mosaic_gpu_v2"] and "lpt_adamw_kahan8" in text
     assert "triton" not in text
 
@@ -191,4 +198,4 @@ def test_8bit_moments_compile_as_one_mosaic_gpu_call():
 def test_rejects_operands_it_cannot_tile():
     g, p, c, mv = _leaf((24, 200), seed=3)
     with pytest.raises(ValueError, match="width a multiple of 128"):
-        mg.adamw_kahan_mgpu(SCALARS, jnp.zeros(3, jnp.uint32), g, p, c, mv, hp=dict(HP, stochastic=False))
+        mg.adamw_kahan_mgpu(SCALARS, jnp.zeros(3, jnp.uint32), g, p, c, mv, options=StepOptions(**HP, stochastic=False))

@@ -14,6 +14,7 @@ import pytest
 
 from lpt import targets
 from lpt.fp8 import blockwise_dot
+from lpt.kernels.adamw_kahan import StepOptions
 from lpt.kernels.adamw_kahan.kernel import adamw_kahan
 from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul
 from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
@@ -63,7 +64,8 @@ def test_hopper_fp8_kernel_compiles_for_h100():
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_adamw_kahan_kernel_compiles_for_a_large_leaf(platform):
     shape = (8192, 8192)  # 64M bf16 params: one MLP matrix of a 7B model
-    step = functools.partial(adamw_kahan, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, stochastic=True)
+    options = StepOptions(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, stochastic=True)
+    step = functools.partial(adamw_kahan, options=options)
     shapes = [(shape, jnp.bfloat16)] * 3 + [(shape, jnp.uint32), ((4,), jnp.float32), ((2,), jnp.uint32)]
     text = _compile(step, shapes, platform)
     assert (KERNEL[platform] if platform == "tpu" else "mosaic_gpu_v2") in text and "triton" not in text

@@ -289,8 +289,9 @@ def test_adamw_kahan_equals_twin(stochastic, shape):
     g, p, c, mv = _leaf(shape, seed=0)
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([1, 2], jnp.uint32)
-    kernel = jax.jit(functools.partial(adamw_kahan, **HP, stochastic=stochastic))(g, p, c, mv, scalars, words)
-    twin = jax.jit(functools.partial(K.adamw_kahan_reference, **HP, stochastic=stochastic))(g, p, c, mv, scalars, words)
+    options = K.StepOptions(**HP, stochastic=stochastic)
+    kernel = jax.jit(functools.partial(adamw_kahan, options=options))(g, p, c, mv, scalars, words)
+    twin = jax.jit(functools.partial(K.adamw_kahan_reference, options=options))(g, p, c, mv, scalars, words)
     for what, a, b in zip(("p", "c", "mv"), kernel, twin, strict=True):
         _bits_equal(a, b, f"adamw_kahan {shape} stochastic={stochastic} {what}")
     assert np.mean(np.asarray(kernel[0]) != np.asarray(p)) > 0.5
@@ -299,9 +300,9 @@ def test_adamw_kahan_equals_twin(stochastic, shape):
 @pytest.mark.parametrize("spec", sorted(M8.MOMENT8))
 def test_adamw_kahan_8bit_triton_equals_twin(spec):
     g, p, c, codes, scales, scalars, words, moments8 = random_state8((512, 2048), spec, seed=2)
-    kw = dict(HP, stochastic=True, scales=scales, moments8=moments8)
-    kernel = jax.jit(lambda *a: adamw_kahan(*a, **kw))(g, p, c, codes, scalars, words)
-    twin = jax.jit(lambda *a: K.adamw_kahan_reference(*a, **kw))(g, p, c, codes, scalars, words)
+    options = K.StepOptions(**HP, stochastic=True, moments8=moments8)
+    kernel = jax.jit(lambda *a: adamw_kahan(*a, scales, options=options))(g, p, c, codes, scalars, words)
+    twin = jax.jit(lambda *a: K.adamw_kahan_reference(*a, scales, options=options))(g, p, c, codes, scalars, words)
     for what, a, b in zip(("p", "c", "codes", "scales"), kernel, twin, strict=True):
         _bits_equal(a, b, f"adamw_kahan 8-bit {spec} {what}")
 

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from lpt import targets
 from lpt.attention import dot_product_attention
 from lpt.fp8 import blockwise_dot
+from lpt.kernels.adamw_kahan import StepOptions
 from lpt.kernels.adamw_kahan.kernel import adamw_kahan
 from lpt.kernels.adamw_kahan.sharded import adamw_kahan_partitioned
 
@@ -342,13 +343,13 @@ def test_fp8_rejects_shards_that_split_a_block():
         jax.eval_shape(lambda x, w: blockwise_dot(x, w, impl="pallas", w_axes=("embed", "mlp"), mesh=mesh), x, w)
 
 
-_ADAM = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, stochastic=True)
+_ADAM = StepOptions(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, stochastic=True)
 
 
 def _kahan_step(partitioned):
     def step(g, p, c, mv, scalars, words):
         run = adamw_kahan_partitioned if partitioned else adamw_kahan  # the control calls the kernel directly
-        return run(g, p, c, mv, scalars, words, **_ADAM)
+        return run(g, p, c, mv, scalars, words, options=_ADAM)
 
     return step
 
@@ -368,7 +369,7 @@ def test_kahan_adamw_shard_kernel_compiles_for_tpu():
 
     def step(g, p, c, mv, scalars, words):
         offset = jnp.uint32(256 * 1024 + 512)
-        return adamw_kahan(g, p, c, mv, scalars, words, global_shape=(512, 1024), offset=offset, **_ADAM)
+        return adamw_kahan(g, p, c, mv, scalars, words, options=_ADAM, shard=((512, 1024), offset))
 
     _compile(step, _kahan_args(mesh, P()), None)
 

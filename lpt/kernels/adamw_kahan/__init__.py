@@ -6,5 +6,10 @@
 * ``mosaic_gpu``: its Mosaic GPU variant (16-bit and 8-bit moments).
 * ``sharded``: the kernel per shard on a mesh (``shard_map``, or a partitioned custom call).
 
-The package imports nothing itself, so ``import lpt.kernels.adamw_kahan.math`` loads no Pallas.
+:class:`StepOptions` (from ``math``) holds a step's compile-time options, which every layer takes as one object. The
+package imports only ``math``, so ``import lpt.kernels.adamw_kahan.math`` loads no Pallas.
 """
+
+from lpt.kernels.adamw_kahan.math import StepOptions
+
+__all__ = ["StepOptions"]

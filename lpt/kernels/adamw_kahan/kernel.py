@@ -16,16 +16,15 @@ index, mapped back to the row-major position on the 2-D grid, or a shard's globa
 the same bits as the XLA path. The platform switch is :mod:`lpt.kernels.dispatch`; per-shard wrappers are in
 :mod:`lpt.kernels.adamw_kahan.sharded`.
 
-8-bit moments (``moments8=(m_format, v_format, v_sqrt)``, :mod:`lpt.optim.moments8`): ``mv`` is the uint16 pair of
-FP8 codes per element and ``scales`` one complex64 per block of 128 along the last axis (m's scale real, v's
+8-bit moments (``StepOptions.moments8 = (m_format, v_format, v_sqrt)``, :mod:`lpt.optim.moments8`): ``mv`` is the uint16
+pair of FP8 codes per element and ``scales`` one complex64 per block of 128 along the last axis (m's scale real, v's
 imaginary). The last axis must be a multiple of 128: a ``(rows, 128)`` tile row is then exactly one block, and the
-kernel requantizes each row from its own amax (:func:`~lpt.kernels.adamw_kahan.math.leaf_math8`). The scales enter
-as two f32 arrays, lane-dense ``(rows / 128, 128)`` on TPU and in the interpreter (:func:`_chunks8`; a ``(rows, 1)``
-f32 array would be tiled (8, 128) in TPU memory, 128 times its size) and ``(rows, 1)`` columns on Triton (the same
-bytes, row-major). Memory traffic: reads g 2, p 2, c 2, codes 2, scales 8/128;
-writes p 2, c 2, codes 2, scales 8/128 = 14.125 bytes/param (18 with 16-bit moments). Stochastic rounding hashes the
-element's global flat index with m's and v's key words (``words`` uint32[4]), one word per moment and element: what
-``round_stochastic`` draws for the blocked leaf.
+kernel requantizes each row from its own amax (:func:`~lpt.kernels.adamw_kahan.math.leaf_math8`). The scales enter as
+two f32 arrays, lane-dense ``(rows / 128, 128)`` on TPU and in the interpreter (:func:`_chunks8`; a ``(rows, 1)`` f32
+array would be tiled (8, 128) in TPU memory, 128 times its size) and ``(rows, 1)`` columns on Triton (the same bytes,
+row-major). Memory traffic: reads g 2, p 2, c 2, codes 2, scales 8/128; writes p 2, c 2, codes 2, scales 8/128 = 14.125
+bytes/param (18 with 16-bit moments). Stochastic rounding hashes the element's global flat index with m's and v's key
+words (``words`` uint32[4]), one word per moment and element: what ``round_stochastic`` draws for the blocked leaf.
 """
 
 from __future__ import annotations
@@ -40,7 +39,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
-from lpt.kernels.adamw_kahan.math import LANES, check_leaf, leaf_math, leaf_math8, shard_index_map
+from lpt.kernels.adamw_kahan.math import (
+    LANES,
+    StepOptions,
+    check_leaf,
+    flat_index,
+    leaf_math,
+    leaf_math8,
+    shard_index_map,
+)
 from lpt.kernels.adamw_kahan.mosaic_gpu import adamw_kahan8_mgpu, adamw_kahan_mgpu
 
 __all__ = ["adamw_kahan"]
@@ -59,17 +66,17 @@ def _grid2d_index_map(m: int, n: int, outer):
     return index_map
 
 
-def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, *refs, block, hp, shapes, chunked, grid2d=None):
+def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, *refs, block, options, shapes, chunked, grid2d=None):
     """One tile. 16-bit moments: ``refs`` = the outputs ``(p, c, mv)``; 8-bit: the scales ``(ms, vs)``, then the
     outputs ``(p, c, codes, ms, vs)``, the scales as ``(rows, 1)`` columns (Triton) or lane-dense ``(rows / 128,
     128)`` rows (Mosaic and the interpreter: see :func:`_chunks8`). ``grid2d`` = ``(m, n)``: the tiles are ``(rows,
     128)`` blocks of an ``(m, n)`` view on a 2-D grid (:func:`_grid2d_index_map`), else of the flattened leaf."""
-    eight_bit = hp.get("moments8") is not None
+    eight_bit = options.moments8 is not None
     scalars = (sc_ref[0], sc_ref[1], sc_ref[2], sc_ref[3])
     nw = 4 if eight_bit else 2  # key words: m's and v's (8-bit) or one key for both moments
     words = tuple(w_ref[i] for i in range(nw))
     index_map = None if shapes is None else shard_index_map(*shapes, w_ref[nw])
-    if not hp["stochastic"]:
+    if not options.stochastic:
         base = None
     elif grid2d is None:
         base = (pl.program_id(0) * block).astype(jnp.uint32)  # int32 -> u32
@@ -79,21 +86,22 @@ def _kernel(sc_ref, w_ref, g_ref, p_ref, c_ref, mv_ref, *refs, block, hp, shapes
         base = col + pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)  # int32 -> u32
         index_map = _grid2d_index_map(m, n, index_map)
     if chunked:
-        ctx = dict(scalars=scalars, words=words, base=base, index_map=index_map, hp=hp)
+        ctx = dict(scalars=scalars, words=words, base=base, index_map=index_map, options=options)
         _chunks8(g_ref, p_ref, c_ref, mv_ref, *refs, **ctx)
         return
     leaf = (g_ref[...], p_ref[...], c_ref[...], mv_ref[...])
+    index = None if base is None else flat_index(p_ref.shape, base, index_map)
     if eight_bit:
         ms_ref, vs_ref, *outs = refs
-        new = leaf_math8(*leaf, ms_ref[...], vs_ref[...], scalars, words, base=base, index_map=index_map, **hp)
+        new = leaf_math8(*leaf, (ms_ref[...], vs_ref[...]), scalars, words, options=options, index=index)
     else:
         outs = refs
-        new = leaf_math(*leaf, scalars, words, base=base, index_map=index_map, **hp)
+        new = leaf_math(*leaf, scalars, words, options=options, index=index)
     for ref, x in zip(outs, new, strict=True):
         ref[...] = x
 
 
-def _chunks8(g_ref, p_ref, c_ref, mv_ref, ms_ref, vs_ref, *outs, scalars, words, base, index_map, hp):
+def _chunks8(g_ref, p_ref, c_ref, mv_ref, ms_ref, vs_ref, *outs, scalars, words, base, index_map, options):
     """8-bit moments with lane-dense scales: scale row ``a`` holds the scales of the tile's rows ``128a ..
     128a + 127``, and the tile is updated in chunks of 128 rows. A chunk's scales become a column by a broadcast and
     a 128 x 128 transpose, and its new scales (a column: the rows' amax) a row the same way: exact data movement,
@@ -104,22 +112,22 @@ def _chunks8(g_ref, p_ref, c_ref, mv_ref, ms_ref, vs_ref, *outs, scalars, words,
         rows = slice(a * LANES, (a + 1) * LANES)
         leaf = tuple(ref[rows, :] for ref in (g_ref, p_ref, c_ref, mv_ref))
         ms, vs = (jnp.transpose(jnp.broadcast_to(ref[a : a + 1, :], square)) for ref in (ms_ref, vs_ref))
-        chunk = None if base is None else base + jnp.uint32(a * LANES * LANES)
-        new = leaf_math8(*leaf, ms, vs, scalars, words, base=chunk, index_map=index_map, **hp)
+        index = None if base is None else flat_index(square, base + jnp.uint32(a * LANES * LANES), index_map)
+        new = leaf_math8(*leaf, (ms, vs), scalars, words, options=options, index=index)
         for ref, x in zip((p_out, c_out, mv_out), new[:3], strict=True):
             ref[rows, :] = x
         for ref, col in zip((ms_out, vs_out), new[3:], strict=True):
             ref[a : a + 1, :] = jnp.transpose(jnp.broadcast_to(col, square))[0:1, :]
 
 
-def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
+def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, options, shapes, mode):
     if mode == "mosaic_gpu" and scales:  # lane-dense scales are [cols, rows] row-major: reshapes are bitcasts
         cols = p2.shape[1] // LANES
         ms, vs = (s.reshape(cols, -1) for s in scales)
-        outs = adamw_kahan8_mgpu(sc, w, g2, p2, c2, mv2, ms, vs, hp=hp, shapes=shapes)
+        outs = adamw_kahan8_mgpu(sc, w, g2, p2, c2, mv2, (ms, vs), options=options, shapes=shapes)
         return (*outs[:3], *(s.reshape(scales[0].shape) for s in outs[3:]))
     if mode == "mosaic_gpu":
-        return adamw_kahan_mgpu(sc, w, g2, p2, c2, mv2, hp=hp, shapes=shapes, block_rows=block_rows)
+        return adamw_kahan_mgpu(sc, w, g2, p2, c2, mv2, options=options, shapes=shapes, block_rows=block_rows)
     rows, n = p2.shape[0], p2.size
     cols = p2.shape[1] // LANES  # > 1: an (m, n) view of the leaf on a 2-D grid (16-bit moments)
     tile = pl.BlockSpec((block_rows, LANES), (lambda i: (i, 0)) if cols == 1 else (lambda i, j: (i, j)))
@@ -142,7 +150,9 @@ def _pallas(sc, w, g2, p2, c2, mv2, *scales, block_rows, hp, shapes, mode):
         scalar_specs = [pl.BlockSpec((4,), lambda *_: (0,)), pl.BlockSpec(w.shape, lambda *_: (0,))]
     chunked = bool(scales) and not columns
     grid2d = None if cols == 1 else p2.shape
-    kernel = functools.partial(_kernel, block=block_rows * LANES, hp=hp, shapes=shapes, chunked=chunked, grid2d=grid2d)
+    kernel = functools.partial(
+        _kernel, block=block_rows * LANES, options=options, shapes=shapes, chunked=chunked, grid2d=grid2d
+    )
     leaf_out = [jax.ShapeDtypeStruct(p2.shape, jnp.bfloat16), jax.ShapeDtypeStruct(c2.shape, jnp.bfloat16)]
     leaf_out.append(jax.ShapeDtypeStruct(mv2.shape, mv2.dtype))
     scale_out = [jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in scales]
@@ -179,62 +189,40 @@ _TPU_BLOCK_ROWS_8BIT = 1024  # 8-bit moments: 128K elements, whose scales are on
 _TRITON_BLOCK_ROWS = 16  # 2K elements per program: 16 per thread with 4 warps (a big block would spill registers)
 
 
-def adamw_kahan(
-    g,
-    p,
-    c,
-    mv,
-    scalars,
-    words,
-    *,
-    b1,
-    b2,
-    eps,
-    weight_decay,
-    stochastic,
-    block_rows=None,
-    interpret=None,
-    global_shape=None,
-    offset=None,
-    scales=None,
-    moments8=None,
-):
+def adamw_kahan(g, p, c, mv, scalars, words, scales=None, *, options: StepOptions, shard=None):
     """Pallas kernel: one pass ``(g, p, c, mv) -> (p', c', mv')`` for one leaf of any shape (see module doc); with
     8-bit moments ``(g, p, c, mv, scales) -> (p', c', mv', scales')``.
 
     Args:
       g, p, c, mv: gradient (any float dtype), bf16 param, bf16 compensation, packed bf16 moments (uint32), or
-        with ``moments8`` the two moments' FP8 codes (uint16, m's high: ``lpt.optim.moments8.pack_codes``).
+        with ``options.moments8`` the two moments' FP8 codes (uint16, m's high: ``lpt.optim.moments8.pack_codes``).
       scalars: f32[4] ``(1/c1, 1/c2, -lr, 0)`` (the 0 is :func:`no_fma`'s runtime zero).
       words: uint32[2], the raw key of the moments' stochastic rounding (see :func:`round_moments`); with
-        ``moments8`` uint32[4], m's key words then v's.
-      scales, moments8: 8-bit moments: complex64 ``p.shape[:-1] + (p.shape[-1] // 128,)``, m's and v's scale per
-        block of 128 of the last axis (which must be a multiple of 128), and ``(m_format, v_format, v_sqrt)`` of
-        the ``lpt.optim.moments8.Moment8`` that stores them. None: 16-bit moments.
-      b1, b2, eps, weight_decay: AdamW's hyperparameters (Python numbers: they are compiled into the kernel).
-      stochastic: stochastic moment rounding (True) or round to nearest even (False).
-      block_rows: rows of 128 lanes per program, a power of two >= 16 (shrinks for small leaves). None: per
-        platform, :data:`_TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`_TRITON_BLOCK_ROWS` on CUDA. 8-bit
-        moments on TPU and in the interpreter: at least :data:`_TPU_BLOCK_ROWS_8BIT` (whole (8, 128) scale tiles),
-        or one block of the leaf's rows (at least 128) when it has fewer.
-      interpret: ``True`` runs the Pallas interpreter on every platform; ``None`` picks per platform
-        (:func:`lpt.kernels.dispatch.platform_call`): interpreter on CPU, Mosaic on TPU, and on CUDA Mosaic GPU
-        (:mod:`lpt.kernels.adamw_kahan.mosaic_gpu`) on Hopper, else Triton.
-      global_shape, offset: the arrays are one shard of a leaf of ``global_shape`` whose first element has global
-        flat index ``offset`` (u32 scalar); the stochastic rounding hashes each element's global flat index, so
-        the bits do not depend on the sharding. None: the arrays are the whole leaf.
+        ``options.moments8`` uint32[4], m's key words then v's.
+      scales: 8-bit moments: complex64 ``p.shape[:-1] + (p.shape[-1] // 128,)``, m's and v's scale per block of 128
+        of the last axis (which must be a multiple of 128); None: 16-bit moments.
+      options: the step's :class:`~lpt.kernels.adamw_kahan.math.StepOptions`: the hyperparameters, the moments'
+        rounding and 8-bit formats, compiled into the kernel, and how the kernel runs. ``options.block_rows`` None:
+        per platform, :data:`_TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`_TRITON_BLOCK_ROWS` on CUDA
+        (either shrinks for small leaves); 8-bit moments on TPU and in the interpreter: at least
+        :data:`_TPU_BLOCK_ROWS_8BIT` (whole (8, 128) scale tiles), or one block of the leaf's rows (at least 128)
+        when it has fewer. ``options.interpret`` None picks per platform (:func:`lpt.kernels.dispatch.platform_call`):
+        interpreter on CPU, Mosaic on TPU, and on CUDA Mosaic GPU (:mod:`lpt.kernels.adamw_kahan.mosaic_gpu`) on
+        Hopper, else Triton; True runs the Pallas interpreter on every platform.
+      shard: ``(global_shape, offset)``: the arrays are one shard of a leaf of ``global_shape`` whose first element
+        has global flat index ``offset`` (u32 scalar); the stochastic rounding hashes each element's global flat
+        index, so the bits do not depend on the sharding. None: the arrays are the whole leaf.
     """
-    check_leaf(g, p, c, mv, scalars, words, scales=scales, moments8=moments8)
-    if (global_shape is None) != (offset is None):
-        raise ValueError(f"pass global_shape and offset together, got {global_shape=} and offset={offset!r}")
+    check_leaf(g, p, c, mv, scalars, words, scales, options=options)
+    if shard is not None and len(shard) != 2:
+        raise ValueError(f"shard must be (global_shape, offset) or None, got {shard!r}")
+    global_shape, offset = (None, None) if shard is None else shard
     shapes = None if global_shape is None or tuple(global_shape) == p.shape else (p.shape, tuple(global_shape))
     extra = jnp.zeros((1,), jnp.uint32) if offset is None else jnp.reshape(offset, (1,)).astype(jnp.uint32)  # -> u32
     words = jnp.concatenate([words, extra])  # (k0, k1, offset)
-    if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
-        raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
-    dispatch.check_interpret(interpret)
+    block_rows = options.block_rows
     n = math.prod(p.shape)
-    eight_bit = moments8 is not None
+    eight_bit = options.moments8 is not None
     if n == 0:
         return (p, c, mv, scales) if eight_bit else (p, c, mv)
     rows = -(-n // LANES)
@@ -270,12 +258,9 @@ def adamw_kahan(
     args = (scalars, words, flat(g), flat(p), flat(c), flat(mv))
     if eight_bit:
         args += (lane_dense(jnp.real(scales)), lane_dense(jnp.imag(scales)))  # complex64 -> its two f32 parts
-    hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
-    if eight_bit:
-        hp["moments8"] = tuple(moments8)
     rows_of = lambda mode: small if mode in ("triton", "mosaic_gpu") else big
-    build = lambda mode: functools.partial(_pallas, block_rows=rows_of(mode), hp=hp, shapes=shapes, mode=mode)
-    outs = dispatch.platform_call(build, *args, interpret=interpret, mosaic_gpu=True)
+    build = lambda mode: functools.partial(_pallas, block_rows=rows_of(mode), options=options, shapes=shapes, mode=mode)
+    outs = dispatch.platform_call(build, *args, interpret=options.interpret, mosaic_gpu=True)
     if grid2d:
         leaf = tuple(x.reshape(p.shape) for x in outs[:3])
         if not eight_bit:

@@ -13,6 +13,8 @@ Every product that feeds an add is kept out of FMAs (:func:`no_fma`), and every 
 (:func:`lpt.kernels.sqrt_math.sqrt_rn`: a Mosaic GPU kernel's ``sqrt`` is PTX's approximate one), so that every
 fusion and backend computes the same bits. Both moments of an element travel packed in one ``uint32`` (m's bf16
 bits high, v's low). :func:`adamw_kahan_reference` is the kernel's XLA twin on one leaf (any shape).
+:class:`StepOptions` holds a step's compile-time options, which every layer of the kernel family takes as one
+object.
 
 8-bit moments (:mod:`lpt.optim.moments8`): ``Q_m`` stores each moment as FP8 codes with one f32 scale per block of
 128 consecutive elements of the last axis (:func:`encode_blocks`, :func:`decode_blocks`; :func:`leaf_math8` is the
@@ -23,24 +25,28 @@ and Triton lower: the kernel holds no float8 arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lpt.kernels import dispatch
 from lpt.kernels.fp8_codes_math import check_fp8_format, decode_blocks, encode_blocks, fp8_code, fp8_value, round_fp8
 from lpt.kernels.sqrt_math import sqrt_rn
 from lpt.numerics import hash_bits, round_nearest
 from lpt.numerics.random import hash_index  # hash_bits' keyed hash (Triton cannot lower hash_bits' key handling)
 
 __all__ = [
+    "StepOptions",
     "adamw_direction",
     "adamw_kahan_reference",
     "check_leaf",
     "decode_blocks",
     "encode_blocks",
     "f32",
+    "flat_index",
     "fp8_code",
     "fp8_value",
     "kahan_round",
@@ -60,6 +66,56 @@ __all__ = [
 
 LANES = 128
 _HI = 0xFFFF0000
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The compile-time options of one fused AdamW + Kahan step: what the step computes and how its kernel runs.
+    Every field is a Python value compiled into the kernel, and the object is hashable (the partitioned call's
+    static argument). :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`, the per-shard wrappers, the Mosaic GPU
+    variant and the XLA twin take it; the twin reads only the math fields.
+
+    Args:
+      b1, b2: Adam's decay rates of the first and second moment, Python numbers.
+      eps: Adam's epsilon, a Python number.
+      weight_decay: the decoupled weight decay, a Python number (0 adds no term).
+      stochastic: round the stored moments stochastically (True) or to nearest even (False).
+      moments8: 8-bit moments: ``(m_format, v_format, v_sqrt)`` of the ``lpt.optim.moments8.Moment8`` that stores
+        them (two 8-bit float formats, and whether v is stored as sqrt(v)); None: packed bf16 moments.
+      block_rows: rows of 128 lanes per kernel program, a power of two >= 16; None: per platform (see
+        :func:`~lpt.kernels.adamw_kahan.kernel.adamw_kahan`).
+      interpret: None picks the kernel per platform (:func:`lpt.kernels.dispatch.platform_call`); True runs an
+        interpreter on every platform (the Pallas one; in the Mosaic GPU functions, the Mosaic GPU one).
+
+    A field of the wrong kind or value is a one-line ValueError naming it and what is allowed.
+    """
+
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    stochastic: bool
+    moments8: tuple | None = None
+    block_rows: int | None = None
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        for name in ("b1", "b2", "eps", "weight_decay"):
+            h = getattr(self, name)
+            if isinstance(h, bool) or not isinstance(h, (int, float)):
+                raise ValueError(f"StepOptions: {name} must be a Python number (it is compiled in), got {h!r}")
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"StepOptions: stochastic must be True or False, got {self.stochastic!r}")
+        if self.moments8 is not None:
+            if len(self.moments8) != 3:
+                raise ValueError(f"moments8 must be (m_format, v_format, v_sqrt), got {self.moments8!r}")
+            for fmt in self.moments8[:2]:
+                check_fp8_format(fmt)
+            object.__setattr__(self, "moments8", tuple(self.moments8))  # hashable
+        block_rows = self.block_rows
+        if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
+            raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
+        dispatch.check_interpret(self.interpret)
 
 
 def _bf16_bits_to_f32(x_u32: jax.Array) -> jax.Array:
@@ -141,16 +197,15 @@ def adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, *, eps: float, we
     return a
 
 
-def kahan_target(mq32, vq32, p32, c32, inv_c1, inv_c2, neg_lr, zero_u32, *, eps: float, weight_decay: float):
-    """``t = p + (u − c)`` with the AdamW step ``u = −lr · adamw_direction(...)`` (all f32, no FMA).
+def kahan_target(direction, p32, c32, neg_lr, zero_u32):
+    """``t = p + (u − c)`` with the AdamW step ``u = −lr · direction`` (all f32, no FMA).
 
     Args:
-      mq32, vq32, p32, c32: the stored moments, the param and its compensation, f32 arrays of one shape.
-      inv_c1, inv_c2, neg_lr: f32 scalars ``1/c1``, ``1/c2`` and ``−lr``.
+      direction: :func:`adamw_direction` of the stored moments and the param, f32.
+      p32, c32: the param and its compensation, f32 arrays of the direction's shape.
+      neg_lr: the f32 scalar ``−lr``.
       zero_u32: the runtime zero (:func:`runtime_zero`).
-      eps, weight_decay: as :func:`adamw_direction`.
     """
-    direction = adamw_direction(mq32, vq32, p32, inv_c1, inv_c2, zero_u32, eps=eps, weight_decay=weight_decay)
     u = no_fma(neg_lr * direction, zero_u32)
     return p32 + (u - c32)
 
@@ -174,26 +229,26 @@ def stochastic_bf16(x32, r16):
     return jnp.where(x32 != x32, x32, r)
 
 
-def _moment_bits(shape, key_words, base=None, index_map=None):
+def _moment_bits(shape, key_words, index=None):
     """One uniform u32 per element: :func:`lpt.numerics.hash_bits` of ``(k0, k1)`` and the element's flat index.
 
-    ``base=None``: the whole leaf, via ``hash_bits``. Inside the kernel ``base`` is the flat index of the block's
-    first element and the same mixer runs on ``base + i`` here, because Triton cannot lower ``hash_bits``' key
-    handling (it stacks and indexes the two key words). On a shard of a leaf, ``index_map`` (from
-    :func:`shard_index_map`) maps that local flat index to the leaf's global one."""
+    ``index=None``: the whole leaf, via ``hash_bits``. Inside a kernel ``index`` is each element's flat index in the
+    leaf (:func:`flat_index`) and the same mixer runs on it here, because Triton cannot lower ``hash_bits``' key
+    handling (it stacks and indexes the two key words)."""
     k0, k1 = key_words
-    if base is None:
+    if index is None:
         return hash_bits(jnp.stack([k0, k1]), shape)
-    if jnp.ndim(base):  # the flat index of every element (a kernel that builds it in its own register layout)
-        idx = base
-    else:  # flat (row-major) index of each element, as hash_bits numbers them
-        idx = base + (
-            lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1])
-            + lax.broadcasted_iota(jnp.uint32, shape, 1)
-        )
-    if index_map is not None:
-        idx = index_map(idx)
-    return hash_index(idx, k0, k1)  # = hash_bits((k0, k1), leaf shape)[idx]
+    return hash_index(index, k0, k1)  # = hash_bits((k0, k1), leaf shape)[index]
+
+
+def flat_index(shape, base, index_map=None):
+    """The u32 flat index in the leaf of every element of a 2-D ``shape`` block whose first element has flat index
+    ``base`` (a u32 scalar), counted row-major as ``hash_bits`` numbers them; on a shard of a leaf, ``index_map``
+    (from :func:`shard_index_map`) maps that local flat index to the leaf's global one."""
+    idx = base + (
+        lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1]) + lax.broadcasted_iota(jnp.uint32, shape, 1)
+    )
+    return idx if index_map is None else index_map(idx)
 
 
 def shard_index_map(local_shape, global_shape, offset):
@@ -220,7 +275,7 @@ def shard_index_map(local_shape, global_shape, offset):
     return index_map
 
 
-def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, index_map=None):
+def round_moments(m32, v32, *, stochastic: bool, key_words=None, index=None):
     """Q_m of both moments into bf16, returned as f32: nearest, or stochastic from ONE hash word per element.
 
     Stochastic: the top 16 bits of :func:`_moment_bits` round ``m`` (bit-identical to
@@ -231,14 +286,14 @@ def round_moments(m32, v32, *, stochastic: bool, key_words=None, base=None, inde
     Args:
       m32, v32: the unrounded moments, f32 arrays of one shape.
       stochastic: stochastic rounding (True) or round to nearest even (False).
-      key_words, base, index_map: stochastic only: the raw key ``(k0, k1)`` and where the elements sit in the leaf,
-        as :func:`_moment_bits` takes them.
+      key_words, index: stochastic only: the raw key ``(k0, k1)`` and the elements' flat indices in the leaf
+        (:func:`flat_index`; None: the arrays are the whole leaf).
     """
     if not stochastic:
         return round_nearest(m32, jnp.bfloat16, out_dtype=jnp.float32), round_nearest(
             v32, jnp.bfloat16, out_dtype=jnp.float32
         )
-    rnd = _moment_bits(m32.shape, key_words, base, index_map)
+    rnd = _moment_bits(m32.shape, key_words, index)
     return stochastic_bf16(m32, rnd >> jnp.uint32(16)), stochastic_bf16(v32, rnd & jnp.uint32(0xFFFF))
 
 
@@ -274,110 +329,106 @@ def v_floor(mq32, vq32, *, b1: float, b2: float):
     return jnp.maximum(vq32, r * r)
 
 
-def leaf_math8(g, p, c, codes, ms, vs, scalars, words, *, moments8, stochastic, base=None, index_map=None, **hp):
+def leaf_math8(g, p, c, codes, scales, scalars, words, *, options: StepOptions, index=None):
     """One step with 8-bit moments on ``(rows, 128)`` arrays, one block per row: ``codes`` u16 (m's code high, v's
-    low, as ``lpt.optim.moments8.pack_codes``), ``ms``/``vs`` the rows' f32 scales ``[rows, 1]``, or ``[rows]`` (a
-    Mosaic GPU kernel's row vectors: the new scales come back in the same form). Stochastic
-    rounding: ``m`` from :func:`_moment_bits` of key words ``words[0:2]``, ``v`` of ``words[2:4]``, one word per
-    element each (what ``round_stochastic`` draws for the blocked leaf, whose flat index is the leaf's when its last
-    axis is a multiple of 128). ``hp``: ``b1, b2, eps, weight_decay``. Returns ``(p', c', codes', ms', vs')``.
+    low, as ``lpt.optim.moments8.pack_codes``), ``scales`` the rows' f32 scales of m and v, ``[rows, 1]`` columns or
+    ``[rows]`` (a Mosaic GPU kernel's row vectors: the new scales come back in the same form). Stochastic rounding:
+    ``m`` from :func:`_moment_bits` of key words ``words[0:2]``, ``v`` of ``words[2:4]``, one word per element each
+    (what ``round_stochastic`` draws for the blocked leaf, whose flat index is the leaf's when its last axis is a
+    multiple of 128). Returns ``(p', c', codes', ms', vs')``.
 
     Args:
       g, p, c, codes: the gradient (any float dtype), bf16 param and compensation, and the packed u16 codes, all
         ``(rows, 128)``.
-      ms, vs: m's and v's f32 scales per row, ``[rows, 1]`` or ``[rows]``.
+      scales: ``(ms, vs)``, m's and v's f32 scales per row, ``[rows, 1]`` or ``[rows]``.
       scalars: ``(1/c1, 1/c2, −lr, 0)``, the last the runtime zero as f32 (a scalar, or an array of the leaf's shape).
       words: u32 key words, m's two then v's two.
-      moments8: ``(m_format, v_format, v_sqrt)`` of the Moment8 that stores the moments.
-      stochastic: stochastic moment rounding (True) or nearest (False).
-      base, index_map: where the elements sit in the leaf, as :func:`_moment_bits` takes them.
-      **hp: ``b1, b2, eps, weight_decay``.
+      options: the step's :class:`StepOptions`, with ``moments8``.
+      index: the elements' flat indices in the leaf (:func:`flat_index`); None: the arrays are the whole leaf.
     """
-    m_format, v_format, v_sqrt = moments8
+    m_format, v_format, v_sqrt = options.moments8
+    ms, vs = scales
     inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
     zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
     g32 = g.astype(jnp.float32)  # grad dtype -> f32
     p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
     c32 = c.astype(jnp.float32)  # bf16 -> f32 (exact)
     codes32 = codes.astype(jnp.uint32)  # u16 -> u32
-    m_new, v_new = moment_update(g32, *_load8(codes32, ms, vs, moments8), zero, b1=hp["b1"], b2=hp["b2"])
+    b1, b2 = options.b1, options.b2
+    m_new, v_new = moment_update(g32, *_load8(codes32, ms, vs, options.moments8), zero, b1=b1, b2=b2)
     rnd_m = rnd_v = None
-    if stochastic:
-        rnd_m = _moment_bits(m_new.shape, (words[0], words[1]), base, index_map)
-        rnd_v = _moment_bits(m_new.shape, (words[2], words[3]), base, index_map)
+    if options.stochastic:
+        rnd_m = _moment_bits(m_new.shape, (words[0], words[1]), index)
+        rnd_v = _moment_bits(m_new.shape, (words[2], words[3]), index)
     keep = ms.ndim == g.ndim  # [rows, 1] columns, else [rows] row vectors
     mc, ms_new = encode_blocks(m_new, m_format, rnd_m, keepdims=keep)
     vc, vs_new = encode_blocks(sqrt_rn(v_new) if v_sqrt else v_new, v_format, rnd_v, keepdims=keep)
     packed = (mc << jnp.uint32(8)) | vc
-    mq, vq = _load8(packed, ms_new, vs_new, moments8)  # the stored moments
-    vq = v_floor(mq, vq, b1=hp["b1"], b2=hp["b2"])
-    t = kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, eps=hp["eps"], weight_decay=hp["weight_decay"])
-    s32, c_new32 = kahan_round(t, jnp.bfloat16, jnp.bfloat16)
+    mq, vq = _load8(packed, ms_new, vs_new, options.moments8)  # the stored moments
+    vq = v_floor(mq, vq, b1=b1, b2=b2)
+    direction = adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, eps=options.eps, weight_decay=options.weight_decay)
+    s32, c_new32 = kahan_round(kahan_target(direction, p32, c32, neg_lr, zero), jnp.bfloat16, jnp.bfloat16)
     # f32 -> bf16 casts below are exact: the values are on the bf16 grid; u32 -> u16 keeps the two 8-bit codes
     return s32.astype(jnp.bfloat16), c_new32.astype(jnp.bfloat16), packed.astype(jnp.uint16), ms_new, vs_new
 
 
-def leaf_math(g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, base=None, index_map=None):
+def leaf_math(g, p, c, mv, scalars, words, *, options: StepOptions, index=None):
     """One step on arrays of any (equal) shape; returns ``(p', c', mv')`` in bf16, bf16, u32.
 
     Args:
       g, p, c, mv: the gradient (any float dtype), bf16 param and compensation, and the packed bf16 moments (u32).
       scalars: ``(1/c1, 1/c2, −lr, 0)``, the last the runtime zero as f32 (a scalar, or an array of the leaf's shape).
       words: the moments' raw key ``(k0, k1)`` (u32).
-      b1, b2, eps, weight_decay: AdamW's hyperparameters.
-      stochastic: stochastic moment rounding (True) or nearest (False).
-      base, index_map: where the elements sit in the leaf, as :func:`_moment_bits` takes them.
+      options: the step's :class:`StepOptions` (16-bit moments: no ``moments8``).
+      index: the elements' flat indices in the leaf (:func:`flat_index`); None: the arrays are the whole leaf.
     """
     inv_c1, inv_c2, neg_lr = scalars[0], scalars[1], scalars[2]
     zero = lax.bitcast_convert_type(scalars[3], jnp.uint32)  # f32 0.0 -> u32 0 (runtime: see no_fma)
     g32 = g.astype(jnp.float32)  # grad dtype -> f32
     p32 = p.astype(jnp.float32)  # bf16 -> f32 (exact)
     c32 = c.astype(jnp.float32)  # bf16 -> f32 (exact)
-    m_new, v_new = moment_update(g32, *unpack_bf16_pair(mv), zero, b1=b1, b2=b2)
-    mq, vq = round_moments(
-        m_new, v_new, stochastic=stochastic, key_words=(words[0], words[1]), base=base, index_map=index_map
-    )
-    t = kahan_target(mq, vq, p32, c32, inv_c1, inv_c2, neg_lr, zero, eps=eps, weight_decay=weight_decay)
-    s32, c_new32 = kahan_round(t, jnp.bfloat16, jnp.bfloat16)
+    m_new, v_new = moment_update(g32, *unpack_bf16_pair(mv), zero, b1=options.b1, b2=options.b2)
+    key = (words[0], words[1])
+    mq, vq = round_moments(m_new, v_new, stochastic=options.stochastic, key_words=key, index=index)
+    direction = adamw_direction(mq, vq, p32, inv_c1, inv_c2, zero, eps=options.eps, weight_decay=options.weight_decay)
+    s32, c_new32 = kahan_round(kahan_target(direction, p32, c32, neg_lr, zero), jnp.bfloat16, jnp.bfloat16)
     # f32 -> bf16 casts below are exact: the values are on the bf16 grid
     return s32.astype(jnp.bfloat16), c_new32.astype(jnp.bfloat16), pack_bf16_pair(mq, vq)
 
 
-def _check_moments8(shape, moments8, scales=None, what="adamw_kahan"):
+def _check_moments8(shape, scales=None, what="adamw_kahan"):
     """ValueError unless a leaf of ``shape`` can take 8-bit moments in the kernel: a last axis of whole blocks of
-    128 (one block per tile row), ``moments8`` = ``(m_format, v_format, v_sqrt)`` with 8-bit formats, and
-    ``scales`` (if given) complex64 of shape ``shape[:-1] + (shape[-1] // 128,)``."""
+    128 (one block per tile row), and ``scales`` (if given) complex64 of shape ``shape[:-1] + (shape[-1] // 128,)``
+    (the formats are :class:`StepOptions`' to check)."""
     if not shape or shape[-1] % LANES:
         raise ValueError(
             f"{what} with 8-bit moments needs a last axis that is a multiple of {LANES}, got a leaf of shape "
             f"{tuple(shape)}"
         )
-    if len(moments8) != 3:
-        raise ValueError(f"moments8 must be (m_format, v_format, v_sqrt), got {moments8!r}")
-    for fmt in moments8[:2]:
-        check_fp8_format(fmt)
     blocks = (*shape[:-1], shape[-1] // LANES)
     if scales is not None and (scales.dtype != jnp.complex64 or scales.shape != blocks):
         raise ValueError(f"{what}: scales must be complex64{list(blocks)}, got {scales.dtype}{list(scales.shape)}")
 
 
-def check_leaf(g, p, c, mv, scalars, words, *, scales=None, moments8=None):
+def check_leaf(g, p, c, mv, scalars, words, scales=None, *, options: StepOptions):
     """ValueError (one line, naming the operand) unless the operands fit :func:`adamw_kahan`.
 
     Args:
       g, p, c, mv: the gradient (floating point), bf16 param and compensation, and the moments: packed bf16 (u32)
-        or, with ``moments8``, packed FP8 codes (u16); all of one shape.
+        or, with ``options.moments8``, packed FP8 codes (u16); all of one shape.
       scalars: f32[4].
       words: u32[2] (16-bit moments) or u32[4] (8-bit).
-      scales, moments8: 8-bit moments' complex64 scales and ``(m_format, v_format, v_sqrt)``, together or neither.
+      scales: 8-bit moments' complex64 scales, given exactly when ``options.moments8`` is.
+      options: the step's :class:`StepOptions`.
     """
+    moments8 = options.moments8
     if p.dtype != jnp.bfloat16 or c.dtype != jnp.bfloat16:
         raise ValueError(f"adamw_kahan needs bf16 params and compensation, got {p.dtype} and {c.dtype}")
     if (scales is None) != (moments8 is None):
         raise ValueError(f"pass scales and moments8 together (8-bit moments), got scales={scales!r} and {moments8=}")
     nw = 2 if moments8 is None else 4
     if moments8 is not None:
-        _check_moments8(p.shape, moments8, scales)
+        _check_moments8(p.shape, scales)
         if mv.dtype != jnp.uint16:
             raise ValueError(f"adamw_kahan needs the 8-bit moments' codes packed as uint16, got {mv.dtype}")
     elif mv.dtype != jnp.uint32:
@@ -392,25 +443,21 @@ def check_leaf(g, p, c, mv, scalars, words, *, scales=None, moments8=None):
         raise ValueError(f"words must be uint32[{nw}] (the moments' raw keys), got {words.dtype}{list(words.shape)}")
 
 
-def adamw_kahan_reference(
-    g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, scales=None, moments8=None
-):
+def adamw_kahan_reference(g, p, c, mv, scalars, words, scales=None, *, options: StepOptions):
     """XLA twin of :func:`adamw_kahan`: the same math on the whole leaf, in the same order (8-bit moments: on the
     leaf as ``(rows, 128)``, one block per row).
 
     Args:
-      g, p, c, mv, scalars, words, scales, moments8: as :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
-      b1, b2, eps, weight_decay: AdamW's hyperparameters.
-      stochastic: stochastic moment rounding (True) or nearest (False).
+      g, p, c, mv, scalars, words, scales: as :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
+      options: the step's :class:`StepOptions` (its ``block_rows`` and ``interpret`` are the kernel's: unused here).
     """
-    check_leaf(g, p, c, mv, scalars, words, scales=scales, moments8=moments8)
-    hp = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic)
-    if moments8 is None:
-        return leaf_math(g, p, c, mv, scalars, words, **hp)
+    check_leaf(g, p, c, mv, scalars, words, scales, options=options)
+    if options.moments8 is None:
+        return leaf_math(g, p, c, mv, scalars, words, options=options)
     rows = (-1, LANES)
     col = lambda s: s.reshape(-1, 1)
     ms, vs = col(jnp.real(scales)), col(jnp.imag(scales))  # complex64 -> its two f32 parts
     leaf = (x.reshape(rows) for x in (g, p, c, mv))
-    new_p, new_c, new_mv, ms, vs = leaf_math8(*leaf, ms, vs, scalars, words, moments8=tuple(moments8), **hp)
+    new_p, new_c, new_mv, ms, vs = leaf_math8(*leaf, (ms, vs), scalars, words, options=options)
     out = (x.reshape(p.shape) for x in (new_p, new_c, new_mv))
     return (*out, lax.complex(ms[:, 0], vs[:, 0]).reshape(scales.shape))  # f32 -> complex64 (m + i·v)

@@ -29,8 +29,8 @@ them (and jax's deviceless compiles of Mosaic GPU kernels for two architectures 
 B200 compile can leave ptxas the wrong target for a later H100 one).
 
 ``p``, ``c`` and ``mv`` are updated in place (:func:`lpt.kernels.compat.mgpu_in_place`): a CTA reads each block before
-it writes it. ``interpret=True`` runs the Mosaic GPU interpreter on CPU; register layout casts are skipped there (they
-only annotate layouts). ``interpret=False`` lowers for CUDA only (custom call ``mosaic_gpu_v2``).
+it writes it. ``options.interpret=True`` runs the Mosaic GPU interpreter on CPU; register layout casts are skipped
+there (they only annotate layouts). ``options.interpret=None`` lowers for CUDA only (custom call ``mosaic_gpu_v2``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lpt.kernels import compat
-from lpt.kernels.adamw_kahan.math import LANES, leaf_math, leaf_math8, shard_index_map
+from lpt.kernels.adamw_kahan.math import LANES, StepOptions, leaf_math, leaf_math8, shard_index_map
 
 __all__ = ["adamw_kahan8_mgpu", "adamw_kahan_mgpu"]
 
@@ -64,11 +64,11 @@ def _scalars(sc_g, w_g, sc_s, w_s, bar, zero_layout, shape, n_words):
     return (sc_s[0], sc_s[1], sc_s[2], zero), tuple(w_s[k] for k in range(n_words)), w_s[n_words]
 
 
-def _flat_index(hp, first_row, col0, shape, width, layout, index_map):
+def _flat_index(stochastic, first_row, col0, shape, width, layout, index_map):
     """The flat index in the leaf of every element of the ``shape`` block whose first element is at
     ``(first_row, col0)`` of the ``(rows, width)`` view, mapped by a shard's ``index_map`` (or None); None when the
-    moments round to nearest (``hp["stochastic"]`` False: nothing is hashed)."""
-    if not hp["stochastic"]:
+    moments round to nearest (``stochastic`` False: nothing is hashed)."""
+    if not stochastic:
         return None
     iota = lambda d: layout(lax.broadcasted_iota(jnp.uint32, shape, d))
     first = (first_row * width + col0).astype(jnp.uint32)  # int32 -> u32
@@ -84,7 +84,7 @@ def _swizzled(dtype):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _cta(cta, sc_g, w_g, g_g, p_g, c_g, mv_g, *outs, steps, br, width, hp, shapes, interpret):
+def _cta(cta, sc_g, w_g, g_g, p_g, c_g, mv_g, *outs, steps, br, width, options, shapes, interpret):
     """CTA ``cta = (i, j)``: its ``steps`` blocks of ``(br, 128)``, read from ``(g, p, c, mv)`` and written to
     ``outs`` (the refs of ``p', c', mv'``)."""
     i, j = cta
@@ -100,8 +100,8 @@ def _cta(cta, sc_g, w_g, g_g, p_g, c_g, mv_g, *outs, steps, br, width, hp, shape
 
         def body(idx, g_s, p_s, c_s, mv_s):
             (s,) = idx
-            base = _flat_index(hp, row0 + s * br, col0, (br, LANES), width, layout, index_map)
-            new = leaf_math(*(load(r) for r in (g_s, p_s, c_s, mv_s)), scalars, words, base=base, **hp)
+            index = _flat_index(options.stochastic, row0 + s * br, col0, (br, LANES), width, layout, index_map)
+            new = leaf_math(*(load(r) for r in (g_s, p_s, c_s, mv_s)), scalars, words, options=options, index=index)
             slot = lax.rem(s, 2)
             plgpu.wait_smem_to_gmem(len(outs), wait_read_only=True)  # step s-2's copies out of this slot have read it
             for buf, x in zip(slots, new, strict=True):
@@ -122,7 +122,7 @@ def _cta(cta, sc_g, w_g, g_g, p_g, c_g, mv_g, *outs, steps, br, width, hp, shape
     pl.run_scoped(scoped, *words, plgpu.Barrier(num_arrivals=2), *slots)
 
 
-def _cta8(cta, sc_g, w_g, g_g, p_g, c_g, cd_g, ms_g, vs_g, *outs, steps, width, hp, shapes, interpret):
+def _cta8(cta, sc_g, w_g, g_g, p_g, c_g, cd_g, ms_g, vs_g, *outs, steps, width, options, shapes, interpret):
     """8-bit moments, CTA ``cta = (i, j)``: its ``steps`` blocks of ``(64, 128)`` (one block of 128 per row) in the
     WGMMA layout, the rows' scales as ``[64]`` row vectors; ``outs`` are the refs of ``p', c', codes', ms', vs'``
     (the scales ``[cols, rows]``: column block j's scales contiguous)."""
@@ -145,10 +145,11 @@ def _cta8(cta, sc_g, w_g, g_g, p_g, c_g, cd_g, ms_g, vs_g, *outs, steps, width, 
 
         def body(idx, g_s, p_s, c_s, cd_s):
             (s,) = idx
-            base = _flat_index(hp, row0 + s * br, col0, (br, LANES), width, layout, index_map)
+            index = _flat_index(options.stochastic, row0 + s * br, col0, (br, LANES), width, layout, index_map)
             block = pl.ds(s * br, br)
-            tile = [load(r, wgmma) for r in (g_s, p_s, c_s, cd_s)] + [load(r.at[block], row) for r in (ms_s, vs_s)]
-            new = leaf_math8(*tile, scalars, words, base=base, **hp)
+            leaf = [load(r, wgmma) for r in (g_s, p_s, c_s, cd_s)]
+            scales = tuple(load(r.at[block], row) for r in (ms_s, vs_s))
+            new = leaf_math8(*leaf, scales, scalars, words, options=options, index=index)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # step s-1's copies out of the slots have read them
             for buf, x in zip(slots, new[:3], strict=True):
                 buf[...] = x
@@ -178,9 +179,7 @@ def _cta8(cta, sc_g, w_g, g_g, p_g, c_g, cd_g, ms_g, vs_g, *outs, steps, width, 
     pl.run_scoped(scoped, *words, plgpu.Barrier(num_arrivals=2 + 2 * chunks), *scales, *slots)
 
 
-def adamw_kahan_mgpu(
-    sc, w, g2, p2, c2, mv2, *, hp: dict, shapes=None, block_rows: int = _MGPU_BLOCK_ROWS, interpret: bool = False
-):
+def adamw_kahan_mgpu(sc, w, g2, p2, c2, mv2, *, options: StepOptions, shapes=None, block_rows: int = _MGPU_BLOCK_ROWS):
     """Mosaic GPU kernel: ``(g, p, c, mv) -> (p', c', mv')`` on ``(rows, width)`` operands, 16-bit moments.
 
     Args:
@@ -189,11 +188,11 @@ def adamw_kahan_mgpu(
         (0 unless ``shapes``).
       g2, p2, c2, mv2: the leaf as ``(rows, width)``: gradient (bf16 or f32), bf16 param, bf16 compensation, packed
         bf16 moments (uint32); ``width`` a multiple of 128 and ``rows`` of ``block_rows``.
-      hp: ``b1, b2, eps, weight_decay, stochastic``.
+      options: the step's :class:`~lpt.kernels.adamw_kahan.math.StepOptions`; ``options.interpret`` None lowers for
+        CUDA (Hopper), True runs the Mosaic GPU interpreter (CPU tests); its ``block_rows`` is not read here.
       shapes: ``(local_shape, global_shape)`` of a shard of a leaf (the stochastic rounding hashes global flat
         indices), or None.
       block_rows: rows of 128 per pipeline step, a power of two >= 8.
-      interpret: False lowers for CUDA (Hopper); True runs the Mosaic GPU interpreter (CPU tests).
     """
     compat.ensure_mgpu_math()
     rows, width = p2.shape
@@ -206,7 +205,10 @@ def adamw_kahan_mgpu(
     steps = min(_MGPU_MAX_STEPS, blocks & -blocks)  # the largest power of two <= _MGPU_MAX_STEPS dividing the blocks
     sc32 = jnp.pad(sc, (0, _WORDS - sc.shape[0]))
     w32 = jnp.pad(w, (0, _WORDS - w.shape[0]))
-    kernel = functools.partial(_cta, steps=steps, br=block_rows, width=width, hp=hp, shapes=shapes, interpret=interpret)
+    interpret = bool(options.interpret)
+    kernel = functools.partial(
+        _cta, steps=steps, br=block_rows, width=width, options=options, shapes=shapes, interpret=interpret
+    )
     return compat.mgpu_in_place(
         kernel,
         *(sc32, w32, g2, p2, c2, mv2),
@@ -218,8 +220,8 @@ def adamw_kahan_mgpu(
     )
 
 
-def adamw_kahan8_mgpu(sc, w, g2, p2, c2, codes2, ms, vs, *, hp: dict, shapes=None, interpret: bool = False):
-    """Mosaic GPU kernel with 8-bit moments: ``(g, p, c, codes, ms, vs) -> (p', c', codes', ms', vs')`` on
+def adamw_kahan8_mgpu(sc, w, g2, p2, c2, codes2, scales, *, options: StepOptions, shapes=None):
+    """Mosaic GPU kernel with 8-bit moments: ``(g, p, c, codes, (ms, vs)) -> (p', c', codes', ms', vs')`` on
     ``(rows, width)`` operands, one block of 128 per row of each column block.
 
     Args:
@@ -228,12 +230,14 @@ def adamw_kahan8_mgpu(sc, w, g2, p2, c2, codes2, ms, vs, *, hp: dict, shapes=Non
         leaf's first element (0 unless ``shapes``).
       g2, p2, c2, codes2: the leaf as ``(rows, width)``: gradient (bf16 or f32), bf16 param, bf16 compensation, the
         moments' FP8 codes (uint16, m's high); ``width`` a multiple of 128, ``rows`` of 64.
-      ms, vs: f32 ``[width / 128, rows]``: m's and v's scale of each row's block of 128 in each column block.
-      hp: ``b1, b2, eps, weight_decay, stochastic`` and ``moments8`` = ``(m_format, v_format, v_sqrt)``.
+      scales: ``(ms, vs)``, f32 ``[width / 128, rows]``: m's and v's scale of each row's block of 128 in each column
+        block.
+      options: the step's :class:`~lpt.kernels.adamw_kahan.math.StepOptions`, with ``moments8``;
+        ``options.interpret`` None lowers for CUDA (Hopper), True runs the Mosaic GPU interpreter (CPU tests).
       shapes: ``(local_shape, global_shape)`` of a shard of a leaf, or None.
-      interpret: False lowers for CUDA (Hopper); True runs the Mosaic GPU interpreter (CPU tests).
     """
     compat.ensure_mgpu_math()
+    ms, vs = scales
     rows, width = p2.shape
     br = _MGPU_BLOCK_ROWS_8BIT
     if width % LANES or rows % br or ms.shape != (width // LANES, rows) or vs.shape != ms.shape:
@@ -245,7 +249,8 @@ def adamw_kahan8_mgpu(sc, w, g2, p2, c2, codes2, ms, vs, *, hp: dict, shapes=Non
     steps = min(_MGPU_MAX_STEPS, blocks & -blocks)
     sc32 = jnp.pad(sc, (0, _WORDS - sc.shape[0]))
     w32 = jnp.pad(w, (0, _WORDS - w.shape[0]))
-    kernel = functools.partial(_cta8, steps=steps, width=width, hp=hp, shapes=shapes, interpret=interpret)
+    interpret = bool(options.interpret)
+    kernel = functools.partial(_cta8, steps=steps, width=width, options=options, shapes=shapes, interpret=interpret)
     return compat.mgpu_in_place(
         kernel,
         *(sc32, w32, g2, p2, c2, codes2, ms, vs),

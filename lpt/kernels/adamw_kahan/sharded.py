@@ -20,11 +20,11 @@ axes bound) and passes the global flat index of its first element to the kernel,
 global flat index for the stochastic rounding: the bits are a function of (key, leaf, element), never of the
 sharding. Outside a multi-device partitioned jit the kernel runs on the whole leaf.
 
-8-bit moments (``scales=`` and ``moments8=``, see :mod:`lpt.kernels.adamw_kahan.kernel`): the scales (one per block of
-128 along the last axis, ``p.shape[:-1] + (p.shape[-1] // 128,)``) are split like the param, with its PartitionSpec, so
-every shard holds its own blocks' scales; a split of the last axis must leave each shard whole blocks of 128
-(:func:`check_whole_blocks`, a one-line ValueError otherwise). The global flat index of each element, hashed for the
-stochastic rounding, is the same as for 16-bit moments.
+8-bit moments (``scales`` and ``StepOptions.moments8``, see :mod:`lpt.kernels.adamw_kahan.kernel`): the scales (one per
+block of 128 along the last axis, ``p.shape[:-1] + (p.shape[-1] // 128,)``) are split like the param, with its
+PartitionSpec, so every shard holds its own blocks' scales; a split of the last axis must leave each shard whole blocks
+of 128 (:func:`check_whole_blocks`, a one-line ValueError otherwise). The global flat index of each element, hashed for
+the stochastic rounding, is the same as for 16-bit moments.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lpt.kernels import dispatch
-from lpt.kernels.adamw_kahan.math import LANES
+from lpt.kernels.adamw_kahan.math import LANES, StepOptions
 
 __all__ = ["adamw_kahan_on_shards", "adamw_kahan_partitioned", "check_whole_blocks"]
 
@@ -47,18 +47,14 @@ def _adamw_kahan():
     return dispatch.kernel("lpt.kernels.adamw_kahan.kernel", "adamw_kahan")
 
 
-def _options(static) -> dict:
-    return dict(static)
-
-
 @functools.partial(custom_partitioning, static_argnums=(6,))
-def _update(g, p, c, mv, scalars, words, static):
-    return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, **_options(static)))
+def _update(g, p, c, mv, scalars, words, options):
+    return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, options=options))
 
 
 @functools.partial(custom_partitioning, static_argnums=(7,))
-def _update8(g, p, c, mv, scales, scalars, words, static):
-    return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, scales=scales, **_options(static)))
+def _update8(g, p, c, mv, scales, scalars, words, options):
+    return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, scales, options=options))
 
 
 def check_whole_blocks(shape, spec, mesh) -> None:
@@ -81,14 +77,10 @@ def _leaf_sharding(arg_shapes) -> NamedSharding:
     return NamedSharding(sh.mesh, PartitionSpec(*spec))
 
 
-def _infer(static, mesh, arg_shapes, result_shape):
+def _infer(options, mesh, arg_shapes, result_shape):
     del mesh, result_shape
     sh = _leaf_sharding(arg_shapes)
-    return (sh,) * (4 if _eight_bit(static) else 3)
-
-
-def _eight_bit(static) -> bool:
-    return _options(static).get("moments8") is not None
+    return (sh,) * (4 if options.moments8 is not None else 3)
 
 
 def _shard_offset(spec: tuple, mesh_shape, local_shape: tuple, global_shape: tuple):
@@ -105,26 +97,26 @@ def _shard_offset(spec: tuple, mesh_shape, local_shape: tuple, global_shape: tup
     return offset
 
 
-def _per_shard(spec: tuple, mesh_shape, global_shape: tuple, opts: dict):
+def _per_shard(spec: tuple, mesh_shape, global_shape: tuple, options: StepOptions):
     def run(g, p, c, mv, *rest):
         *scales, scalars, words = rest  # 8-bit moments: the shard's scales before the scalars
         offset = _shard_offset(spec, mesh_shape, p.shape, global_shape)
-        extra = {"scales": scales[0]} if scales else {}
-        kw = dict(global_shape=global_shape, offset=offset, **extra, **opts)
-        return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, **kw))
+        shard = (global_shape, offset)
+        return tuple(_adamw_kahan()(g, p, c, mv, scalars, words, *scales, options=options, shard=shard))
 
     return run
 
 
-def _partition(static, mesh, arg_shapes, result_shape):
+def _partition(options, mesh, arg_shapes, result_shape):
     del mesh, result_shape
     sh = _leaf_sharding(arg_shapes)
     rep = NamedSharding(sh.mesh, PartitionSpec())
     shape = tuple(arg_shapes[1].shape)
-    leaf = (sh,) * (5 if _eight_bit(static) else 4)  # g, p, c, mv (and the scales), all split like p
-    if _eight_bit(static):
+    eight_bit = options.moments8 is not None
+    leaf = (sh,) * (5 if eight_bit else 4)  # g, p, c, mv (and the scales), all split like p
+    if eight_bit:
         check_whole_blocks(shape, sh.spec, sh.mesh)
-    run = _per_shard(tuple(sh.spec), sh.mesh.shape, shape, _options(static))
+    run = _per_shard(tuple(sh.spec), sh.mesh.shape, shape, options)
 
     def lower(*args):  # lowered by the partitioner, which cannot lower a Mosaic GPU kernel's mutable references
         with dispatch.fresh_outputs():
@@ -133,11 +125,11 @@ def _partition(static, mesh, arg_shapes, result_shape):
     return sh.mesh, lower, leaf[1:], (*leaf, rep, rep)
 
 
-def _rule(static, mesh, arg_shapes, result_shape):
+def _rule(options, mesh, arg_shapes, result_shape):
     del mesh, result_shape
     rank = len(arg_shapes[1].shape)
     dims = " ".join(f"d{i}" for i in range(rank))
-    if not _eight_bit(static):
+    if options.moments8 is None:
         return f"{dims}, {dims}, {dims}, {dims}, s, w -> {dims}, {dims}, {dims}"
     # the last axis is (blocks, 128) with the blocks major: a split of the param's last axis is one of the scales'
     # (one block: its own factors, Shardy refuses a compound of a size-1 factor)
@@ -152,79 +144,44 @@ _update.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
 _update8.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)
 
 
-def _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8) -> dict:
-    opts = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, stochastic=stochastic, interpret=interpret)
-    if moments8 is not None:
-        opts["moments8"] = tuple(moments8)
-    return opts
-
-
-def adamw_kahan_partitioned(
-    g, p, c, mv, scalars, words, *, b1, b2, eps, weight_decay, stochastic, interpret=None, scales=None, moments8=None
-):
+def adamw_kahan_partitioned(g, p, c, mv, scalars, words, scales=None, *, options: StepOptions):
     """:func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan` on one leaf, per shard under any sharding (see module doc);
-    with 8-bit moments (``scales``, ``moments8``) it returns ``(p', c', mv', scales')``.
+    with 8-bit moments (``scales``, ``options.moments8``) it returns ``(p', c', mv', scales')``.
 
     Args:
-      g, p, c, mv, scalars, words, b1, b2, eps, weight_decay, stochastic, interpret, scales, moments8: as
-        :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
+      g, p, c, mv, scalars, words, scales, options: as :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
     """
-    dispatch.check_interpret(interpret)
-    opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
     if p.ndim == 0:  # a scalar leaf has nothing to split
-        return _adamw_kahan()(g, p, c, mv, scalars, words, scales=scales, **opts)
-    static = tuple(opts.items())  # hashable: custom_partitioning's static arg
-    if moments8 is None:
-        return _update(g, p, c, mv, scalars, words, static)
-    return _update8(g, p, c, mv, scales, scalars, words, static)
+        return _adamw_kahan()(g, p, c, mv, scalars, words, scales, options=options)
+    if options.moments8 is None:
+        return _update(g, p, c, mv, scalars, words, options)  # options: custom_partitioning's static arg (hashable)
+    return _update8(g, p, c, mv, scales, scalars, words, options)
 
 
-def adamw_kahan_on_shards(
-    g,
-    p,
-    c,
-    mv,
-    scalars,
-    words,
-    *,
-    spec,
-    mesh=None,
-    b1,
-    b2,
-    eps,
-    weight_decay,
-    stochastic,
-    interpret=None,
-    scales=None,
-    moments8=None,
-):
-    """:func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan` on one leaf laid out by ``spec`` (a PartitionSpec or a
-    NamedSharding) over ``mesh`` (default :func:`lpt.kernels.dispatch.kernel_mesh`): a ``shard_map`` in which every
-    device updates its own shard, hashing global element indices (the same bits as unsharded). ``g``, ``c`` and
-    ``mv`` (and the 8-bit moments' ``scales``) must be laid out like ``p``; a replicated leaf is updated whole on
-    every device. With no mesh the kernel runs on the whole leaf.
+def adamw_kahan_on_shards(g, p, c, mv, scalars, words, scales=None, *, options: StepOptions, spec):
+    """:func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan` on one leaf laid out by ``spec`` over the mesh in context
+    (:func:`lpt.kernels.dispatch.kernel_mesh`): a ``shard_map`` in which every device updates its own shard, hashing
+    global element indices (the same bits as unsharded). ``g``, ``c`` and ``mv`` (and the 8-bit moments' ``scales``)
+    must be laid out like ``p``; a replicated leaf is updated whole on every device. With no mesh the kernel runs on
+    the whole leaf.
 
     Args:
-      g, p, c, mv, scalars, words, b1, b2, eps, weight_decay, stochastic, interpret, scales, moments8: as
-        :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
-      spec: the leaf's PartitionSpec (or a NamedSharding); its axes must divide the leaf's dimensions, and with
-        8-bit moments leave every shard whole blocks of 128 of the last axis.
-      mesh: the mesh to run on; None: :func:`lpt.kernels.dispatch.kernel_mesh`.
+      g, p, c, mv, scalars, words, scales, options: as :func:`lpt.kernels.adamw_kahan.kernel.adamw_kahan`.
+      spec: the leaf's PartitionSpec (or a NamedSharding, whose spec is read); its axes must divide the leaf's
+        dimensions, and with 8-bit moments leave every shard whole blocks of 128 of the last axis.
     """
-    dispatch.check_interpret(interpret)
-    opts = _options_of(b1, b2, eps, weight_decay, stochastic, interpret, moments8)
-    mesh = dispatch.kernel_mesh(mesh)
+    mesh = dispatch.kernel_mesh(None)
     spec = tuple(getattr(spec, "spec", spec))
     spec = spec + (None,) * (p.ndim - len(spec))
     if mesh is None or mesh.size == 1:
-        return _adamw_kahan()(g, p, c, mv, scalars, words, scales=scales, **opts)
+        return _adamw_kahan()(g, p, c, mv, scalars, words, scales, options=options)
     for dim, axes in enumerate(spec):
         dispatch.check_divisible(f"dimension {dim} of a {tuple(p.shape)} leaf", p.shape[dim], mesh, axes)
-    eight = moments8 is not None
+    eight = options.moments8 is not None
     if eight and p.ndim:
         check_whole_blocks(p.shape, spec, mesh)
     leaf, rep = PartitionSpec(*spec), PartitionSpec()
-    run = _per_shard(spec, mesh.shape, tuple(p.shape), opts)
+    run = _per_shard(spec, mesh.shape, tuple(p.shape), options)
     n_leaf = 5 if eight else 4  # g, p, c, mv (and the scales)
     fn = dispatch.shard_map(run, mesh, in_specs=(leaf,) * n_leaf + (rep, rep), out_specs=(leaf,) * (n_leaf - 1))
     return tuple(fn(g, p, c, mv, *((scales,) if eight else ()), scalars, words))
