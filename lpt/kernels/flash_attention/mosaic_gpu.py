@@ -135,7 +135,7 @@ def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments
     native = not interpret  # the hardware RNE convert when compiled; the bit-exact rounding under XLA
     dtype = q_g.dtype
     pv_dtype = policy.pv(v_g.dtype)
-    layout = (lambda x, _: x) if interpret else plgpu.layout_cast
+    mask = dict(policy=policy, causal=causal, window=window)
     i, h, b, hk, first, end, rows = blocks._query_program(nq, nk, g, bq, bk, causal, window)
     tiled = blocks._swizzled(d, dtype)
 
@@ -146,18 +146,13 @@ def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments
         def step(idx, k_s, v_s, *rest):
             *kvseg_s, carry = rest
             j = first + idx[0]
-            s = blocks._mma(q_s, k_s if interpret else k_s.transpose((1, 0)), (bq, bk)) * jnp.float32(scale)
+            s = blocks.logits(q_s, k_s if interpret else k_s.transpose((1, 0)), bk, scale)
             kv_seg = blocks._vector(kvseg_s[0], 0, interpret) if segments else None  # [bk] int32 columns
-            valid = blocks.block_mask(i * bq, j * bk, s.shape, causal, window, interpret)
-            valid = blocks.segment_mask(valid, q_seg, kv_seg, s.shape)
+            return blocks.forward_block(
+                carry, s, v_s, p_s, i * bq, j * bk, **mask, q_seg=q_seg, kv_seg=kv_seg, interpret=interpret
+            )
 
-            def matmul(w):  # w [bq, bk] in pv dtype -> w V_j f32 [bq, D]
-                return blocks._mma(blocks._operand(w, p_s, interpret), v_s, (bq, d))
-
-            return fm.forward_step(carry, s, valid, matmul, policy, pv_dtype, native)
-
-        row = layout(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        init = (row - jnp.inf, row, row, row, layout(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA))
+        init = blocks.forward_init(bq, d, interpret)
         if interpret:  # k arrives transposed, [D, Tk]
             k_spec = plgpu.BlockSpec((d, bk), lambda t: (0, first + t))
         else:
