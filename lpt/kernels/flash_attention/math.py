@@ -199,10 +199,10 @@ def update_max_count(m, n, s, valid, tie_tol: float):
     Args:
       m, n: the running max and near-max count: [..., 1] columns or [...] rows, f32 (:func:`wide`).
       s: [..., bk] f32 logits of the block.
-      valid: bool like s.
+      valid: bool like s, or True (nothing masked).
       tie_tol: logits within this of the new max count as near-max.
     """
-    s_masked = jnp.where(valid, s, -jnp.inf)
+    s_masked = s if valid is True else jnp.where(valid, s, -jnp.inf)  # Mosaic GPU selects on no scalar predicate
     m_new = jnp.maximum(m, jnp.max(s_masked, axis=-1, keepdims=m.ndim == s.ndim))
     near = valid & (s_masked >= wide(m_new - jnp.float32(tie_tol), s))
     block_n = rowsum(jnp.where(near, 1.0, 0.0), m)  # count as f32
