@@ -80,9 +80,11 @@ CUDA only (custom call ``mosaic_gpu_v2``). It cannot be chosen by ``lax.platform
 the cpu branch, lowering for CUDA fails ("Lowering rule for `cond` returns incorrect set of output tokens": the
 interpreter's ordered IO effect), as for lpt's FP8 wgmma kernel; pass ``interpret=True`` explicitly on CPU.
 
-Not in this slice: warp specialization (a TMA producer warpgroup and two consumer warpgroups taking turns, as
-FlashAttention-3 and jax's ``attention_mgpu.py``; the jax 0.10.2 interpreter cannot run it, ``run_state``), which
-would also give the dK/dV kernel a second warpgroup's registers (D = 256, bk = 128); an unmasked fast path for the
+A warp-specialized forward (a TMA producer warpgroup and two consumer warpgroups, as FlashAttention-3 and jax's
+``attention_mgpu.py``) is :func:`lpt.kernels.flash_attention.mosaic_gpu_ws.forward`; its consumers run this kernel's
+per-block code (:func:`~lpt.kernels.flash_attention.mosaic_gpu_blocks.forward_block`). Not in this slice: a
+warp-specialized backward, which would also give the dK/dV kernel a second warpgroup's registers (D = 256,
+bk = 128); an unmasked fast path for the
 blocks below the diagonal, and skipping blocks that segment ids mask entirely; a ``pv_dtype`` other than the input
 dtype (wgmma reads V from SMEM as stored: ValueError); the wiring into ``kernel.py``. ``lpt.attention`` runs these
 kernels as ``dot_product_attention(impl="mosaic_gpu")``. Not run on GPU hardware.
