@@ -8,7 +8,11 @@ measured in the same run (the baseline). The variants:
 * ``cudnn``: the same with ``implementation="cudnn"`` (cuDNN's fused attention; reported as failed where cuDNN
   refuses the shapes);
 * ``IMPL:POLICY``: ``lpt.attention.dot_product_attention(impl=IMPL, stable=POLICY == "stable")`` for IMPL in
-  ``pallas`` (Triton), ``mosaic_gpu`` (the Hopper kernel), ``xla`` (the twin), ``auto``.
+  ``pallas`` (Triton), ``mosaic_gpu`` (the Hopper kernel), ``xla`` (the twin), ``auto``;
+* ``mosaic_gpu_ws:POLICY``: the warp-specialized Mosaic GPU forward (:mod:`lpt.kernels.flash_attention.mosaic_gpu_ws`,
+  block_k 64 for the stable policy, 128 for the standard one) with the Mosaic GPU backward, in a custom VJP as
+  ``lpt.attention`` runs ``impl="mosaic_gpu"`` (the same transposes, residual and δ; no padding: T a multiple of
+  128).
 
     python benchmarks/attention_gpu.py [--batch 4] [--seq 1024 2048] [--heads 16] [--kv-heads 4] [--head-dim 64] \
         [--variants cudnn mosaic_gpu:stable mosaic_gpu:standard]
@@ -35,10 +39,44 @@ VARIANTS = (
     "pallas:standard",
     "mosaic_gpu:stable",
     "mosaic_gpu:standard",
+    "mosaic_gpu_ws:stable",
+    "mosaic_gpu_ws:standard",
     "xla:stable",
     "auto:stable",
     "auto:standard",
 )
+
+
+def _mosaic_gpu_ws(causal: bool, stable: bool, interpret: bool):
+    """Attention on [B, T, H, D] by the warp-specialized Mosaic GPU forward and the Mosaic GPU backward."""
+    from lpt.attention.core import mosaic_gpu_block_k
+    from lpt.kernels.flash_attention import math as fm
+    from lpt.kernels.flash_attention import mosaic_gpu as mg
+    from lpt.kernels.flash_attention import mosaic_gpu_ws as ws
+
+    policy = fm.default_policy() if stable else fm.standard_policy()
+    fwd_block_k = ws.BLOCK_KS[0] if stable else ws.BLOCK_KS[-1]  # registers (stable) and shared memory (f32 O)
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, H, D] <-> [B, H, T, D]
+
+    def forward(q, k, v):
+        q, k, v = map(heads_first, (q, k, v))
+        kw = dict(causal=causal, scale=q.shape[3] ** -0.5, interpret=interpret)
+        o32, lse = ws.forward(q, k, v, policy=policy, block_k=fwd_block_k, **kw)
+        out, o_res = fm.residual_and_output(o32, q.dtype, policy, None)
+        return heads_first(out), (q, k, v, o_res, lse)
+
+    def backward(res, do):
+        q, k, v, o_res, lse = res
+        do = heads_first(do)
+        delta = jnp.sum(do.astype(jnp.float32) * o_res.astype(jnp.float32), axis=-1)  # bf16 / f32 -> f32
+        bk = mosaic_gpu_block_k(q.shape[3], q.shape[2], k.shape[2])
+        kw = dict(causal=causal, scale=q.shape[3] ** -0.5, interpret=interpret)
+        grads = mg.backward(q, k, v, None, None, lse, do, delta, block_k=bk, **kw)
+        return tuple(heads_first(g.astype(x.dtype)) for g, x in zip(grads, (q, k, v), strict=True))  # f32 -> bf16
+
+    attend = jax.custom_vjp(lambda q, k, v: forward(q, k, v)[0])
+    attend.defvjp(forward, backward)
+    return attend
 
 
 def _time(fn, *args, iters: int) -> float:
@@ -94,6 +132,8 @@ def main() -> int:
     for name in args.variants:
         if name in ("jax", "cudnn"):
             variants[name] = jax_fn(None if name == "jax" else name)
+        elif name.startswith("mosaic_gpu_ws:"):
+            variants[name] = _mosaic_gpu_ws(causal, name.endswith(":stable"), args.interpret)
         else:  # mosaic_gpu is Hopper only: reported as failed elsewhere
             impl, policy = name.split(":")
             variants[name] = lpt_fn(impl, policy == "stable")

@@ -6,7 +6,7 @@
 # plain float32 step, and a 1B-class step with FP8 matmuls and 8-bit moments against bf16 + Kahan (MFU printed; both
 # train-step parts profile 3 steps of each run and print where the device time goes: benchmarks/trace_summary.py).
 # Each part has its own time limit, so one that hangs leaves the others' numbers; the logs go to LOGDIR (default
-# gpu_logs/), one file per part, and a summary prints last. The limits add up to 7.4 minutes (under 8 with the
+# gpu_logs/), one file per part, and a summary prints last. The limits add up to 7.5 minutes (under 8 with the
 # start); most of it is compiling. PARTS names the parts to run (default: all of them, in this order), KERNELS_K is
 # a pytest -k filter for the kernel tests (run on 4 processes where pytest-xdist is installed) and ATTENTION_SEQ the
 # attention lengths, e.g. PARTS="kernels attention" KERNELS_K=mosaic_gpu. The headline run is
@@ -50,8 +50,9 @@ flax.__version__, 'optax', optax.__version__, 'ml_dtypes', ml_dtypes.__version__
 XDIST=$($PY -c "import xdist" >/dev/null 2>&1 && echo "-n 4")  # compiling dominates: 4 processes share the GPU
 XLA_PYTHON_CLIENT_PREALLOCATE=false part kernels 120 $PY -m pytest -q -rfEP -p no:cacheprovider $XDIST --durations=25 \
   tests/kernels/test_kernels_on_gpu.py ${KERNELS_K:+-k "$KERNELS_K"}
-part attention 50 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ --heads 16 --kv-heads 4 \
-  --head-dim 128 --iters 10 --variants cudnn mosaic_gpu:stable mosaic_gpu:standard
+part attention 55 $PY benchmarks/attention_gpu.py --batch 2 --seq $ATTENTION_SEQ --heads 16 --kv-heads 4 \
+  --head-dim 128 --iters 10 --variants cudnn mosaic_gpu_ws:stable mosaic_gpu:stable mosaic_gpu_ws:standard \
+  mosaic_gpu:standard
 part fp8 60 $PY benchmarks/fp8_gpu.py --sizes 8192 --iters 10
 part optim 65 $PY benchmarks/optim_step.py --params 500e6 --side 8192 --rounds 3 \
   --rows base,copy,fused:stochastic,pallas:stochastic,pallas8:stochastic

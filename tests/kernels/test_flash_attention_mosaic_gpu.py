@@ -330,26 +330,28 @@ def _segment_structs(t: int, sharding=None) -> tuple:
 
 
 @pytest.mark.parametrize(
-    "d, block_k, window, policy, dtype, segments",
+    "d, block_k, window, policy, dtype, segments, causal",
     [
-        (D, 64, 0, "stable", jnp.bfloat16, False),
-        (D, 128, 1024, "stable", jnp.bfloat16, False),
-        (256, 64, 0, "standard", jnp.bfloat16, False),
-        (64, 128, 0, "stable", jnp.float16, False),
-        (D, 64, 0, "standard", jnp.bfloat16, True),
+        (D, 64, 0, "stable", jnp.bfloat16, False, True),
+        (D, 128, 1024, "stable", jnp.bfloat16, False, True),
+        (256, 64, 0, "standard", jnp.bfloat16, False, True),
+        (64, 128, 0, "stable", jnp.float16, False, True),
+        (D, 64, 0, "standard", jnp.bfloat16, True, True),
+        (D, 64, 0, "stable", jnp.bfloat16, False, False),
     ],
-    ids=["causal", "window-bk128", "d256-standard", "d64-bk128-f16", "segments"],
+    ids=["causal", "window-bk128", "d256-standard", "d64-bk128-f16", "segments", "full"],
 )
-def test_compiles_for_h100_as_one_mosaic_gpu_kernel(d, block_k, window, policy, dtype, segments):
+def test_compiles_for_h100_as_one_mosaic_gpu_kernel(d, block_k, window, policy, dtype, segments, causal):
     """B=1, H=8, Hkv=2, T=4096 compiled for one H100 (sm_90a target config): the compiled program holds exactly one
     Mosaic GPU custom call (``mosaic_gpu_v2``, the kernel; Mosaic GPU checks its shared memory against the 227 KiB
-    limit while lowering) and no Triton call. ~1 s per compile on 2 CPU cores."""
+    limit while lowering) and no Triton call. Full attention masks nothing (no select on a scalar predicate, which
+    Mosaic GPU does not lower from jax 0.11). ~1 s per compile on 2 CPU cores."""
     sharding = _h100_sharding()
     q = jax.ShapeDtypeStruct((B, H, T, d), dtype, sharding=sharding)
     kv = jax.ShapeDtypeStruct((B, HKV, T, d), dtype, sharding=sharding)
     segs = _segment_structs(T, sharding) if segments else ()
     pol = fm.default_policy() if policy == "stable" else fm.standard_policy()
-    fwd = functools.partial(mg.forward, policy=pol, causal=True, window=window, scale=d**-0.5, block_k=block_k)
+    fwd = functools.partial(mg.forward, policy=pol, causal=causal, window=window, scale=d**-0.5, block_k=block_k)
     text = jax.jit(fwd).lower(q, kv, kv, *segs).compile().as_text()
     assert re.findall(r'custom_call_target="([^"]+)"', text) == ["mosaic_gpu_v2"]
     assert "triton" not in text

@@ -97,6 +97,19 @@ def _attention_inputs(b, h, hkv, t, d, seed=0):
     return q, k, v, do, q_seg, kv_seg
 
 
+def _forward_close(o, lse, o_r, lse_r, policy, case):
+    """A kernel's forward (O, lse) vs the twin's: O by :func:`_close` (f32 O) or within that plus one bf16 rounding
+    (O rounded to bf16 in the kernel: the standard policy), lse by :func:`_lse_close`."""
+    if o.dtype == jnp.float32:
+        _close(o, o_r, f"o {case}")
+    else:  # the standard policy rounds O to bf16 in the kernel: the f32 differences plus one bf16 rounding
+        err = np.abs(np.asarray(o, np.float64) - np.asarray(o_r, np.float64))
+        bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
+        print(f"o {case}: max |o - twin| / bound = {np.max(err / bound):.2f}")
+        assert np.all(err <= bound)
+    _lse_close(lse, lse_r, policy, case)
+
+
 def _kernels_vs_twin(forward, backward, bk, d, causal, window, name, label):
     """``forward(q, k, v, q_seg, kv_seg, policy, **kw) -> (o, lse)`` and ``backward(q, k, v, q_seg, kv_seg, lse, do,
     delta, **kw) -> (dq, dk, dv)`` against the blockwise XLA twin with key blocks of ``bk``, GQA 4:1, T = 1024, with
@@ -107,14 +120,7 @@ def _kernels_vs_twin(forward, backward, bk, d, causal, window, name, label):
     case = f"{label} d={d} {name} causal={causal} window={window}"
     o, lse = jax.jit(lambda: forward(q, k, v, q_seg, kv_seg, policy, **kw))()
     o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
-    if o.dtype == jnp.float32:
-        _close(o, o_r, f"o {case}")
-    else:  # the standard policy rounds O to bf16 in the kernel: the f32 differences plus one bf16 rounding
-        err = np.abs(np.asarray(o, np.float64) - np.asarray(o_r, np.float64))
-        bound = 2.0**-10 * float(jnp.max(jnp.abs(o_r))) + 2.0**-8 * np.abs(np.asarray(o_r, np.float64))
-        print(f"o {case}: max |o - twin| / bound = {np.max(err / bound):.2f}")
-        assert np.all(err <= bound)
-    _lse_close(lse, lse_r, policy, case)
+    _forward_close(o, lse, o_r, lse_r, policy, case)
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
     grads = jax.jit(lambda: backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **kw))()
     refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
@@ -186,6 +192,29 @@ def test_flash_attention_mosaic_gpu_equals_twin(d, causal, window, name):
     forward = lambda *a, **kw: mg.forward(*a[:5], policy=a[5], block_k=bk, **kw)
     backward = lambda *a, **kw: mg.backward(*a, block_k=bk, **kw)
     _kernels_vs_twin(forward, backward, bk, d, causal, window, name, "mgpu")
+
+
+@_cases
+def test_flash_attention_mosaic_gpu_ws_forward_equals_twin(d, causal, window, name):
+    """The warp-specialized Mosaic GPU forward (a TMA producer and two consumer warpgroups; no segment ids) vs the twin
+    with one segment, GQA 4:1, T = 1024, block_k = 64 (stable) or 128 (standard, O in bf16): the tolerances of the
+    forward above. Prints whether it equals the single-warpgroup forward bit for bit (the same per-block code)."""
+    if not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    from lpt.kernels.flash_attention import mosaic_gpu as mg
+    from lpt.kernels.flash_attention import mosaic_gpu_ws as ws
+
+    policy = fm.default_policy() if name == "default" else fm.standard_policy()
+    q, k, v, *_ = _attention_inputs(2, 8, 2, 1024, d)
+    segs = (jnp.zeros((2, 1024), jnp.int32),) * 2  # one segment
+    kw = dict(causal=causal, scale=d**-0.5, window=window, block_k=64 if name == "default" else 128)
+    case = f"mgpu-ws d={d} {name} causal={causal} window={window}"
+    o, lse = jax.jit(lambda: ws.forward(q, k, v, policy=policy, **kw))()
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, *segs, policy=policy, **kw))()
+    _forward_close(o, lse, o_r, lse_r, policy, case)
+    o_1, lse_1 = jax.jit(lambda: mg.forward(q, k, v, policy=policy, **kw))()
+    same = bool(jnp.array_equal(o, o_1) & jnp.array_equal(lse, lse_1))
+    print(f"{case}: equal to the single-warpgroup forward bit for bit: {same}")
 
 
 def test_attention_api_mosaic_gpu_equals_xla_with_grads():

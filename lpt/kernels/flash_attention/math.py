@@ -199,10 +199,10 @@ def update_max_count(m, n, s, valid, tie_tol: float):
     Args:
       m, n: the running max and near-max count: [..., 1] columns or [...] rows, f32 (:func:`wide`).
       s: [..., bk] f32 logits of the block.
-      valid: bool like s.
+      valid: bool like s, or True (nothing masked).
       tie_tol: logits within this of the new max count as near-max.
     """
-    s_masked = jnp.where(valid, s, -jnp.inf)
+    s_masked = s if valid is True else jnp.where(valid, s, -jnp.inf)  # Mosaic GPU selects on no scalar predicate
     m_new = jnp.maximum(m, jnp.max(s_masked, axis=-1, keepdims=m.ndim == s.ndim))
     near = valid & (s_masked >= wide(m_new - jnp.float32(tie_tol), s))
     block_n = rowsum(jnp.where(near, 1.0, 0.0), m)  # count as f32
@@ -291,14 +291,16 @@ def forward_step(carry, s, valid, matmul, policy: AttentionPolicy, pv_dtype, nat
     p = _probs(s, valid, c_new)
     p_pv = round_to(p, pv_dtype, native)  # f32 -> pv dtype (RNE)
     p_sum = p_pv.astype(jnp.float32) if policy.denominator == "rounded" else p  # pv dtype -> f32, exact
+    # the row sums before the matmuls: a kernel that runs these ops in program order (Mosaic GPU) then holds no f32
+    # weight tile in registers beside the matmuls' accumulators
     if policy.accumulator == "split":  # large and small weights in separate matmuls, summed once
-        p_big, p_small = _split_weights(p_pv, s, m_new, policy)
         sum_big, sum_small = _split_weights(p_sum, s, m_new, policy)
-        pv = matmul(p_big) + matmul(p_small)
         p_rowsum = rowsum(sum_big, m) + rowsum(sum_small, m)
+        p_big, p_small = _split_weights(p_pv, s, m_new, policy)
+        pv = matmul(p_big) + matmul(p_small)
     else:
-        pv = matmul(p_pv)
         p_rowsum = rowsum(p_sum, m)
+        pv = matmul(p_pv)
     l_new = alpha * l + p_rowsum
     alpha_d = wide(alpha, acc)
     if policy.accumulator == "pv":

@@ -80,9 +80,11 @@ CUDA only (custom call ``mosaic_gpu_v2``). It cannot be chosen by ``lax.platform
 the cpu branch, lowering for CUDA fails ("Lowering rule for `cond` returns incorrect set of output tokens": the
 interpreter's ordered IO effect), as for lpt's FP8 wgmma kernel; pass ``interpret=True`` explicitly on CPU.
 
-Not in this slice: warp specialization (a TMA producer warpgroup and two consumer warpgroups taking turns, as
-FlashAttention-3 and jax's ``attention_mgpu.py``; the jax 0.10.2 interpreter cannot run it, ``run_state``), which
-would also give the dK/dV kernel a second warpgroup's registers (D = 256, bk = 128); an unmasked fast path for the
+A warp-specialized forward (a TMA producer warpgroup and two consumer warpgroups, as FlashAttention-3 and jax's
+``attention_mgpu.py``) is :func:`lpt.kernels.flash_attention.mosaic_gpu_ws.forward`; its consumers run this kernel's
+per-block code (:func:`~lpt.kernels.flash_attention.mosaic_gpu_blocks.forward_block`). Not in this slice: a
+warp-specialized backward, which would also give the dK/dV kernel a second warpgroup's registers (D = 256,
+bk = 128); an unmasked fast path for the
 blocks below the diagonal, and skipping blocks that segment ids mask entirely; a ``pv_dtype`` other than the input
 dtype (wgmma reads V from SMEM as stored: ValueError); the wiring into ``kernel.py``. ``lpt.attention`` runs these
 kernels as ``dot_product_attention(impl="mosaic_gpu")``. Not run on GPU hardware.
@@ -135,7 +137,7 @@ def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments
     native = not interpret  # the hardware RNE convert when compiled; the bit-exact rounding under XLA
     dtype = q_g.dtype
     pv_dtype = policy.pv(v_g.dtype)
-    layout = (lambda x, _: x) if interpret else plgpu.layout_cast
+    mask = dict(policy=policy, causal=causal, window=window)
     i, h, b, hk, first, end, rows = blocks._query_program(nq, nk, g, bq, bk, causal, window)
     tiled = blocks._swizzled(d, dtype)
 
@@ -146,18 +148,13 @@ def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments
         def step(idx, k_s, v_s, *rest):
             *kvseg_s, carry = rest
             j = first + idx[0]
-            s = blocks._mma(q_s, k_s if interpret else k_s.transpose((1, 0)), (bq, bk)) * jnp.float32(scale)
+            s = blocks.logits(q_s, k_s if interpret else k_s.transpose((1, 0)), bk, scale)
             kv_seg = blocks._vector(kvseg_s[0], 0, interpret) if segments else None  # [bk] int32 columns
-            valid = blocks.block_mask(i * bq, j * bk, s.shape, causal, window, interpret)
-            valid = blocks.segment_mask(valid, q_seg, kv_seg, s.shape)
+            return blocks.forward_block(
+                carry, s, v_s, p_s, i * bq, j * bk, **mask, q_seg=q_seg, kv_seg=kv_seg, interpret=interpret
+            )
 
-            def matmul(w):  # w [bq, bk] in pv dtype -> w V_j f32 [bq, D]
-                return blocks._mma(blocks._operand(w, p_s, interpret), v_s, (bq, d))
-
-            return fm.forward_step(carry, s, valid, matmul, policy, pv_dtype, native)
-
-        row = layout(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        init = (row - jnp.inf, row, row, row, layout(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA))
+        init = blocks.forward_init(bq, d, interpret)
         if interpret:  # k arrives transposed, [D, Tk]
             k_spec = plgpu.BlockSpec((d, bk), lambda t: (0, first + t))
         else:

@@ -194,6 +194,56 @@ def _swizzled(d: int, dtype):
 # -- the forward ---------------------------------------------------------------------------------------------------
 
 
+def forward_init(bq: int, d: int, interpret: bool):
+    """The online softmax's starting carry (M = −inf, n = c = ℓ = 0 as [bq] rows, acc = 0 [bq, D]) in the WGMMA
+    layouts (interpreter: plain arrays).
+
+    Args:
+      bq, d: the query rows and the head dim.
+      interpret: True in the Mosaic GPU interpreter (no layout casts).
+    """
+    layout = (lambda x, _: x) if interpret else plgpu.layout_cast
+    row = layout(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    return row - jnp.inf, row, row, row, layout(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def logits(q_s, k_t, bk: int, scale: float):
+    """S = Q Kᵀ · scale, f32 [bq, bk] in registers (WGMMA layout), by wgmma from SMEM; returns once the wgmma has
+    read K (the caller may release K's slot then).
+
+    Args:
+      q_s: the Q block [bq, D] in SMEM.
+      k_t: Kᵀ [D, bk] as wgmma's B operand: a transposed view of the K slot (interpreter: Kᵀ as stored).
+      bk: key rows of the block.
+      scale: the logit scale.
+    """
+    return _mma(q_s, k_t, (q_s.shape[0], bk)) * jnp.float32(scale)
+
+
+def forward_block(carry, s, v_s, p_s, q_start, k_start, *, policy, causal, window, q_seg, kv_seg, interpret):
+    """One key block of the Mosaic GPU forward given its logits: the block's position (and segment) mask and
+    math.py's online-softmax step (:func:`lpt.kernels.flash_attention.math.forward_step`), its P̃V by wgmma from V in
+    SMEM. Returns the new carry. Every Mosaic GPU forward schedule runs this per key block.
+
+    Args:
+      carry: (M, n, c, ℓ, acc): [bq] row statistics and acc [bq, D], f32.
+      s: the block's logits [bq, bk] (:func:`logits`).
+      v_s: the V block [bk, D] in SMEM (its dtype is the P̃V dtype).
+      p_s: the interpreter's SMEM tile [bq, bk] for P̃ (None when compiled).
+      q_start, k_start: int32 positions of the block's first query and first key.
+      policy, causal, window: the numerics policy and the position rule.
+      q_seg, kv_seg: [bq] / [bk] int32 segment ids of the block's rows and columns, or None.
+      interpret: True in the Mosaic GPU interpreter.
+    """
+    valid = block_mask(q_start, k_start, s.shape, causal, window, interpret)
+    valid = segment_mask(valid, q_seg, kv_seg, s.shape)
+
+    def matmul(w):  # w [bq, bk] in the pv dtype -> w V f32 [bq, D]
+        return _mma(_operand(w, p_s, interpret), v_s, (s.shape[0], v_s.shape[1]))
+
+    return fm.forward_step(carry, s, valid, matmul, policy, jnp.dtype(v_s.dtype), not interpret)
+
+
 def _query_program(nq, nk, g, bq, bk, causal, window):
     """This CTA's query block i (the last first: the causal blocks with the longest ranges start first), head h,
     batch b, kv head hk = h // G (GQA), its key-block range [first, end) and its rows of Tq."""
