@@ -46,7 +46,7 @@ the standard policy; the stable policy spills at block_k = 128 (436 bytes at D =
 does at D = 128.
 
 ``interpret=True`` runs the Mosaic GPU interpreter (jax 0.10.2, 0.11.2, 0.12) as the single-warpgroup kernel does (K
-stored transposed, P̃ via an SMEM tile per consumer): there it returns that kernel's (O, lse) bit for bit. One
+stored transposed, P̃ via an SMEM tile per consumer): there it returns that kernel's (O, lse) bit for bit.
 Some configurations hang in the interpreter of jax 0.10.2 and 0.12, all with a sliding window and G >= 2 (window 20,
 block_k = 128, T = 256; window 100, block_k = 64, T = 256, D = 128); the same with G = 1 finishes, as do windows of 70
 with G = 2 at D = 64. The cause is not known (each CTA touches only its own barriers, the interpreter runs the CTAs
