@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -247,31 +246,16 @@ def forward(
         interpreter on CPU.
     """
     g = _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_q, block_k, interpret)
-    b, h, tq, d = q.shape
-    tk = k.shape[2]
     segments = q_seg is not None
-    o_dtype = q.dtype if policy.residual == "input" else jnp.float32  # bf16 O halves the write when it suffices
-    nq, nk = tq // block_q, tk // block_k
-    kernel = functools.partial(
-        _kernel,
-        policy=policy,
-        causal=causal,
-        window=window,
-        scale=scale,
-        nq=nq,
-        nk=nk,
-        g=g,
-        d=d,
-        bq=block_q,
-        bk=block_k,
-        segments=segments,
-        interpret=interpret,
+    static, out_type, k_op = blocks.forward_launch(
+        q, k, policy, causal=causal, window=window, scale=scale, g=g, block_k=block_k, interpret=interpret
     )
-    k_op = jnp.swapaxes(k, 2, 3) if interpret else k  # the interpreter's wgmma takes Kᵀ as stored
+    kernel = functools.partial(_kernel, **static, bq=block_q, segments=segments)
+    b, h = q.shape[:2]
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
-        grid=(nq, h, b),
+        out_type=out_type,
+        grid=(static["nq"], h, b),
         grid_names=("q", "h", "b"),
         kernel_name="lpt_flash_attention_fwd_mgpu",
         interpret=blocks.interpret_params() if interpret else None,

@@ -5,6 +5,7 @@ via an SMEM tile), a query program's block range, and the checks both entry poin
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -242,6 +243,28 @@ def forward_block(carry, s, v_s, p_s, q_start, k_start, *, policy, causal, windo
         return _mma(_operand(w, p_s, interpret), v_s, (s.shape[0], v_s.shape[1]))
 
     return fm.forward_step(carry, s, valid, matmul, policy, jnp.dtype(v_s.dtype), not interpret)
+
+
+def forward_launch(q, k, policy, *, causal, window, scale, g, block_k, interpret):
+    """What both forwards' launches share: the static keywords of the per-CTA kernel (``policy, causal, window,
+    scale, nq, nk, g, d, bk, interpret``; nq, nk the query and key blocks of 64 and ``block_k`` rows), the output
+    types (O in the input dtype when ``policy.residual == "input"``, else f32; lse f32 [B, H, Tq]) and K as the kernel
+    reads it (stored transposed for the interpreter's wgmma). Returns ``(static, out_type, k_op)``.
+
+    Args:
+      q: [B, H, Tq, D].
+      k: [B, Hkv, Tk, D].
+      policy, causal, window, scale: as the forward takes them.
+      g: query heads per kv head (GQA).
+      block_k: key rows per pipeline step.
+      interpret: True in the Mosaic GPU interpreter.
+    """
+    b, h, tq, d = q.shape
+    o_dtype = q.dtype if policy.residual == "input" else jnp.float32  # bf16 O halves the write when it suffices
+    static = dict(policy=policy, causal=causal, window=window, scale=scale, g=g, d=d, bk=block_k, interpret=interpret)
+    static.update(nq=tq // BLOCK_Q, nk=k.shape[2] // block_k)
+    out_type = (jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
+    return static, out_type, jnp.swapaxes(k, 2, 3) if interpret else k
 
 
 def _query_program(nq, nk, g, bq, bk, causal, window):

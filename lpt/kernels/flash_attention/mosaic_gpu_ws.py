@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -275,28 +274,15 @@ def forward(
     if block_q != blocks.BLOCK_Q:
         raise ValueError(f"block_q must be {blocks.BLOCK_Q} (one consumer warpgroup's rows); got block_q={block_q}")
     g = _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_k, stages, interpret)
-    b, h, tq, d = q.shape
-    o_dtype = q.dtype if policy.residual == "input" else jnp.float32
-    nq, nk = tq // blocks.BLOCK_Q, k.shape[2] // block_k
-    kernel = functools.partial(
-        _kernel,
-        policy=policy,
-        causal=causal,
-        window=window,
-        scale=scale,
-        nq=nq,
-        nk=nk,
-        g=g,
-        d=d,
-        bk=block_k,
-        stages=stages,
-        interpret=interpret,
+    static, out_type, k_op = blocks.forward_launch(
+        q, k, policy, causal=causal, window=window, scale=scale, g=g, block_k=block_k, interpret=interpret
     )
-    k_op = jnp.swapaxes(k, 2, 3) if interpret else k  # the interpreter's wgmma takes Kᵀ as stored
+    kernel = functools.partial(_kernel, **static, stages=stages)
+    b, h = q.shape[:2]
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
-        grid=(nq // _CONSUMERS, h, b),
+        out_type=out_type,
+        grid=(static["nq"] // _CONSUMERS, h, b),
         grid_names=("q", "h", "b"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
