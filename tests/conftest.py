@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import slow_tier
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: workers inherit its directory
     _cache = tempfile.mkdtemp(prefix="lpt-tests-jax-cache-")
@@ -69,28 +70,15 @@ def pytest_runtest_makereport(item, call):
         )
 
 
-_SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
-
-
-def _slow_ids() -> set[str]:
-    """The test ids of tests/slow_tests.txt (one per line, then ``  # seconds``; ``#`` lines are comments)."""
-    lines = _SLOW_LIST.read_text("utf-8").splitlines()
-    return {line.split("  #", 1)[0].strip() for line in lines if line.strip() and not line.startswith("#")}
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest's -m selection reads the marks
 def pytest_collection_modifyitems(session, config, items):
-    """Marks the tests that tests/slow_tests.txt names ``slow``. A run that collects the whole suite fails on an id
-    there that no test has (a renamed or removed test), so the list stays the suite's."""
-    slow = _slow_ids()
+    """Marks the tests that tests/slow_tests.txt names ``slow``, and keeps the ids of everything collected (for
+    tests/test_slow_list.py, which checks that the list names only tests that exist)."""
+    slow = set(slow_tier.entries())
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
-    whole = [Path(config.invocation_params.dir, a).resolve() for a in config.args] == [Path(__file__).parent]
-    if whole:
-        stale = sorted(slow - {item.nodeid for item in items})
-        if stale:
-            raise pytest.UsageError(f"tests/slow_tests.txt names {len(stale)} test(s) that do not exist: {stale[:3]}")
+    config.stash[slow_tier.COLLECTED] = frozenset(item.nodeid for item in items)
 
 
 _MODULE_FIXTURE = re.compile(r"""scope=["']module["']""")
