@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import lpt.data as D
-from lpt.data import cache as data_cache
-from lpt.data import documents as data_documents
 from lpt.data import corpus
+from lpt.data import documents as data_documents
 
 CFG = {"source": "embedded", "validation_fraction": 0.1, "shuffle_seed": 0}
 

@@ -67,9 +67,9 @@ def test_shard_map_is_the_function_itself_without_a_multi_device_mesh():
 
 def test_training_on_a_cpu_never_imports_the_triton_backend(tmp_path):
     """Pallas' Triton backend (deprecated since jax 0.11) is imported only by a trace of a Triton kernel: importing
-    lpt and training ``tiny_cpu_bf16_kahan`` (one layer, 2 steps) with the Pallas attention and update kernels leave it unloaded (under
-    the trainer's mesh of CPU devices only the interpreted kernels are traced). It would be loaded if dispatch
-    imported it at its top, or traced every platform's kernel."""
+    lpt and training ``tiny_cpu_bf16_kahan`` (one layer, 2 steps) with the Pallas attention and update kernels leave
+    it unloaded (under the trainer's mesh of CPU devices only the interpreted kernels are traced). It would be loaded
+    if dispatch imported it at its top, or traced every platform's kernel."""
     import subprocess
     import sys
 
