@@ -256,11 +256,10 @@ def _visible_blocks(t: int, bq: int, bk: int, causal: bool, window: int) -> list
     ]
 
 
-@pytest.mark.parametrize("bk, window", [(64, 70), (128, 20), (64, 0)])
-def test_kernel_visits_only_the_key_blocks_in_range(bk, window, monkeypatch):
-    """Each pipeline step builds its block's mask with block_mask; a wrapper records (query block, key block) from
-    inside the interpreted kernel: every (query head, query block) visits exactly the key blocks with a visible pair,
-    once: O(T·w) blocks with a window (a kernel that walked every causal block and masked would record more)."""
+def block_visits(forward, monkeypatch, *, t, h, hkv, bk, window):
+    """The (64-row query block, key block) pairs whose mask ``forward`` (a Mosaic GPU flash-attention forward, in the
+    interpreter) builds with ``block_mask``, recorded from inside the kernel: causal, ``h`` query heads, ``hkv`` kv
+    heads, T = ``t``, D 64."""
     visits = []
     real = mgb.block_mask
 
@@ -269,11 +268,20 @@ def test_kernel_visits_only_the_key_blocks_in_range(bk, window, monkeypatch):
         return real(q_start, k_start, shape, causal, window, interpret)
 
     monkeypatch.setattr(mgb, "block_mask", counting)
-    t, h = 256, 2
     x = jnp.ones((1, h, t, 64), jnp.bfloat16)
     kw = dict(policy=fm.default_policy(), causal=True, window=window, scale=1.0, block_k=bk, interpret=True)
-    jax.block_until_ready(mg.forward(x, x[:, :1], x[:, :1], **kw))
+    jax.block_until_ready(forward(x, x[:, :hkv], x[:, :hkv], **kw))
     jax.effects_barrier()
+    return visits
+
+
+@pytest.mark.parametrize("bk, window", [(64, 70), (128, 20), (64, 0)])
+def test_kernel_visits_only_the_key_blocks_in_range(bk, window, monkeypatch):
+    """Each pipeline step builds its block's mask with block_mask; a wrapper records (query block, key block) from
+    inside the interpreted kernel: every (query head, query block) visits exactly the key blocks with a visible pair,
+    once: O(T·w) blocks with a window (a kernel that walked every causal block and masked would record more)."""
+    t, h = 256, 2
+    visits = block_visits(mg.forward, monkeypatch, t=t, h=h, hkv=1, bk=bk, window=window)
     expected = _visible_blocks(t, mg.BLOCK_Q, bk, True, window)
     assert sorted(visits) == sorted(expected * h)
     nq, nk = t // mg.BLOCK_Q, t // bk

@@ -22,6 +22,7 @@ from test_flash_attention_mosaic_gpu import (
     _launches,
     _twin,
     _visible_blocks,
+    block_visits,
 )
 
 from lpt.kernels.flash_attention import math as fm
@@ -80,19 +81,9 @@ def test_kernel_computes_only_the_key_blocks_in_range(bk, window, monkeypatch):
     """Each consumer builds the mask of each block it computes with block_mask (a block of the other consumer's range
     it only waits for and releases): every (query head, 64-row query block) computes exactly the key blocks with a
     visible pair, once, O(T·w) with a window."""
-    visits = []
-    real = mgb.block_mask
-
-    def counting(q_start, k_start, shape, causal, window, interpret):
-        jax.debug.callback(lambda i, j: visits.append((int(i), int(j))), q_start // shape[0], k_start // shape[1])
-        return real(q_start, k_start, shape, causal, window, interpret)
-
-    monkeypatch.setattr(mgb, "block_mask", counting)
     t, h = 256, 2
-    x = jnp.ones((1, h, t, 64), jnp.bfloat16)
-    kw = dict(policy=fm.default_policy(), causal=True, window=window, scale=1.0, block_k=bk, interpret=True)
-    jax.block_until_ready(ws.forward(x, x, x, **kw))  # G = 1 (the interpreter hangs on G = 2 here: module docstring)
-    jax.effects_barrier()
+    # G = 1: the interpreter hangs on G = 2 here (module docstring)
+    visits = block_visits(ws.forward, monkeypatch, t=t, h=h, hkv=h, bk=bk, window=window)
     assert sorted(visits) == sorted(_visible_blocks(t, mgb.BLOCK_Q, bk, True, window) * h)
 
 
