@@ -34,6 +34,7 @@ from jax import lax
 from lpt import sharding
 from lpt.kernels.adamw_kahan import math as K
 from lpt.kernels.adamw_kahan import sharded
+from lpt.kernels.adamw_kahan.options import LANES, StepOptions
 from lpt.kernels.dispatch import kernel_mesh
 from lpt.kernels.dispatch import mesh_platform as kernel_platform
 from lpt.numerics import change_to, round_nearest, round_stochastic
@@ -271,7 +272,7 @@ def kahan_adamw(
             if impl == "pallas" and needs_rounding(p.dtype):
                 _check_pallas_leaf(name, p, mdt, cdt)
                 moments8 = (mdt.m_format, mdt.v_format, mdt.v_sqrt) if isinstance(mdt, M8.Moment8) else None
-                options = K.StepOptions(**hp, stochastic=stochastic, moments8=moments8, interpret=interpret)
+                options = StepOptions(**hp, stochastic=stochastic, moments8=moments8, interpret=interpret)
                 delta, (new_mv, scl), new_c, u = _pallas_leaf(g, p, c, (mv, scl), sc, leaf_keys, options, mdt, spec)
             else:
                 delta, (new_mv, scl), new_c, u, dep = _xla_leaf(
@@ -318,19 +319,19 @@ def _check_pallas_leaf(name, p, mdt, cdt) -> None:
     """ValueError unless the kernel takes this rounded leaf: bf16 param and compensation, and bf16 moments or 8-bit
     ones (blocks of 128) on a last axis that is a multiple of 128."""
     eight = isinstance(mdt, M8.Moment8)
-    if not (p.dtype == cdt == jnp.bfloat16 and ((eight and mdt.block == K.LANES) or mdt == jnp.bfloat16)):
+    if not (p.dtype == cdt == jnp.bfloat16 and ((eight and mdt.block == LANES) or mdt == jnp.bfloat16)):
         raise ValueError(
             f"kahan_adamw(impl='pallas') needs bf16 params, moments and compensation (or 8-bit moments in blocks "
             f"of 128); {name} has param {p.dtype}, moments {mdt}, compensation {cdt} (use impl='xla')"
         )
-    if eight and (p.ndim == 0 or p.shape[-1] % K.LANES):
+    if eight and (p.ndim == 0 or p.shape[-1] % LANES):
         raise ValueError(
-            f"kahan_adamw(impl='pallas') with 8-bit moments needs a last axis that is a multiple of {K.LANES}; "
+            f"kahan_adamw(impl='pallas') with 8-bit moments needs a last axis that is a multiple of {LANES}; "
             f"{name} has shape {p.shape} (use impl='xla')"
         )
 
 
-def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, options: K.StepOptions, mdt, spec):
+def _pallas_leaf(g, p, c, mv, sc: _Scalars, keys, options: StepOptions, mdt, spec):
     """One bf16 leaf through the fused kernel: ``(update, (moments', scales'), compensation', intended update
     thunk)``; ``mv`` is ``(moments, scales)`` (scales None for 16-bit moments)."""
 

@@ -34,6 +34,7 @@ from test_fp8_blockwise_matmul import _operands
 
 from lpt.attention import dot_product_attention
 from lpt.fp8 import blockwise, blockwise_dot
+from lpt.kernels.adamw_kahan import StepOptions
 from lpt.kernels.adamw_kahan import math as K
 from lpt.kernels.adamw_kahan.kernel import adamw_kahan
 from lpt.kernels.flash_attention import kernel as fk
@@ -331,7 +332,7 @@ def test_adamw_kahan_equals_twin(stochastic, shape):
     g, p, c, mv = _leaf(shape, seed=0)
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([1, 2], jnp.uint32)
-    options = K.StepOptions(**HP, stochastic=stochastic)
+    options = StepOptions(**HP, stochastic=stochastic)
     kernel = jax.jit(functools.partial(adamw_kahan, options=options))(g, p, c, mv, scalars, words)
     twin = jax.jit(functools.partial(K.adamw_kahan_reference, options=options))(g, p, c, mv, scalars, words)
     for what, a, b in zip(("p", "c", "mv"), kernel, twin, strict=True):
@@ -342,7 +343,7 @@ def test_adamw_kahan_equals_twin(stochastic, shape):
 @pytest.mark.parametrize("spec", sorted(M8.MOMENT8))
 def test_adamw_kahan_8bit_triton_equals_twin(spec):
     g, p, c, codes, scales, scalars, words, moments8 = random_state8((512, 2048), spec, seed=2)
-    options = K.StepOptions(**HP, stochastic=True, moments8=moments8)
+    options = StepOptions(**HP, stochastic=True, moments8=moments8)
     kernel = jax.jit(lambda *a: adamw_kahan(*a, scales, options=options))(g, p, c, codes, scalars, words)
     twin = jax.jit(lambda *a: K.adamw_kahan_reference(*a, scales, options=options))(g, p, c, codes, scalars, words)
     for what, a, b in zip(("p", "c", "codes", "scales"), kernel, twin, strict=True):

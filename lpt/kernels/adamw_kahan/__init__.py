@@ -6,10 +6,12 @@
 * ``mosaic_gpu``: its Mosaic GPU variant (16-bit and 8-bit moments).
 * ``sharded``: the kernel per shard on a mesh (``shard_map``, or a partitioned custom call).
 
-:class:`StepOptions` (from ``math``) holds a step's compile-time options, which every layer takes as one object. The
-package imports only ``math``, so ``import lpt.kernels.adamw_kahan.math`` loads no Pallas.
+* ``options``: :class:`StepOptions`, a step's compile-time options, which every layer takes as one object, and the
+  operand checks.
+
+The package imports only ``options``, so ``import lpt.kernels.adamw_kahan.math`` loads no Pallas.
 """
 
-from lpt.kernels.adamw_kahan.math import StepOptions
+from lpt.kernels.adamw_kahan.options import StepOptions
 
 __all__ = ["StepOptions"]

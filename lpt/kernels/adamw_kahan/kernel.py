@@ -40,15 +40,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lpt.kernels import dispatch
 from lpt.kernels.adamw_kahan.math import (
-    LANES,
-    StepOptions,
-    check_leaf,
     flat_index,
     leaf_math,
     leaf_math8,
     shard_index_map,
 )
 from lpt.kernels.adamw_kahan.mosaic_gpu import adamw_kahan8_mgpu, adamw_kahan_mgpu
+from lpt.kernels.adamw_kahan.options import LANES, StepOptions, check_leaf
 
 __all__ = ["adamw_kahan"]
 
@@ -201,7 +199,7 @@ def adamw_kahan(g, p, c, mv, scalars, words, scales=None, *, options: StepOption
         ``options.moments8`` uint32[4], m's key words then v's.
       scales: 8-bit moments: complex64 ``p.shape[:-1] + (p.shape[-1] // 128,)``, m's and v's scale per block of 128
         of the last axis (which must be a multiple of 128); None: 16-bit moments.
-      options: the step's :class:`~lpt.kernels.adamw_kahan.math.StepOptions`: the hyperparameters, the moments'
+      options: the step's :class:`~lpt.kernels.adamw_kahan.options.StepOptions`: the hyperparameters, the moments'
         rounding and 8-bit formats, compiled into the kernel, and how the kernel runs. ``options.block_rows`` None:
         per platform, :data:`_TPU_BLOCK_ROWS` on TPU and in the interpreter, :data:`_TRITON_BLOCK_ROWS` on CUDA
         (either shrinks for small leaves); 8-bit moments on TPU and in the interpreter: at least

@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lpt.kernels import compat
-from lpt.kernels.adamw_kahan.math import LANES, StepOptions, leaf_math, leaf_math8, shard_index_map
+from lpt.kernels.adamw_kahan.math import leaf_math, leaf_math8, shard_index_map
+from lpt.kernels.adamw_kahan.options import LANES, StepOptions
 
 __all__ = ["adamw_kahan8_mgpu", "adamw_kahan_mgpu"]
 
@@ -188,7 +189,7 @@ def adamw_kahan_mgpu(sc, w, g2, p2, c2, mv2, *, options: StepOptions, shapes=Non
         (0 unless ``shapes``).
       g2, p2, c2, mv2: the leaf as ``(rows, width)``: gradient (bf16 or f32), bf16 param, bf16 compensation, packed
         bf16 moments (uint32); ``width`` a multiple of 128 and ``rows`` of ``block_rows``.
-      options: the step's :class:`~lpt.kernels.adamw_kahan.math.StepOptions`; ``options.interpret`` None lowers for
+      options: the step's :class:`~lpt.kernels.adamw_kahan.options.StepOptions`; ``options.interpret`` None lowers for
         CUDA (Hopper), True runs the Mosaic GPU interpreter (CPU tests); its ``block_rows`` is not read here.
       shapes: ``(local_shape, global_shape)`` of a shard of a leaf (the stochastic rounding hashes global flat
         indices), or None.
@@ -232,7 +233,7 @@ def adamw_kahan8_mgpu(sc, w, g2, p2, c2, codes2, scales, *, options: StepOptions
         moments' FP8 codes (uint16, m's high); ``width`` a multiple of 128, ``rows`` of 64.
       scales: ``(ms, vs)``, f32 ``[width / 128, rows]``: m's and v's scale of each row's block of 128 in each column
         block.
-      options: the step's :class:`~lpt.kernels.adamw_kahan.math.StepOptions`, with ``moments8``;
+      options: the step's :class:`~lpt.kernels.adamw_kahan.options.StepOptions`, with ``moments8``;
         ``options.interpret`` None lowers for CUDA (Hopper), True runs the Mosaic GPU interpreter (CPU tests).
       shapes: ``(local_shape, global_shape)`` of a shard of a leaf, or None.
     """

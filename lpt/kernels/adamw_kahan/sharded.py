@@ -37,7 +37,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lpt.kernels import dispatch
-from lpt.kernels.adamw_kahan.math import LANES, StepOptions
+from lpt.kernels.adamw_kahan.options import LANES, StepOptions
 
 __all__ = ["adamw_kahan_on_shards", "adamw_kahan_partitioned", "check_whole_blocks"]
 
