@@ -158,3 +158,56 @@ def test_no_function_imports_an_lpt_module():
     root = Path(__file__).resolve().parents[1] / "lpt"
     late = {str(f.relative_to(root)): m for f in root.rglob("*.py") if (m := _imports_in_functions(f.read_text()))}
     assert late == {}, late
+
+
+def _design_modules() -> list[str]:
+    """The paths of the module list in docs/design.md's Modules section ("lpt/x/y.py", "lpt/x/" for a package)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    block = text.split("## Modules", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    paths, stack = [], []
+    for line in block.splitlines():
+        name = line.split()[0]
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        stack[depth:] = [name]
+        paths.append("".join(stack))
+    return paths
+
+
+def _tree_modules() -> list[str]:
+    """Every module of lpt/ (``__init__.py`` files aside) and every package directory, as ``_design_modules``
+    writes them; ``lpt/configs/`` (the shipped configs, not modules) as one entry."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = ["lpt/"]
+    for f in sorted((root / "lpt").rglob("*")):
+        rel = f.relative_to(root).as_posix()
+        if rel.startswith("lpt/configs/") or "__pycache__" in rel:
+            continue
+        if f.is_dir():
+            out.append(rel + "/")
+        elif f.suffix == ".py" and f.name != "__init__.py" or rel == "lpt/__init__.py":
+            out.append(rel)
+    return out
+
+
+def test_the_module_list_of_the_design_is_the_tree():
+    listed, tree = _design_modules(), _tree_modules()
+    assert len(listed) == len(set(listed)), "docs/design.md lists a module twice"
+    assert not set(tree) - set(listed), f"modules missing from docs/design.md's list: {sorted(set(tree) - set(listed))}"
+    assert not set(listed) - set(tree), f"docs/design.md lists what is not in lpt/: {sorted(set(listed) - set(tree))}"
+    assert {"lpt/train/loop.py", "lpt/kernels/flash_attention/", "lpt/configs/"} <= set(listed)  # the parse sees them
+
+
+def test_the_package_table_of_the_design_names_every_package():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    table = text.split("| package | the concept |", 1)[1].split("\n\n", 1)[0]
+    rows = [row for row in table.splitlines() if row.startswith("|")]
+    named = {m for row in rows for m in re.findall(r"`lpt\.(\w+)`", row.split("|")[1])}
+    top = {p.split("/")[1].removesuffix(".py") for p in _tree_modules() if p.count("/") >= 1 and p != "lpt/"}
+    assert top - {"__init__", "configs"} == named
