@@ -105,7 +105,7 @@ def compile_step(cfg: config_lib.Config, topology: str) -> dict:
         "remat": bool(cfg.model.remat),
         "params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
         "state_bytes": shard_bytes(state),
-        "fp8_codes_bytes": step_lib.fp8_codes_bytes(cfg, state_lib.make_model_def(cfg), mesh),
+        "fp8_codes_bytes": step_lib.fp8_codes_bytes(cfg.optim, state_lib.make_model_def(cfg), mesh),
         "batch_bytes": shard_bytes(batch),
         "hbm_bytes": facts.hbm_bytes,
         "peak_flops": facts.peak_flops,

@@ -77,7 +77,7 @@ def program(cfg: config_lib.Config, mesh: Mesh) -> Program:
         shardings=shardings,
         train_step=step_lib.make_train_step(cfg, model_def, tx, schedule, mesh, shardings),
         eval_step=step_lib.make_eval_step(model_def, mesh, shardings),
-        diag_step=step_lib.make_diagnostics_step(cfg, model_def, mesh, shardings) if diag_every else None,
+        diag_step=step_lib.make_diagnostics_step(cfg.train, model_def, mesh, shardings) if diag_every else None,
     )
 
 

@@ -40,7 +40,7 @@ from lpt import models, sharding
 from lpt.models import layers as model_layers
 from lpt.train import guard as guard_lib
 from lpt.train import mesh as mesh_lib
-from lpt.train.config import Config
+from lpt.train.config import Config, OptimConfig, TrainConfig
 from lpt.train.optimizer import optimizer_diagnostics
 from lpt.train.state import ModelDef, TrainState
 
@@ -85,10 +85,10 @@ def _fp8_layers(model_def: ModelDef) -> list:
     return model_layers.fp8_linears(_fp8_model(model_def))
 
 
-def fp8_codes_bytes(cfg: Config, model_def: ModelDef, mesh: Mesh) -> int:
+def fp8_codes_bytes(optim: OptimConfig, model_def: ModelDef, mesh: Mesh) -> int:
     """Bytes per device of the FP8 codes and block scales that ``optim.fp8_gather="step"`` holds for a whole step
     (each FP8 layer's weight in its GEMM's layout: whole over fsdp, split over tensor); 0 with "microbatch"."""
-    if cfg.optim.fp8_gather != "step":
+    if optim.fp8_gather != "step":
         return 0
     model = _fp8_model(model_def)
     params = nnx.to_pure_dict(model_def.abstract_params)
@@ -211,11 +211,11 @@ def make_eval_step(model_def: ModelDef, mesh: Mesh, shardings: TrainState):
     )
 
 
-def make_diagnostics_step(cfg: Config, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
+def make_diagnostics_step(train: TrainConfig, model_def: ModelDef, mesh: Mesh, shardings: TrainState):
     """``diag_step(params, rest, batch, step) -> {"model/<name>": f32 scalar}`` from
     ``lpt.models.activation_diagnostics`` on ``batch["inputs"]`` with the key ``fold_in(PRNGKey(seed), step)``
     (the train step's key for step ``step``; with microbatches the train step folds in the microbatch index too)."""
-    seed_key = jax.random.PRNGKey(cfg.train.seed)
+    seed_key = jax.random.PRNGKey(train.seed)
 
     def step(params, rest, batch, step):
         with on_mesh(mesh):

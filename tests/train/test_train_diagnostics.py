@@ -68,7 +68,7 @@ def test_train_step_jaxpr_has_no_probes(monkeypatch):
     abstract = state_lib.abstract_state(cfg, tx)
     shardings = state_lib.state_shardings(abstract, model_def, mesh)
     step = step_lib.make_train_step(cfg, model_def, tx, optimizer.make_schedule(cfg.optim, 3), mesh, shardings)
-    diag_step = step_lib.make_diagnostics_step(cfg, model_def, mesh, shardings)
+    diag_step = step_lib.make_diagnostics_step(cfg.train, model_def, mesh, shardings)
     batch = {k: jax.ShapeDtypeStruct((2, 8), np.int32) for k in ("inputs", "targets")}
     before = str(step.trace(abstract, batch).jaxpr)  # traced only (no compile)
     out = diag_step.trace(abstract.params, abstract.rest, batch, abstract.step).out_info
@@ -107,7 +107,7 @@ def test_block_scaled_layers_report_their_block_health():
     model_def = state_lib.make_model_def(cfg)
     abstract = state_lib.abstract_state(cfg, optimizer.make_optimizer(cfg))
     shardings = state_lib.state_shardings(abstract, model_def, mesh)
-    diag_step = step_lib.make_diagnostics_step(cfg, model_def, mesh, shardings)
+    diag_step = step_lib.make_diagnostics_step(cfg.train, model_def, mesh, shardings)
     batch = {k: jax.ShapeDtypeStruct((2, 8), np.int32) for k in ("inputs", "targets")}
     out = set(diag_step.trace(abstract.params, abstract.rest, batch, abstract.step).out_info)
     health = {f"model/nvfp4/up/{o}_{n}" for o in "xw" for n in ("scale_saturated_frac", "scale_underflow_frac")}
