@@ -25,10 +25,14 @@ else raises ``ValueError``. We do not pad silently, because a padded weight woul
 (``lpt.fp8.blockwise_dot`` zero-pads only the *token* axis of its dW GEMM, which is exact: zeros add nothing to the
 sum and never raise a tile's amax.) A NaN or inf input makes its tile's scale NaN or inf, so the whole tile
 dequantizes to NaN and the GEMM output surfaces it instead of clipping it away.
+
+Each function checks its arguments in Python, then runs its array math as one jitted program (dtypes, axis, block
+and scale format static), so an eager call compiles once per shape and options; under ``jit`` it is inlined.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 
 from lpt.fp8.recipe import block_scale, check_dtype_in
 from lpt.numerics import get_format, round_nearest
+from lpt.numerics.scaling import check_scale_format
 
 __all__ = [
     "FP8_DTYPES",
@@ -92,8 +97,14 @@ def quantize_tiles(x, dtype=jnp.float8_e4m3fn, *, axis: int = -1, block: int = 1
             f"x.shape[{axis}]={size} (shape {x.shape}) must be a multiple of the tile size {block}; "
             "pad the tensor or choose a block size that divides it"
         )
+    check_scale_format(scale_format)
+    return _quantize_tiles(x, dtype, axis, block, scale_format)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "axis", "block", "scale_format"))
+def _quantize_tiles(x, dtype, axis: int, block: int, scale_format: str):
     x32 = x.astype(jnp.float32)  # any float -> f32
-    shape_g = x.shape[:axis] + (size // block, block) + x.shape[axis + 1 :]
+    shape_g = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1 :]
     q, scale = _quantize_grouped(x32.reshape(shape_g), dtype, scale_format, (axis + 1,))
     return q.reshape(x.shape), jnp.squeeze(scale, axis + 1)
 
@@ -107,7 +118,11 @@ def dequantize_tiles(q, scale, *, axis: int = -1, block: int = 128, dtype=jnp.fl
       axis, block: as given to :func:`quantize_tiles`.
       dtype: output dtype.
     """
-    axis = axis % q.ndim
+    return _dequantize_tiles(q, scale, axis % jnp.ndim(q), block, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "block", "dtype"))
+def _dequantize_tiles(q, scale, axis: int, block: int, dtype) -> jax.Array:
     s = jnp.repeat(scale, block, axis=axis)
     return (q.astype(jnp.float32) * s).astype(dtype)  # fp8 -> f32 exact; product f32 -> dtype
 
@@ -121,6 +136,13 @@ def quantize_blocks(w, dtype=jnp.float8_e4m3fn, *, block: int = 128, scale_forma
     k, n = w.shape
     if block <= 0 or k % block or n % block:
         raise ValueError(f"weight shape {w.shape} must have both dims multiples of the block size {block}")
+    check_scale_format(scale_format)
+    return _quantize_blocks(w, dtype, block, scale_format)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block", "scale_format"))
+def _quantize_blocks(w, dtype, block: int, scale_format: str):
+    k, n = w.shape
     w32 = w.astype(jnp.float32).reshape(k // block, block, n // block, block)  # any float -> f32
     q, scale = _quantize_grouped(w32, dtype, scale_format, (1, 3))
     return q.reshape(k, n), scale[:, 0, :, 0]
@@ -128,6 +150,11 @@ def quantize_blocks(w, dtype=jnp.float8_e4m3fn, *, block: int = 128, scale_forma
 
 def dequantize_blocks(q, scale, *, block: int = 128, dtype=jnp.float32) -> jax.Array:
     """Inverse of :func:`quantize_blocks`."""
+    return _dequantize_blocks(q, scale, block, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "dtype"))
+def _dequantize_blocks(q, scale, block: int, dtype) -> jax.Array:
     s = jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)
     return (q.astype(jnp.float32) * s).astype(dtype)  # fp8 -> f32 exact; product f32 -> dtype
 
@@ -136,6 +163,12 @@ def quantize_tensor(x, dtype=jnp.float8_e4m3fn, *, scale_format: str = "f32"):
     """Per-tensor baseline: one scale for the whole tensor; returns ``(q, scale[])``."""
     dtype = check_fp8_dtype(dtype)
     x = _check_float(x, "x")
+    check_scale_format(scale_format)
+    return _quantize_tensor(x, dtype, scale_format)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "scale_format"))
+def _quantize_tensor(x, dtype, scale_format: str):
     x32 = x.astype(jnp.float32)  # any float -> f32
     q, scale = _quantize_grouped(x32, dtype, scale_format, tuple(range(x.ndim)))
     return q, scale.reshape(())
@@ -163,13 +196,20 @@ def quantization_stats(x, q, scale, *, axis: int | None = -1, block: int = 128) 
       axis: the tiled axis of :func:`quantize_tiles`; None: blocks of :func:`quantize_blocks` or a per-tensor scale.
       block: tile / block length.
     """
-    x32 = _check_float(x, "x").astype(jnp.float32)  # any float -> f32
-    if scale.ndim == 0:
+    x = _check_float(x, "x")
+    axis = None if axis is None or scale.ndim == 0 else axis % x.ndim
+    return _quantization_stats(x, q, scale, axis, block, scale.ndim == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "block", "per_tensor"))
+def _quantization_stats(x, q, scale, axis: int | None, block: int, per_tensor: bool) -> QuantStats:
+    x32 = x.astype(jnp.float32)  # any float -> f32
+    if per_tensor:
         s = scale
     elif axis is None:
         s = jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)
     else:
-        s = jnp.repeat(scale, block, axis=axis % x32.ndim)
+        s = jnp.repeat(scale, block, axis=axis)
     fmax = jnp.float32(get_format(q.dtype).max)
     saturated = jnp.sum((jnp.abs(x32 / s) > fmax).astype(jnp.int32))  # bool -> int32
     q32 = q.astype(jnp.float32)  # fp8 -> f32 (exact)

@@ -1,6 +1,7 @@
 """The block layout of the microscaling formats (:mod:`lpt.fp8.microscaling.formats`): argument checks, the tiles
 of a tensor along an axis (1-D blocks or 2-D tiles), the grouped shape a block reduction works on, and the scales'
-shapes."""
+shapes. The checks look at shapes and dtypes only (no array math), so they run before the jitted math of the
+formats is traced."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ __all__ = [
     "block_tiles",
     "check_float",
     "check_rounding",
-    "expand_scales",
+    "check_scales",
     "grouped_shape",
 ]
 
@@ -85,10 +86,10 @@ def _scale_shape(shape: tuple[int, ...], tiles: dict[int, int]) -> tuple[int, ..
     return tuple(n // tiles[ax] if ax in tiles else n for ax, n in enumerate(shape))
 
 
-def expand_scales(s: jax.Array, shape, tiles, what: str) -> tuple[jax.Array, tuple[int, ...]]:
-    """Scales of shape ``_scale_shape`` -> broadcastable against the grouped codes; checks the shape."""
+def check_scales(s: jax.Array, shape, tiles, what: str) -> None:
+    """Raises ValueError unless ``s`` has the scales' shape for codes of ``shape`` (each tiled axis divided by its
+    block length); ``jnp.expand_dims(s, inner)`` (``grouped_shape``'s inner axes) then broadcasts against the
+    grouped codes."""
     want = _scale_shape(tuple(shape), tiles)
     if tuple(s.shape) != want:
         raise ValueError(f"{what} has shape {tuple(s.shape)}; codes of shape {tuple(shape)} need {want}")
-    grouped, inner = grouped_shape(tuple(shape), tiles)
-    return jnp.expand_dims(s, inner), grouped

@@ -30,20 +30,25 @@ Everything is jittable; counts are int32 scalars.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from lpt.fp8.microscaling._layout import check_float, check_rounding
 from lpt.fp8.microscaling.dot import BLOCKS, check_recipe
 from lpt.fp8.microscaling.formats import (
     E8M0_MAX_EXP,
     E8M0_MIN_EXP,
     NVFP4_TILE,
     mx_block_exponents,
+    mx_blocks,
     mx_dequantize,
     mx_quantize,
     nvfp4_block_scales,
+    nvfp4_blocks,
     nvfp4_dequantize,
     nvfp4_quantize,
 )
@@ -84,6 +89,16 @@ def _count(mask: jax.Array) -> jax.Array:
     return jnp.sum(mask.astype(jnp.int32))  # bool -> int32 count
 
 
+def _blocks(shape, recipe: str, axis, block_shape=None) -> tuple[int, tuple[int, ...] | None]:
+    """Checks ``recipe``'s blocks on an array of ``shape``; ``(number of blocks, block_shape as a tuple)``."""
+    if recipe == "mxfp8":
+        _, grouped, inner = mx_blocks(shape, _E4M3, _MX_BLOCK, axis, block_shape)
+    else:
+        grouped, inner = nvfp4_blocks(shape, axis, block_shape)
+    blocks = math.prod(n for i, n in enumerate(grouped) if i not in inner)
+    return blocks, None if block_shape is None else tuple(block_shape)
+
+
 def block_scale_health(x, recipe: str, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> BlockHealth:
     """Saturated, underflowing and clipped blocks of ``x`` quantized in ``recipe`` (module docstring).
 
@@ -91,6 +106,14 @@ def block_scale_health(x, recipe: str, axis: int = -1, *, block_shape: tuple[int
     tiles of the last two axes (NVFP4: only (16, 16)). ValueError for an unknown recipe or a shape the blocks do
     not divide."""
     check_recipe(recipe)
+    x = check_float(x)
+    blocks, block_shape = _blocks(x.shape, recipe, axis, block_shape)
+    return BlockHealth(*_block_counts(x, recipe, axis, block_shape), blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "axis", "block_shape"))
+def _block_counts(x, recipe: str, axis, block_shape) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(saturated, underflow, clipped)`` of :func:`block_scale_health` (its arguments checked)."""
     if recipe == "mxfp8":
         mx = mx_block_exponents(x, _E4M3, _MX_BLOCK, axis, block_shape=block_shape)
         finite = ~mx.block_nonfinite
@@ -100,7 +123,6 @@ def block_scale_health(x, recipe: str, axis: int = -1, *, block_shape: tuple[int
         # amax · 2^-e: exact in f32 for e in [-127, 119] (e4m3: e <= 119 for finite amax); 0 for a subnormal amax
         scaled = mx.block_amax * jnp.exp2(-e.astype(jnp.float32))  # i32 -> f32 exponent, exact power of two
         clipped = finite & ~underflow & _rounds_above_max(scaled, _E4M3)
-        blocks = mx.block_amax.size
     else:
         nv = nvfp4_block_scales(x, axis, block_shape=block_shape)
         raw = nv.block_scale_f32
@@ -112,8 +134,7 @@ def block_scale_health(x, recipe: str, axis: int = -1, *, block_shape: tuple[int
         enc = jnp.minimum(jnp.float32(1.0) / (bs * nv.tensor_scale), jnp.float32(jnp.finfo(jnp.float32).max))
         scaled = nv.block_amax * enc  # f32: the quantizer's x · enc for the block maximum
         clipped = finite & (bs > 0) & _rounds_above_max(scaled, _E2M1)
-        blocks = nv.block_amax.size
-    return BlockHealth(_count(saturated), _count(underflow), _count(clipped), int(blocks))
+    return _count(saturated), _count(underflow), _count(clipped)
 
 
 def operand_layout(recipe: str, operand: str) -> dict:
@@ -131,11 +152,23 @@ def operand_layout(recipe: str, operand: str) -> dict:
 def gemm_block_health(x, w, recipe: str) -> tuple[BlockHealth, BlockHealth]:
     """``(x's, w's)`` :class:`BlockHealth` as ``block_scaled_dot(x[..., K], w[K, N], recipe)``'s forward GEMM
     quantizes them."""
-    w = jnp.asarray(w)
-    x2 = jnp.asarray(x).reshape(-1, w.shape[0])
-    return (
-        block_scale_health(x2, recipe, **operand_layout(recipe, "x")),
-        block_scale_health(w, recipe, **operand_layout(recipe, "w")),
+    check_recipe(recipe)
+    x, w = check_float(x), check_float(w, "w")
+    if x.size % w.shape[0]:
+        raise ValueError(f"x of shape {x.shape} does not split into rows of w.shape[0]={w.shape[0]}")
+    x_shape = (x.size // w.shape[0], w.shape[0])
+    x_blocks, _ = _blocks(x_shape, recipe, **operand_layout(recipe, "x"))
+    w_blocks, _ = _blocks(w.shape, recipe, **operand_layout(recipe, "w"))
+    hx, hw = _gemm_counts(x, w, recipe)
+    return BlockHealth(*hx, x_blocks), BlockHealth(*hw, w_blocks)
+
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def _gemm_counts(x, w, recipe: str):
+    x2 = x.reshape(-1, w.shape[0])
+    return tuple(
+        _block_counts(a, recipe, layout["axis"], layout.get("block_shape"))
+        for a, layout in ((x2, operand_layout(recipe, "x")), (w, operand_layout(recipe, "w")))
     )
 
 
@@ -159,6 +192,14 @@ def quantize_dequantize(
       key: JAX PRNG key for ``rounding="stochastic"``.
     """
     check_recipe(recipe)
+    x = check_float(x)
+    check_rounding(rounding, key)
+    _, block_shape = _blocks(x.shape, recipe, axis, block_shape)
+    return _quantize_dequantize(x, key, recipe, axis, block_shape, rounding)
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "axis", "block_shape", "rounding"))
+def _quantize_dequantize(x, key, recipe: str, axis, block_shape, rounding: str) -> jax.Array:
     q = dict(block_shape=block_shape, rounding=rounding, key=key)
     if recipe == "mxfp8":
         codes, scales = mx_quantize(x, _E4M3, _MX_BLOCK, axis, **q)

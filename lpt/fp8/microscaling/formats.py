@@ -29,10 +29,16 @@ subnormal operands never applies); NVFP4 treats them as ±0 (the recipe is f32 a
 Rounding of the codes is nearest-even (``rounding="nearest"``) or unbiased stochastic (``rounding="stochastic"``
 with a ``key``), through :func:`lpt.numerics.round_nearest` / :func:`lpt.numerics.round_stochastic`, so ``jit`` can
 never skip it; the scales are deterministic in both modes (MX: the floor rule; NVFP4: e4m3 nearest-even).
+
+Each function checks its arguments in Python first (a one-line ValueError naming the value and what is allowed),
+then runs its array math as one jitted program, its static arguments the element dtype, the block layout, the
+rounding mode and the output dtype: an eager call compiles once per shape and options, and a call under ``jit``
+inlines it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -45,7 +51,7 @@ from lpt.fp8.microscaling._layout import (
     block_tiles,
     check_float,
     check_rounding,
-    expand_scales,
+    check_scales,
     grouped_shape,
 )
 from lpt.fp8.recipe import check_dtype_in
@@ -141,13 +147,17 @@ def _round_codes(y_f32: jax.Array, dtype, rounding: str, key) -> jax.Array:
     return round_nearest(y_f32, dtype, saturate=True, out_dtype=jnp.float32)  # f32 -> dtype grid (RNE)
 
 
-def _cast_out(v_f32: jax.Array, dtype) -> jax.Array:
+def _check_out_dtype(dtype) -> jnp.dtype:
     d = jnp.dtype(dtype)
-    if d == jnp.float32:
-        return v_f32
     if not jnp.issubdtype(d, jnp.floating):
         raise ValueError(f"dtype must be a floating-point dtype, got {d}")
-    return round_nearest(v_f32, d)  # f32 -> dtype (RNE, IEEE overflow)
+    return d
+
+
+def _cast_out(v_f32: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    if dtype == jnp.float32:
+        return v_f32
+    return round_nearest(v_f32, dtype)  # f32 -> dtype (RNE, IEEE overflow)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,6 +175,36 @@ class MxScales(NamedTuple):
     exponent: jax.Array  # int32 floor(log2 block_amax) - emax_elem, unclamped (-126 - emax_elem for 0 / subnormal)
 
 
+def mx_blocks(shape, elem_dtype, block_size, axis, block_shape):
+    """``(elem dtype, grouped shape, inner axes)`` of MX blocks on an array of ``shape``: a one-line ValueError
+    for an element dtype or a block layout :func:`mx_quantize` does not take (the checks of its arguments).
+
+    Args:
+      shape: the array's shape.
+      elem_dtype, block_size, axis, block_shape: as :func:`mx_quantize`.
+    """
+    elem = check_dtype_in(elem_dtype, _MX_ELEM_DTYPES, "elem_dtype")
+    return (elem, *grouped_shape(tuple(shape), block_tiles(tuple(shape), axis, block_size, block_shape)))
+
+
+def _mx_layout(x, elem_dtype, block_size, axis, block_shape):
+    """The checked arguments of the MX quantizer: ``(x, elem, grouped shape, inner axes)``."""
+    x = check_float(x)
+    return (x, *mx_blocks(x.shape, elem_dtype, block_size, axis, block_shape))
+
+
+@functools.partial(jax.jit, static_argnames=("elem", "grouped", "inner"))
+def _mx_exponents(x, elem, grouped, inner):
+    """MxScales' arrays: ``(x32, block_amax, block_nonfinite, exponent)``."""
+    x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
+    amax_bits = _amax_bits(x32, inner)
+    nonfinite = amax_bits >= jnp.uint32(_F32_INF_BITS)
+    # floor(log2 amax) from the bits; exponent_of reports -126 for subnormal and zero amax, which the clamp maps to
+    # -127 exactly as the true floor(log2) would (emax_elem >= 2).
+    e = exponent_of(_from_bits(amax_bits)) - get_format(elem).emax
+    return x32, _from_bits(amax_bits), nonfinite, e
+
+
 def mx_block_exponents(
     x, elem_dtype, block_size: int = 32, axis: int = -1, *, block_shape: tuple[int, int] | None = None
 ) -> MxScales:
@@ -177,17 +217,9 @@ def mx_block_exponents(
       axis: the blocked axis; its length a multiple of ``block_size``.
       block_shape: ``(rows, cols)`` 2-D tiles on the last two axes instead; ``axis`` stays -1.
     """
-    elem = check_dtype_in(elem_dtype, _MX_ELEM_DTYPES, "elem_dtype")
-    x = check_float(x)
-    tiles = block_tiles(x.shape, axis, block_size, block_shape)
-    grouped, inner = grouped_shape(x.shape, tiles)
-    x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
-    amax_bits = _amax_bits(x32, inner)
-    nonfinite = amax_bits >= jnp.uint32(_F32_INF_BITS)
-    # floor(log2 amax) from the bits; exponent_of reports -126 for subnormal and zero amax, which the clamp maps to
-    # -127 exactly as the true floor(log2) would (emax_elem >= 2).
-    e = exponent_of(_from_bits(amax_bits)) - get_format(elem).emax
-    return MxScales(x32, inner, _from_bits(amax_bits), nonfinite, e)
+    x, elem, grouped, inner = _mx_layout(x, elem_dtype, block_size, axis, block_shape)
+    x32, block_amax, nonfinite, e = _mx_exponents(x, elem, grouped, inner)
+    return MxScales(x32, inner, block_amax, nonfinite, e)
 
 
 def mx_quantize(
@@ -217,13 +249,16 @@ def mx_quantize(
       codes: x's shape in ``elem_dtype``.
       scales: ``float8_e8m0fnu`` of x's shape with each blocked axis divided by its block length.
     """
-    elem = check_dtype_in(elem_dtype, _MX_ELEM_DTYPES, "elem_dtype")
-    x = check_float(x)
     check_rounding(rounding, key)
-    mx = mx_block_exponents(x, elem, block_size, axis, block_shape=block_shape)
-    x32, inner, nonfinite = mx.x32, mx.inner, mx.block_nonfinite
+    x, elem, grouped, inner = _mx_layout(x, elem_dtype, block_size, axis, block_shape)
+    return _mx_quantize(x, key, elem, grouped, inner, rounding)
+
+
+@functools.partial(jax.jit, static_argnames=("elem", "grouped", "inner", "rounding"))
+def _mx_quantize(x, key, elem, grouped, inner, rounding):
+    x32, _, nonfinite, exponent = _mx_exponents(x, elem, grouped, inner)
     fmt = get_format(elem)
-    e = jnp.clip(mx.exponent, E8M0_MIN_EXP, E8M0_MAX_EXP)
+    e = jnp.clip(exponent, E8M0_MIN_EXP, E8M0_MAX_EXP)
     e = jnp.where(nonfinite, 0, e)
 
     # x / 2^e on the bits: exact (subnormal inputs included); quotients below 2^-126 become ±0, which is what
@@ -264,17 +299,21 @@ def mx_dequantize(
     if codes.dtype not in _MX_ELEM_DTYPES:
         raise ValueError(f"codes must be one of {[d.name for d in _MX_ELEM_DTYPES]}, got dtype {codes.dtype}")
     scales = jnp.asarray(scales)
-    if scales.dtype == _E8M0:
-        sbytes = lax.bitcast_convert_type(scales, jnp.uint8)  # e8m0 -> u8 byte
-    elif scales.dtype == jnp.uint8:
-        sbytes = scales
-    else:
+    if scales.dtype not in (_E8M0, jnp.uint8):
         raise ValueError(f"scales must be float8_e8m0fnu or uint8 (the e8m0 byte), got dtype {scales.dtype}")
     if codes.ndim == 0:
         raise ValueError("codes must have at least one axis, got a scalar")
     tiles = block_tiles(codes.shape, axis, block_size, block_shape)
-    sb, grouped = expand_scales(sbytes, codes.shape, tiles, "scales")
+    check_scales(scales, codes.shape, tiles, "scales")
+    grouped, inner = grouped_shape(codes.shape, tiles)
+    return _mx_dequantize(codes, scales, grouped, inner, _check_out_dtype(dtype))
 
+
+@functools.partial(jax.jit, static_argnames=("grouped", "inner", "dtype"))
+def _mx_dequantize(codes, scales, grouped, inner, dtype):
+    if scales.dtype == _E8M0:
+        scales = lax.bitcast_convert_type(scales, jnp.uint8)  # e8m0 -> u8 byte
+    sb = jnp.expand_dims(scales, inner)
     c32 = codes.astype(jnp.float32).reshape(grouped)  # elem -> f32 (exact)
     e = sb.astype(jnp.int32) - _E8M0_BIAS  # u8 -> i32 exponent
     v = _mul_pow2(c32, jnp.broadcast_to(e, grouped), subnormals=True)
@@ -306,12 +345,21 @@ class NvScales(NamedTuple):
     block_scale_f32: jax.Array  # f32 block_amax · (S_enc · 1/6): the block decode scale, unrounded (e4m3 rounds it)
 
 
-def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> NvScales:
-    """The tensor scale and the unrounded block scales :func:`nvfp4_quantize` computes for ``x`` (same arguments)."""
-    x = check_float(x)
-    tiles = _nvfp4_tiles(x.shape, axis, block_shape)
-    grouped, inner = grouped_shape(x.shape, tiles)
+def nvfp4_blocks(shape, axis, block_shape):
+    """``(grouped shape, inner axes)`` of NVFP4 blocks on an array of ``shape``: a one-line ValueError for a block
+    layout :func:`nvfp4_quantize` does not take."""
+    return grouped_shape(tuple(shape), _nvfp4_tiles(shape, axis, block_shape))
 
+
+def _nvfp4_layout(x, axis, block_shape):
+    """The checked arguments of the NVFP4 quantizer: ``(x, grouped shape, inner axes)``."""
+    x = check_float(x)
+    return (x, *nvfp4_blocks(x.shape, axis, block_shape))
+
+
+@functools.partial(jax.jit, static_argnames=("grouped", "inner"))
+def _nvfp4_scales(x, grouped, inner):
+    """NvScales' arrays, without ``inner``."""
     x32 = x.astype(jnp.float32).reshape(grouped)  # any float -> f32 (exact below f32)
     b = _bits(x32)
     tiny = (b & jnp.uint32(_F32_INF_BITS)) == 0
@@ -329,7 +377,14 @@ def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None
     b_nonfinite = block_bits >= jnp.uint32(_F32_INF_BITS)
     block_amax = jnp.where(b_nonfinite, jnp.float32(0.0), _from_bits(block_bits))
     bs = block_amax * (s_enc * jnp.float32(_ONE_SIXTH_F32))  # f32 decode scale of the block (rounded to e4m3 next)
-    return NvScales(x32, inner, s_dec, t_nonfinite, block_amax, b_nonfinite, bs)
+    return x32, s_dec, t_nonfinite, block_amax, b_nonfinite, bs
+
+
+def nvfp4_block_scales(x, axis: int = -1, *, block_shape: tuple[int, int] | None = None) -> NvScales:
+    """The tensor scale and the unrounded block scales :func:`nvfp4_quantize` computes for ``x`` (same arguments)."""
+    x, grouped, inner = _nvfp4_layout(x, axis, block_shape)
+    x32, *scales = _nvfp4_scales(x, grouped, inner)
+    return NvScales(x32, inner, *scales)
 
 
 def nvfp4_quantize(
@@ -356,11 +411,15 @@ def nvfp4_quantize(
       block_scales: float8_e4m3fn, x's shape with each blocked axis divided by 16.
       tensor_scale: f32 scalar (the decode scale, about amax / 2688).
     """
-    x = check_float(x)
     check_rounding(rounding, key)
-    nv = nvfp4_block_scales(x, axis, block_shape=block_shape)
-    x32, inner, s_dec, b_nonfinite = nv.x32, nv.inner, nv.tensor_scale, nv.block_nonfinite
-    bs = round_nearest(nv.block_scale_f32, jnp.float8_e4m3fn, saturate=True, out_dtype=jnp.float32)  # f32 -> e4m3
+    x, grouped, inner = _nvfp4_layout(x, axis, block_shape)
+    return _nvfp4_quantize(x, key, grouped, inner, rounding)
+
+
+@functools.partial(jax.jit, static_argnames=("grouped", "inner", "rounding"))
+def _nvfp4_quantize(x, key, grouped, inner, rounding):
+    x32, s_dec, t_nonfinite, _, b_nonfinite, bs_f32 = _nvfp4_scales(x, grouped, inner)
+    bs = round_nearest(bs_f32, jnp.float8_e4m3fn, saturate=True, out_dtype=jnp.float32)  # f32 -> e4m3
     enc = jnp.minimum(jnp.float32(1.0) / (bs * s_dec), jnp.float32(_F32_MAX))  # f32 encode scale; bs = 0 -> f32 max
 
     codes = _round_codes(x32 * enc, jnp.float4_e2m1fn, rounding, key)  # f32 -> e2m1 grid (saturating at ±6)
@@ -368,7 +427,7 @@ def nvfp4_quantize(
     codes = codes.astype(jnp.float4_e2m1fn).reshape(x.shape)  # f32 (on e2m1's grid) -> e2m1: exact
     bs = jnp.where(b_nonfinite, jnp.float32(jnp.nan), bs)
     block_scales = jnp.squeeze(bs, inner).astype(jnp.float8_e4m3fn)  # f32 (on e4m3's grid, or NaN) -> e4m3: exact
-    tensor_scale = jnp.where(nv.tensor_nonfinite, jnp.float32(jnp.nan), s_dec)
+    tensor_scale = jnp.where(t_nonfinite, jnp.float32(jnp.nan), s_dec)
     return codes, block_scales, tensor_scale
 
 
@@ -408,7 +467,14 @@ def nvfp4_dequantize(
     if codes.ndim == 0:
         raise ValueError("codes must have at least one axis, got a scalar")
     tiles = _nvfp4_tiles(codes.shape, axis, block_shape)
-    bs, grouped = expand_scales(block_scales, codes.shape, tiles, "block_scales")
+    check_scales(block_scales, codes.shape, tiles, "block_scales")
+    grouped, inner = grouped_shape(codes.shape, tiles)
+    return _nvfp4_dequantize(codes, block_scales, tensor_scale, grouped, inner, _check_out_dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("grouped", "inner", "dtype"))
+def _nvfp4_dequantize(codes, block_scales, tensor_scale, grouped, inner, dtype):
+    bs = jnp.expand_dims(block_scales, inner)
     c32 = codes.astype(jnp.float32).reshape(grouped)  # e2m1 -> f32 (exact)
     prod = c32 * bs.astype(jnp.float32)  # e4m3 -> f32 (exact); the product is exact
     v = prod * tensor_scale.reshape(()).astype(jnp.float32)  # f32: one rounding (RNE)

@@ -10,9 +10,12 @@ entries, which spreads a block's outliers over it before a block-scaled quantiza
 The signs come from :func:`lpt.numerics.hash_bits` (bit 31 of the keyed hash of the index 0 … n-1), so they are a
 function of the key alone, the same on every platform and for every sharding. The products run in f32 with
 ``Precision.HIGHEST`` (no TF32 or bf16 passes on GPU or TPU); for ``n = 16`` the entries ``±1/4`` are exact.
+:func:`random_hadamard` and :func:`block_hadamard` check their arguments in Python, then run as one jitted program.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +47,11 @@ def hadamard_matrix(n: int = HADAMARD_BLOCK) -> np.ndarray:
 def random_hadamard(key, n: int = HADAMARD_BLOCK) -> jax.Array:
     """``R = H · diag(s)`` (f32 ``[n, n]``, orthogonal) with the random signs ``s`` drawn from ``key`` (a JAX PRNG
     key, typed or raw uint32)."""
-    n = _check_block(n)
+    return _random_hadamard(key, _check_block(n))
+
+
+@functools.partial(jax.jit, static_argnames="n")
+def _random_hadamard(key, n: int) -> jax.Array:
     top = hash_bits(key, (n,)) >> jnp.uint32(31)  # u32: the top bit of each index's hash
     s = jnp.float32(1.0) - jnp.float32(2.0) * top.astype(jnp.float32)  # u32 {0, 1} -> f32 {+1, -1}
     return jnp.asarray(hadamard_matrix(n)) * s[None, :]  # f32: scales column j by s_j (exact)
@@ -54,7 +61,7 @@ def block_hadamard(a, r, axis: int = 0) -> jax.Array:
     """``a`` (computed in f32) with every block of ``len(r)`` consecutive entries along ``axis`` replaced by
     ``r @ block``; f32 out. ``a.shape[axis]`` must be a multiple of the block length."""
     a = jnp.asarray(a)
-    r = jnp.asarray(r, jnp.float32)
+    r = jnp.asarray(r)
     n = r.shape[0]
     if r.shape != (n, n):
         raise ValueError(f"r must be a square [n, n] matrix, got shape {r.shape}")
@@ -63,6 +70,13 @@ def block_hadamard(a, r, axis: int = 0) -> jax.Array:
     axis %= a.ndim
     if a.shape[axis] % n:
         raise ValueError(f"a.shape[{axis}]={a.shape[axis]} is not a multiple of the Hadamard block length {n}")
+    return _block_hadamard(a, r, int(axis))
+
+
+@functools.partial(jax.jit, static_argnames="axis")
+def _block_hadamard(a, r, axis: int) -> jax.Array:
+    r = r.astype(jnp.float32)  # any real -> f32
+    n = r.shape[0]
     a32 = jnp.moveaxis(a.astype(jnp.float32), axis, 0)  # any float -> f32
     rest = a32.shape[1:]
     blocks = a32.reshape(a32.shape[0] // n, n, -1)
