@@ -121,10 +121,10 @@ _NOT_CUDA = (
 
 def _mosaic_gpu(fn, cfg: _Config, args, in_specs, out_specs):
     """``fn`` (a Mosaic GPU kernel entry) on ``args``, per shard under ``cfg``'s mesh; compiled (``args`` checked to
-    be lowered for CUDA) unless ``cfg.interpret``. Segment operands that are None (none needed) are left out."""
+    be lowered for CUDA) unless ``cfg.options.interpret``. Segment operands that are None (none needed) are left out."""
     kept = [i for i, x in enumerate(args) if x is not None]
     xs = tuple(args[i] for i in kept)
-    if not cfg.interpret:
+    if not cfg.options.interpret:
         xs = dispatch.require_platform(("cuda",), _NOT_CUDA, *xs)
 
     def call(*xs):  # the kept operands, the left-out ones None again
