@@ -53,6 +53,7 @@ def _mosaic_gpu_ws(causal: bool, stable: bool, interpret: bool):
     from lpt.kernels.flash_attention import math as fm
     from lpt.kernels.flash_attention import mosaic_gpu as mg
     from lpt.kernels.flash_attention import mosaic_gpu_ws as ws
+    from lpt.kernels.flash_attention.options import FlashOptions
 
     policy = fm.default_policy() if stable else fm.standard_policy()
     fwd_block_k = ws.BLOCK_KS[0] if stable else ws.BLOCK_KS[-1]  # registers (stable) and shared memory (f32 O)
@@ -60,8 +61,8 @@ def _mosaic_gpu_ws(causal: bool, stable: bool, interpret: bool):
 
     def forward(q, k, v):
         q, k, v = map(heads_first, (q, k, v))
-        kw = dict(causal=causal, scale=q.shape[3] ** -0.5, interpret=interpret)
-        o32, lse = ws.forward(q, k, v, policy=policy, block_k=fwd_block_k, **kw)
+        kw = dict(causal=causal, scale=q.shape[3] ** -0.5, policy=policy, interpret=interpret)
+        o32, lse = ws.forward(q, k, v, options=FlashOptions(block_k=fwd_block_k, **kw))
         out, o_res = fm.residual_and_output(o32, q.dtype, policy, None)
         return heads_first(out), (q, k, v, o_res, lse)
 
@@ -71,7 +72,7 @@ def _mosaic_gpu_ws(causal: bool, stable: bool, interpret: bool):
         delta = jnp.sum(do.astype(jnp.float32) * o_res.astype(jnp.float32), axis=-1)  # bf16 / f32 -> f32
         bk = mosaic_gpu_block_k(q.shape[3], q.shape[2], k.shape[2])
         kw = dict(causal=causal, scale=q.shape[3] ** -0.5, interpret=interpret)
-        grads = mg.backward(q, k, v, None, None, lse, do, delta, block_k=bk, **kw)
+        grads = mg.backward(q, k, v, None, None, lse, do, delta, options=FlashOptions(block_k=bk, **kw))
         return tuple(heads_first(g.astype(x.dtype)) for g, x in zip(grads, (q, k, v), strict=True))  # f32 -> bf16
 
     attend = jax.custom_vjp(lambda q, k, v: forward(q, k, v)[0])

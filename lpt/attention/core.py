@@ -41,6 +41,7 @@ from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import mosaic_gpu as mg
 from lpt.kernels.flash_attention import reference as fr
+from lpt.kernels.flash_attention.options import FlashOptions
 
 _IMPLS = ("auto", "xla", "pallas", "softmax", "mosaic_gpu", "cudnn")
 _KERNELS = ("pallas", "mosaic_gpu")  # the impls that run kernels per shard under a mesh
@@ -71,14 +72,8 @@ class _Config:
     """The static config of the canonical operands (resolved from :class:`_Options`; the custom VJP's static
     argument)."""
 
-    policy: fm.AttentionPolicy
-    causal: bool
-    window: int  # sliding window (0: none)
-    scale: float
-    block_q: int
-    block_k: int
+    options: FlashOptions  # what the kernels (and the twin) compute and how; interpret: "mosaic_gpu" True or False
     impl: str
-    interpret: bool | None  # "mosaic_gpu": True or False (None compiles)
     mesh: object = None  # the kernels' mesh (None: whole arrays)
     specs: tuple | None = None  # PartitionSpecs (q, kv, segments, lse) on ``mesh``
 
@@ -126,17 +121,17 @@ _NOT_CUDA = (
 
 def _mosaic_gpu(fn, cfg: _Config, args, in_specs, out_specs):
     """``fn`` (a Mosaic GPU kernel entry) on ``args``, per shard under ``cfg``'s mesh; compiled (``args`` checked to
-    be lowered for CUDA) unless ``cfg.interpret``. Segment operands that are None (none needed) are left out."""
+    be lowered for CUDA) unless ``cfg.options.interpret``. Segment operands that are None (none needed) are left out."""
     kept = [i for i, x in enumerate(args) if x is not None]
     xs = tuple(args[i] for i in kept)
-    if not cfg.interpret:
+    if not cfg.options.interpret:
         xs = dispatch.require_platform(("cuda",), _NOT_CUDA, *xs)
 
     def call(*xs):  # the kept operands, the left-out ones None again
         full = [None] * len(args)
         for i, x in zip(kept, xs, strict=True):
             full[i] = x
-        return fn(*full, interpret=cfg.interpret)
+        return fn(*full, options=cfg.options)
 
     if cfg.specs is not None:
         call = dispatch.shard_map(call, cfg.mesh, [in_specs[i] for i in kept], out_specs)
@@ -146,34 +141,30 @@ def _mosaic_gpu(fn, cfg: _Config, args, in_specs, out_specs):
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
     """(f32 O, lse) of the canonical operands by ``cfg.impl``: a flash kernel (per shard under a mesh) or the XLA
     twin."""
-    kw = dict(policy=cfg.policy, causal=cfg.causal, window=cfg.window, scale=cfg.scale, block_k=cfg.block_k)
     if cfg.impl == "mosaic_gpu":
         qs, kvs, segs, lses = cfg.specs or (None,) * 4
-        run = functools.partial(mg.forward, block_q=cfg.block_q, **kw)
-        return _mosaic_gpu(run, cfg, (q, k, v, q_seg, kv_seg), (qs, kvs, kvs, segs, segs), (qs, lses))
+        return _mosaic_gpu(mg.forward, cfg, (q, k, v, q_seg, kv_seg), (qs, kvs, kvs, segs, segs), (qs, lses))
     if cfg.impl == "pallas":
-        run = functools.partial(fk.forward, block_q=cfg.block_q, interpret=cfg.interpret, **kw)
+        run = functools.partial(fk.forward, options=cfg.options)
         if cfg.specs is not None:
             qs, kvs, segs, lses = cfg.specs
             run = dispatch.shard_map(run, cfg.mesh, (qs, kvs, kvs, segs, segs), (qs, lses))
         return run(q, k, v, q_seg, kv_seg)
-    return fr.reference_forward(q, k, v, q_seg, kv_seg, **kw)
+    return fr.reference_forward(q, k, v, q_seg, kv_seg, options=cfg.options)
 
 
 def _backward(q, k, v, q_seg, kv_seg, lse, do, delta, cfg: _Config):
-    kw = dict(causal=cfg.causal, window=cfg.window, scale=cfg.scale)
     if cfg.impl == "mosaic_gpu":
         qs, kvs, segs, lses = cfg.specs or (None,) * 4
-        run = functools.partial(mg.backward, block_q=cfg.block_q, block_k=cfg.block_k, **kw)
         args = (q, k, v, q_seg, kv_seg, lse, do, delta)
-        return _mosaic_gpu(run, cfg, args, (qs, kvs, kvs, segs, segs, lses, qs, lses), (qs, kvs, kvs))
+        return _mosaic_gpu(mg.backward, cfg, args, (qs, kvs, kvs, segs, segs, lses, qs, lses), (qs, kvs, kvs))
     if cfg.impl == "pallas":
-        run = functools.partial(fk.backward, block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret, **kw)
+        run = functools.partial(fk.backward, options=cfg.options)
         if cfg.specs is not None:
             qs, kvs, segs, lses = cfg.specs
             run = dispatch.shard_map(run, cfg.mesh, (qs, kvs, kvs, segs, segs, lses, qs, lses), (qs, kvs, kvs))
         return run(q, k, v, q_seg, kv_seg, lse, do, delta)
-    return fr.reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, block_k=cfg.block_k, **kw)
+    return fr.reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, options=cfg.options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -183,7 +174,7 @@ def _flash(q, k, v, q_seg, kv_seg, key, cfg: _Config):
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, key, cfg: _Config):
     o32, lse = _forward(q, k, v, q_seg, kv_seg, cfg)
-    out, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
+    out, o_res = fm.residual_and_output(o32, q.dtype, cfg.options.policy, key)
     return out, (q, k, v, q_seg, kv_seg, o_res, lse)
 
 
@@ -345,9 +336,10 @@ def _canonical(q, k, v, opts: _Options, *, kv_mask, segment_ids):
     if specs is not None and sharding.explicit(mesh) and q_seg is not None:  # typed shardings: the segments (made
         seg_sharding = jax.sharding.NamedSharding(mesh, specs[2])  # on the mesh given, set or not
         q_seg, kv_seg = (jax.sharding.reshard(s, seg_sharding) for s in (q_seg, kv_seg))  # here) follow q's batch
-    cfg = _Config(
-        policy, bool(opts.causal), window, scale, bq, bk, opts.impl, interpret, mesh if specs else None, specs
+    options = FlashOptions(
+        causal=bool(opts.causal), scale=scale, policy=policy, window=window, block_q=bq, block_k=bk, interpret=interpret
     )
+    cfg = _Config(options, opts.impl, mesh if specs else None, specs)
     return q_t, k_t, v_t, q_seg, kv_seg, cfg
 
 
@@ -432,10 +424,12 @@ def dot_product_attention(
         cudnn.check(standard=standard, masked=masked, dtype=q.dtype, **kw)
         return cudnn.attention(q, k, v, causal=causal, sliding_window=sliding_window, scale=scale)
     tq = q.shape[1]
-    if cfg.impl != "softmax" and cfg.policy.residual == "stochastic" and key is None:
+    options = cfg.options
+    if cfg.impl != "softmax" and options.policy.residual == "stochastic" and key is None:
         raise ValueError("AttentionPolicy.residual='stochastic' needs a PRNG key: pass key=...")
     if cfg.impl == "softmax":
-        o = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, causal=cfg.causal, window=cfg.window, scale=cfg.scale)
+        mask = dict(causal=options.causal, window=options.window, scale=options.scale)
+        o = fr.softmax_attention(q_t, k_t, v_t, q_seg, kv_seg, **mask)
         o = o.astype(q.dtype)  # f32 -> input dtype (RNE; differentiable, unlike the bit-exact rounding)
     else:
         if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):

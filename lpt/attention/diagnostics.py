@@ -42,8 +42,8 @@ def repeated_max_fraction(
     b, h, tq, d = q_t.shape
     hkv, tk = k_t.shape[1], k_t.shape[2]
     qg = q_t.reshape(b, hkv, h // hkv, tq, d)
-    valid = fr.valid_mask(q_seg, kv_seg, jnp.arange(tq), jnp.arange(tk), cfg.causal, cfg.window)
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_t, preferred_element_type=jnp.float32) * jnp.float32(cfg.scale)
+    valid = fr.valid_mask(q_seg, kv_seg, jnp.arange(tq), jnp.arange(tk), cfg.options.causal, cfg.options.window)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_t, preferred_element_type=jnp.float32) * jnp.float32(cfg.options.scale)
     s = jnp.where(valid, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     count = jnp.sum(valid & (s >= m - jnp.float32(tie_tol)), axis=-1)
@@ -78,7 +78,7 @@ def residual_output(
     opts = core._Options(causal=causal, stable=stable, beta=beta, policy=policy, scale=scale, block_k=block_k)
     q_t, k_t, v_t, q_seg, kv_seg, cfg = core._canonical(q, k, v, opts, kv_mask=kv_mask, segment_ids=segment_ids)
     o32, _ = core._forward(q_t, k_t, v_t, q_seg, kv_seg, cfg)
-    _, o_res = fm.residual_and_output(o32, q.dtype, cfg.policy, key)
+    _, o_res = fm.residual_and_output(o32, q.dtype, cfg.options.policy, key)
     return o_res.astype(jnp.float32).transpose(0, 2, 1, 3)[:, : q.shape[1]]  # residual dtype -> f32 (exact)
 
 

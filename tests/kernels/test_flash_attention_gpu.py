@@ -8,16 +8,18 @@ from test_flash_attention_kernel import BK, BQ, HKV, B, D, H, T, _inputs
 
 from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.options import FlashOptions
 
 
 def _calls(structure):
     q, k, v, do, q_seg, kv_seg = _inputs()
     rows = jnp.zeros((B, H, T), jnp.float32)
     kw = dict(causal=True, scale=0.25, block_q=BQ, block_k=BK, interpret=True, structure=structure)
+    options = FlashOptions(policy=fm.default_policy(), **kw)
 
     def both(q, k, v, do):
-        fk.forward(q, k, v, q_seg, kv_seg, policy=fm.default_policy(), **kw)
-        return fk.backward(q, k, v, q_seg, kv_seg, rows, do, rows, **kw)
+        fk.forward(q, k, v, q_seg, kv_seg, options=options)
+        return fk.backward(q, k, v, q_seg, kv_seg, rows, do, rows, options=options)
 
     eqns = jax.make_jaxpr(both)(q, k, v, do).jaxpr.eqns
     return {e.params["name"]: e for e in eqns if e.primitive.name == "pallas_call"}

@@ -2,6 +2,8 @@
 twin, GQA-native dK/dV, the per-mode tiles, and lowering to the cuda (Triton) and tpu (Mosaic) custom calls.
 Real compiles for v5e and H100 are in test_flash_attention_compile.py."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from lpt.attention import dot_product_attention
 from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import reference as fr
+from lpt.kernels.flash_attention.options import FlashOptions
 
 B, H, HKV, T, D = 2, 4, 2, 64, 16
 BQ, BK = 16, 8  # bq != bk: the causal diagonal crosses blocks differently for queries and keys
@@ -41,15 +44,15 @@ def test_both_structures_match_reference(causal, name):
     Non-causal runs cross-attention, Tk = 48 != Tq = 64."""
     policy = fm.default_policy() if name == "default" else fm.standard_policy()
     q, k, v, do, q_seg, kv_seg = _inputs() if causal else _inputs(tk=48)
-    kw = dict(causal=causal, scale=0.25)
-    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=BK, **kw))()
+    twin = FlashOptions(causal=causal, scale=0.25, policy=policy, block_q=BQ, block_k=BK)
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, options=twin))()
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
-    g_r = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=BK, **kw))()
+    g_r = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options=twin))()
     dkdv = {}
     for structure in ("grid", "loop"):
-        run = dict(block_q=BQ, block_k=BK, interpret=True, structure=structure, **kw)
-        o, lse = jax.jit(lambda s=run: fk.forward(q, k, v, q_seg, kv_seg, policy=policy, **s))()
-        dq, dk, dv = jax.jit(lambda s=run: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **s))()
+        run = dataclasses.replace(twin, interpret=True, structure=structure)
+        o, lse = jax.jit(lambda s=run: fk.forward(q, k, v, q_seg, kv_seg, options=s))()
+        dq, dk, dv = jax.jit(lambda s=run: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options=s))()
         o_ref = o_r.astype(o.dtype) if o.dtype == jnp.float32 else fm.round_to(o_r, o.dtype)  # f32 -> O dtype (RNE)
         if name == "default":
             assert o.dtype == jnp.float32

@@ -20,6 +20,7 @@ from lpt.kernels.flash_attention import mosaic_gpu as mg
 from lpt.kernels.flash_attention import mosaic_gpu_blocks as mgb
 from lpt.kernels.flash_attention import reference as fr
 from lpt.kernels.flash_attention import tiles
+from lpt.kernels.flash_attention.options import FlashOptions
 
 POLICIES = {"stable": fm.default_policy(), "standard": fm.standard_policy(residual="f32")}  # f32 O from both
 
@@ -83,7 +84,7 @@ def _twin_segments(q, k, segs):
 @functools.cache
 def _kernel(case: str, policy: fm.AttentionPolicy):
     """The interpreted kernel's (O, lse), as numpy (cached: several tests compare one run)."""
-    fwd = functools.partial(mg.forward, policy=policy, interpret=True, **_kw(case))
+    fwd = functools.partial(mg.forward, options=FlashOptions(policy=policy, interpret=True, **_kw(case)))
     segs = _segments_of(case, CASES) or (None, None)
     return tuple(map(np.asarray, jax.jit(fwd)(*_inputs(case), *segs)))
 
@@ -93,7 +94,7 @@ def _twin(case: str, policy: fm.AttentionPolicy, segs="case", **overrides):
     q, k, v = _inputs(case)
     kw = _kw(case, **overrides)
     segs = _twin_segments(q, k, _segments_of(case, CASES) if segs == "case" else segs)
-    fwd = functools.partial(fr.reference_forward, policy=policy, **kw)
+    fwd = functools.partial(fr.reference_forward, options=FlashOptions(policy=policy, **kw))
     return tuple(map(np.asarray, jax.jit(fwd)(q, k, v, *segs)))
 
 
@@ -233,7 +234,7 @@ def test_residual_input_returns_o_rounded_to_the_input_dtype():
     """policy.residual == "input" (the standard policy): the kernel writes O rounded to nearest in bf16, that is the f32
     O of the same arithmetic (residual "f32") within half a bf16 ulp, plus the f32 bound between two programs."""
     case = "causal-gqa-d64"
-    fwd = functools.partial(mg.forward, policy=fm.standard_policy(), interpret=True, **_kw(case))
+    fwd = functools.partial(mg.forward, options=FlashOptions(policy=fm.standard_policy(), interpret=True, **_kw(case)))
     o16, lse = jax.jit(fwd)(*_inputs(case))
     assert o16.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     o32, lse32 = _kernel(case, POLICIES["standard"])
@@ -270,7 +271,7 @@ def block_visits(forward, monkeypatch, *, t, h, hkv, bk, window):
     monkeypatch.setattr(mgb, "block_mask", counting)
     x = jnp.ones((1, h, t, 64), jnp.bfloat16)
     kw = dict(policy=fm.default_policy(), causal=True, window=window, scale=1.0, block_k=bk, interpret=True)
-    jax.block_until_ready(forward(x, x[:, :hkv], x[:, :hkv], **kw))
+    jax.block_until_ready(forward(x, x[:, :hkv], x[:, :hkv], options=FlashOptions(**kw)))
     jax.effects_barrier()
     return visits
 
@@ -295,28 +296,29 @@ def test_rejects_what_it_does_not_support():
     q = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
     kv = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
     kw = dict(policy=fm.default_policy(), causal=True, scale=0.125, interpret=True)
+    opts = lambda **changes: FlashOptions(**{**kw, **changes})
     seg = jnp.zeros((1, 128), jnp.int32)
     with pytest.raises(ValueError, match=r"^pass both segment ids q_seg and kv_seg, or neither"):
-        mg.forward(q, kv, kv, seg, None, **kw)
+        mg.forward(q, kv, kv, seg, None, options=opts())
     with pytest.raises(ValueError, match=r"^need segment ids q_seg \(1, 128\) and kv_seg \(1, 128\) int32"):
-        mg.forward(q, kv, kv, seg, seg.astype(jnp.int16), **kw)  # int32 -> int16
+        mg.forward(q, kv, kv, seg, seg.astype(jnp.int16), options=opts())  # int32 -> int16
     with pytest.raises(ValueError, match=r"must share one dtype of \['bfloat16', 'float16'\]"):
-        mg.forward(q.astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32), **kw)  # bf16 -> f32
+        mg.forward(q.astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32), options=opts())  # -> f32
     with pytest.raises(ValueError, match=r"^head dim D=32 is not supported .* allowed: \(64, 128, 192, 256\)"):
-        mg.forward(q[..., :32], kv[..., :32], kv[..., :32], **kw)
+        mg.forward(q[..., :32], kv[..., :32], kv[..., :32], options=opts())
     with pytest.raises(ValueError, match=r"^block_q must be 64 .* got block_q=128, block_k=64"):
-        mg.forward(q, kv, kv, block_q=128, **kw)
+        mg.forward(q, kv, kv, options=opts(block_q=128))
     with pytest.raises(ValueError, match=r"pv_dtype='float32' differs from the input dtype bfloat16"):
-        mg.forward(q, kv, kv, **{**kw, "policy": fm.default_policy(pv_dtype="float32")})
+        mg.forward(q, kv, kv, options=opts(policy=fm.default_policy(pv_dtype="float32")))
     with pytest.raises(ValueError, match=r"^interpret must be True .* got None"):
-        mg.forward(q, kv, kv, **{**kw, "interpret": None})
+        mg.forward(q, kv, kv, options=opts(interpret=None))
     with pytest.raises(ValueError, match=r"^sliding window=8 needs causal attention"):
-        mg.forward(q, kv, kv, **{**kw, "causal": False}, window=8)
+        mg.forward(q, kv, kv, options=opts(causal=False, window=8))
     with pytest.raises(ValueError, match=r"^need Tq % block_q == 0"):
-        mg.forward(q[:, :, :96], kv[:, :, :96], kv[:, :, :96], **kw)
+        mg.forward(q[:, :, :96], kv[:, :, :96], kv[:, :, :96], options=opts())
     q256, kv256 = jnp.zeros((1, 2, 128, 256), jnp.bfloat16), jnp.zeros((1, 1, 128, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"^D=256 with block_k=128 needs 296984 bytes of shared memory"):
-        mg.forward(q256, kv256, kv256, block_k=128, **kw)
+        mg.forward(q256, kv256, kv256, options=opts(block_k=128))
 
 
 # -- deviceless: lowering and compiling for an H100 --------------------------------------------------------------------
@@ -359,7 +361,8 @@ def test_compiles_for_h100_as_one_mosaic_gpu_kernel(d, block_k, window, policy, 
     kv = jax.ShapeDtypeStruct((B, HKV, T, d), dtype, sharding=sharding)
     segs = _segment_structs(T, sharding) if segments else ()
     pol = fm.default_policy() if policy == "stable" else fm.standard_policy()
-    fwd = functools.partial(mg.forward, policy=pol, causal=causal, window=window, scale=d**-0.5, block_k=block_k)
+    options = FlashOptions(causal=causal, scale=d**-0.5, policy=pol, window=window, block_k=block_k, interpret=False)
+    fwd = functools.partial(mg.forward, options=options)
     text = jax.jit(fwd).lower(q, kv, kv, *segs).compile().as_text()
     assert re.findall(r'custom_call_target="([^"]+)"', text) == ["mosaic_gpu_v2"]
     assert "triton" not in text
@@ -412,7 +415,8 @@ def test_shared_memory_per_block_does_not_grow_with_t(d, block_k, segments):
         q = jax.ShapeDtypeStruct((B, H, t, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((B, HKV, t, d), jnp.bfloat16)
         segs = _segment_structs(t) if segments else ()
-        fwd = functools.partial(mg.forward, policy=policy, causal=True, scale=d**-0.5, block_k=block_k)
+        options = FlashOptions(causal=True, scale=d**-0.5, policy=policy, block_k=block_k, interpret=False)
+        fwd = functools.partial(mg.forward, options=options)
         [launch] = _launches(jax.jit(fwd).trace(q, kv, kv, *segs).lower(lowering_platforms=("cuda",)))
         assert launch == (B, H, t // 64, 128, 1, 1, mg.smem_bytes(d, 2, 4, block_k, segments=segments))
     assert (mg.smem_bytes(128, 2, 4, 64), mg.smem_bytes(128, 2, 4, 64, segments=True)) == (83992, 86048)
@@ -458,7 +462,7 @@ def _bwd_rows(case: str, policy: str):
     q, k, v, do = _bwd_inputs(case)
     pol = BWD_POLICIES[policy]
     kw = _bwd_kw(case)
-    fwd = functools.partial(fr.reference_forward, policy=pol, **kw)
+    fwd = functools.partial(fr.reference_forward, options=FlashOptions(policy=pol, **kw))
     o, lse = jax.jit(fwd)(q, k, v, *_twin_segments(q, k, _segments_of(case, BWD_CASES)))
     residual = fm.residual_and_output(o, q.dtype, pol, None)[1]
     delta = jnp.sum(do.astype(jnp.float32) * residual.astype(jnp.float32), axis=-1)  # dtype -> f32, exact
@@ -470,7 +474,7 @@ def _bwd_kernel(case: str, policy: str):
     """The interpreted backward's (dq, dk, dv) given the policy's lse and δ, as numpy (cached)."""
     q, k, v, do = _bwd_inputs(case)
     lse, delta = _bwd_rows(case, policy)
-    bwd = functools.partial(mg.backward, interpret=True, **_bwd_kw(case))
+    bwd = functools.partial(mg.backward, options=FlashOptions(interpret=True, **_bwd_kw(case)))
     segs = _segments_of(case, BWD_CASES) or (None, None)
     return tuple(map(np.asarray, jax.jit(bwd)(q, k, v, *segs, lse, do, delta)))
 
@@ -480,7 +484,7 @@ def _bwd_twin(case: str, policy: str, segs="case", **overrides):
     q, k, v, do = _bwd_inputs(case)
     lse, delta = _bwd_rows(case, policy)
     segs = _twin_segments(q, k, _segments_of(case, BWD_CASES) if segs == "case" else segs)
-    bwd = functools.partial(fr.reference_backward, **_bwd_kw(case, **overrides))
+    bwd = functools.partial(fr.reference_backward, options=FlashOptions(**_bwd_kw(case, **overrides)))
     return tuple(map(np.asarray, jax.jit(bwd)(q, k, v, *segs, lse, do, delta)))
 
 
@@ -593,8 +597,8 @@ def test_backward_visits_only_the_blocks_in_range(bk, window, monkeypatch):
     t, h, hkv = 256, 4, 2
     q = jnp.ones((1, h, t, 64), jnp.bfloat16)
     rows = jnp.zeros((1, h, t), jnp.float32)
-    kw = dict(causal=True, window=window, scale=1.0, block_k=bk, interpret=True)
-    jax.block_until_ready(mg.backward(q, q[:, :hkv], q[:, :hkv], None, None, rows, q, rows, **kw))
+    options = FlashOptions(causal=True, scale=1.0, window=window, block_k=bk, interpret=True)
+    jax.block_until_ready(mg.backward(q, q[:, :hkv], q[:, :hkv], None, None, rows, q, rows, options=options))
     jax.effects_barrier()
     assert sorted(visits[False]) == sorted(_visible_blocks(t, mg.BLOCK_Q, bk, True, window) * h)  # dQ
     assert sorted(visits[True]) == sorted(_visible_blocks(t, bk, mg.BLOCK_Q, True, window) * h)  # dK/dV
@@ -606,25 +610,26 @@ def test_backward_rejects_what_it_does_not_support():
     kv = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
     rows = jnp.zeros((1, 2, 128), jnp.float32)
     kw = dict(causal=True, scale=0.125, interpret=True)
+    opts = lambda **changes: FlashOptions(**{**kw, **changes})
     seg = jnp.zeros((1, 128), jnp.int32)
     with pytest.raises(ValueError, match=r"^pass both segment ids q_seg and kv_seg, or neither"):
-        mg.backward(q, kv, kv, None, seg, rows, q, rows, **kw)
+        mg.backward(q, kv, kv, None, seg, rows, q, rows, options=opts())
     with pytest.raises(ValueError, match=r"^need segment ids q_seg \(1, 128\) and kv_seg \(1, 128\) int32"):
-        mg.backward(q, kv, kv, seg, seg[:, :64], rows, q, rows, **kw)
+        mg.backward(q, kv, kv, seg, seg[:, :64], rows, q, rows, options=opts())
     with pytest.raises(ValueError, match=r"^need do like q \(1, 2, 128, 64\) bfloat16"):
-        mg.backward(q, kv, kv, None, None, rows, q.astype(jnp.float16), rows, **kw)  # bf16 -> f16
+        mg.backward(q, kv, kv, None, None, rows, q.astype(jnp.float16), rows, options=opts())  # bf16 -> f16
     with pytest.raises(ValueError, match=r"^lse and delta must be float32, got bfloat16"):
-        mg.backward(q, kv, kv, None, None, rows.astype(jnp.bfloat16), q, rows, **kw)  # f32 -> bf16
+        mg.backward(q, kv, kv, None, None, rows.astype(jnp.bfloat16), q, rows, options=opts())  # f32 -> bf16
     with pytest.raises(ValueError, match=r"^head dim D=256 is not supported by the Mosaic GPU backward"):
         q256, kv256 = jnp.zeros((1, 2, 128, 256), jnp.bfloat16), jnp.zeros((1, 1, 128, 256), jnp.bfloat16)
-        mg.backward(q256, kv256, kv256, None, None, rows, q256, rows, **kw)
+        mg.backward(q256, kv256, kv256, None, None, rows, q256, rows, options=opts())
     q128, kv128 = jnp.zeros((1, 2, 128, 128), jnp.bfloat16), jnp.zeros((1, 1, 128, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"^D=128 with block_k=128 is not supported .* registers"):
-        mg.backward(q128, kv128, kv128, None, None, rows, q128, rows, block_k=128, **kw)
+        mg.backward(q128, kv128, kv128, None, None, rows, q128, rows, options=opts(block_k=128))
     with pytest.raises(ValueError, match=r"^need Tq % block_q == 0"):  # Tk = 64 is no multiple of block_k = 128
-        mg.backward(q, kv[:, :, :64], kv[:, :, :64], None, None, rows, q, rows, **{**kw, "causal": False}, block_k=128)
+        mg.backward(q, kv[:, :, :64], kv[:, :, :64], None, None, rows, q, rows, options=opts(causal=False, block_k=128))
     with pytest.raises(ValueError, match=r"^interpret must be True .* got None"):
-        mg.backward(q, kv, kv, None, None, rows, q, rows, **{**kw, "interpret": None})
+        mg.backward(q, kv, kv, None, None, rows, q, rows, options=opts(interpret=None))
 
 
 @pytest.mark.parametrize(
@@ -649,7 +654,8 @@ def test_backward_compiles_for_h100_as_two_mosaic_gpu_kernels_without_spills(
     kv = jax.ShapeDtypeStruct((B, HKV, T, d), dtype, sharding=sharding)
     rows = jax.ShapeDtypeStruct((B, H, T), jnp.float32, sharding=sharding)
     segs = _segment_structs(T, sharding) if segments else (None, None)
-    bwd = functools.partial(mg.backward, causal=True, window=window, scale=d**-0.5, block_k=block_k)
+    options = FlashOptions(causal=True, scale=d**-0.5, window=window, block_k=block_k, interpret=False)
+    bwd = functools.partial(mg.backward, options=options)
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")  # read by the CUDA plugin at each Mosaic GPU compile
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     cache = jax.config.jax_enable_compilation_cache
@@ -677,7 +683,8 @@ def test_backward_shared_memory_per_block_does_not_grow_with_t(d, block_k, segme
         kv = jax.ShapeDtypeStruct((B, HKV, t, d), jnp.bfloat16)
         rows = jax.ShapeDtypeStruct((B, H, t), jnp.float32)
         segs = _segment_structs(t) if segments else (None, None)
-        bwd = functools.partial(mg.backward, causal=True, scale=d**-0.5, block_k=block_k)
+        options = FlashOptions(causal=True, scale=d**-0.5, block_k=block_k, interpret=False)
+        bwd = functools.partial(mg.backward, options=options)
         lowered = jax.jit(bwd).trace(q, kv, kv, *segs, rows, q, rows).lower(lowering_platforms=("cuda",))
         dq, dkdv = _launches(lowered)
         assert dq == (B, H, t // 64, 128, 1, 1, mg.dq_smem_bytes(d, 2, block_k, segments=segments))

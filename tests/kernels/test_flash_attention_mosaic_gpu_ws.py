@@ -29,6 +29,7 @@ from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import mosaic_gpu as mg
 from lpt.kernels.flash_attention import mosaic_gpu_blocks as mgb
 from lpt.kernels.flash_attention import mosaic_gpu_ws as ws
+from lpt.kernels.flash_attention.options import FlashOptions
 
 # the single-warpgroup kernel's cases that this forward takes (no segment ids, D <= 128), with their block_k; not
 # "window-d128": the interpreter hangs there (G = 2 with a window: lpt/kernels/flash_attention/mosaic_gpu_ws.py), so
@@ -44,10 +45,11 @@ def test_interpreted_kernel_equals_single_warpgroup_kernel_and_matches_twin(case
     forward` bit for bit, and within the f32 bounds of the twin (tests/kernels/test_flash_attention_mosaic_gpu.py).
     "cross-d128" runs with its block_k = 128 only with O in the input dtype (shared memory), so here with 64."""
     overrides = {"block_k": 64} if case == "cross-d128" else {}
-    fwd = functools.partial(ws.forward, policy=POLICIES[policy], interpret=True, **_kw(case, **overrides))
+    options = FlashOptions(policy=POLICIES[policy], interpret=True, **_kw(case, **overrides))
+    fwd = functools.partial(ws.forward, options=options)
     o, lse = map(np.asarray, jax.jit(fwd)(*_inputs(case)))
     if overrides:
-        single = functools.partial(mg.forward, policy=POLICIES[policy], interpret=True, **_kw(case, **overrides))
+        single = functools.partial(mg.forward, options=options)
         o_1, lse_1 = map(np.asarray, jax.jit(single)(*_inputs(case)))
     else:
         o_1, lse_1 = _kernel(case, POLICIES[policy])
@@ -68,9 +70,9 @@ def test_f16_window_three_stages_and_o_in_the_input_dtype():
     q = jnp.asarray(rng.integers(-3, 4, (1, 4, 512, 64)) / 4, jnp.float16)  # int -> f64 -> f16, exact
     k = jnp.asarray(rng.integers(-3, 4, (1, 4, 512, 64)) / 4, jnp.float16)  # G = 1 (module docstring)
     v = jnp.asarray(rng.standard_normal((1, 4, 512, 64)), jnp.float16)  # f64 -> f16 (RNE)
-    kw = dict(policy=fm.standard_policy(), causal=True, window=200, scale=0.125, block_k=64, interpret=True)
-    o, lse = jax.jit(functools.partial(ws.forward, stages=3, **kw))(q, k, v)
-    o_1, lse_1 = jax.jit(functools.partial(mg.forward, **kw))(q, k, v)
+    options = FlashOptions(causal=True, scale=0.125, policy=fm.standard_policy(), window=200, interpret=True)
+    o, lse = jax.jit(functools.partial(ws.forward, options=options, stages=3))(q, k, v)
+    o_1, lse_1 = jax.jit(functools.partial(mg.forward, options=options))(q, k, v)
     assert o.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_1))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_1))
@@ -91,23 +93,24 @@ def test_rejects_what_it_does_not_support():
     q = jnp.zeros((1, 2, 256, 64), jnp.bfloat16)
     kv = jnp.zeros((1, 1, 256, 64), jnp.bfloat16)
     kw = dict(policy=fm.default_policy(), causal=True, scale=0.125, interpret=True)
+    opts = lambda **changes: FlashOptions(**{**kw, **changes})
     seg = jnp.zeros((1, 256), jnp.int32)
     with pytest.raises(ValueError, match=r"^segment ids are not supported by the warp-specialized"):
-        ws.forward(q, kv, kv, seg, seg, **kw)
+        ws.forward(q, kv, kv, seg, seg, options=opts())
     assert ws.HEAD_DIMS == (64, 128)
     with pytest.raises(ValueError, match=r"^head dim D=256 is not supported .* allowed: \(64, 128\)"):
-        ws.forward(*(jnp.zeros(x.shape[:3] + (256,), jnp.bfloat16) for x in (q, kv, kv)), **kw)
+        ws.forward(*(jnp.zeros(x.shape[:3] + (256,), jnp.bfloat16) for x in (q, kv, kv)), options=opts())
     with pytest.raises(ValueError, match=r"^Tq=192 must be a multiple of 128"):
-        ws.forward(q[:, :, :192], kv[:, :, :192], kv[:, :, :192], **kw)
+        ws.forward(q[:, :, :192], kv[:, :, :192], kv[:, :, :192], options=opts())
     with pytest.raises(ValueError, match=r"^block_q must be 64 .* got block_q=128"):
-        ws.forward(q, kv, kv, block_q=128, **kw)
+        ws.forward(q, kv, kv, options=opts(block_q=128))
     with pytest.raises(ValueError, match=r"^stages=1 must be an int >= 2"):
-        ws.forward(q, kv, kv, stages=1, **kw)
+        ws.forward(q, kv, kv, options=opts(), stages=1)
     with pytest.raises(ValueError, match=r"pv_dtype='float32' differs from the input dtype bfloat16"):
-        ws.forward(q, kv, kv, **{**kw, "policy": fm.default_policy(pv_dtype="float32")})
+        ws.forward(q, kv, kv, options=opts(policy=fm.default_policy(pv_dtype="float32")))
     q128, kv128 = jnp.zeros((1, 2, 256, 128), jnp.bfloat16), jnp.zeros((1, 1, 256, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"^D=128 with block_k=128, stages=2 and a 4-byte O needs 232528 bytes"):
-        ws.forward(q128, kv128, kv128, block_k=128, **kw)
+        ws.forward(q128, kv128, kv128, options=opts(block_k=128))
 
 
 # -- deviceless: compiling for an H100 ---------------------------------------------------------------------------------
@@ -137,13 +140,14 @@ def test_compiles_for_h100_without_spills(d, block_k, stages, causal, window, po
     q = jax.ShapeDtypeStruct((B, H, T, d), dtype, sharding=sharding)
     kv = jax.ShapeDtypeStruct((B, HKV, T, d), dtype, sharding=sharding)
     pol = fm.default_policy() if policy == "stable" else fm.standard_policy()
-    kw = dict(policy=pol, causal=causal, window=window, scale=d**-0.5, block_k=block_k, stages=stages)
+    options = FlashOptions(causal=causal, scale=d**-0.5, policy=pol, window=window, block_k=block_k, interpret=False)
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")  # read by the CUDA plugin at each Mosaic GPU compile
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        text = jax.jit(functools.partial(ws.forward, **kw)).lower(q, kv, kv).compile().as_text()
+        fwd = functools.partial(ws.forward, options=options, stages=stages)
+        text = jax.jit(fwd).lower(q, kv, kv).compile().as_text()
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
     assert re.findall(r'custom_call_target="([^"]+)"', text) == ["mosaic_gpu_v2"]
@@ -164,7 +168,8 @@ def test_shared_memory_per_block_does_not_grow_with_t(d, block_k, stages, policy
     for t in (4096, 32768):
         q = jax.ShapeDtypeStruct((B, H, t, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((B, HKV, t, d), jnp.bfloat16)
-        fwd = functools.partial(ws.forward, policy=pol, causal=True, scale=d**-0.5, block_k=block_k, stages=stages)
+        options = FlashOptions(causal=True, scale=d**-0.5, policy=pol, block_k=block_k, interpret=False)
+        fwd = functools.partial(ws.forward, options=options, stages=stages)
         [launch] = _launches(jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)))
         assert launch == (B, H, t // 128, 384, 1, 1, ws.smem_bytes(d, 2, o_itemsize, block_k, stages))
     assert (ws.smem_bytes(128, 2, 4, 64, ws.STAGES), ws.smem_bytes(128, 2, 2, 128)) == (166992, 199760)

@@ -11,6 +11,7 @@ from lpt.attention import AttentionPolicy, dot_product_attention
 from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import reference as fr
+from lpt.kernels.flash_attention.options import FlashOptions
 from lpt.lab.attention import repeated_max_draws
 
 B, T, H, HKV, D = 1, 30, 2, 1, 16  # T padded to 32 internally
@@ -92,9 +93,9 @@ def test_interpret_kernel_split_accumulation_matches_reference_f32():
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [n, T, 1, D] -> [n, 1, T, D]
     seg = jnp.zeros(q.shape[:1] + q.shape[2:3], jnp.int32)
     policy = fm.default_policy()
-    kw = dict(policy=policy, causal=False, scale=0.25, block_k=16)
-    kernel = lambda q, k, v: fk.forward(q, k, v, seg, seg, block_q=32, interpret=True, **kw)
-    twin = lambda q, k, v: fr.reference_forward(q, k, v, seg, seg, **kw)
+    options = FlashOptions(causal=False, scale=0.25, policy=policy, block_q=32, block_k=16, interpret=True)
+    kernel = lambda q, k, v: fk.forward(q, k, v, seg, seg, options=options)
+    twin = lambda q, k, v: fr.reference_forward(q, k, v, seg, seg, options=options)
     for f in (kernel, twin):  # S = QKᵀ, (P̃ ∘ big) V, (P̃ ∘ ¬big) V
         assert str(jax.make_jaxpr(f)(q, k, v)).count("dot_general") == 3
     o_k, lse_k = jax.jit(kernel)(q, k, v)

@@ -5,8 +5,7 @@ tests prove them legal for v5e and H100."""
 import pytest
 from test_flash_attention_kernel import BK, BQ, HKV, B, D, H, T, _inputs  # noqa: F401
 
-from lpt.kernels.flash_attention import kernel as fk
-from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.options import FlashOptions
 
 
 def test_tiles_per_mode():
@@ -22,5 +21,4 @@ def test_tiles_per_mode():
     assert tiles("triton", 32768, 32768, 64, 128, 128, itemsize=4) == (64, 64)  # f32 rows are twice as long
     assert tiles("triton", 32768, 32768, 128, 128, 128, itemsize=4) == (32, 32)
     with pytest.raises(ValueError, match="structure"):
-        fk.forward(*_inputs()[:3], *_inputs()[4:], policy=fm.default_policy(), causal=True, scale=1.0, block_q=8,
-                   block_k=8, interpret=True, structure="ring")  # fmt: skip
+        FlashOptions(causal=True, scale=1.0, block_q=8, block_k=8, interpret=True, structure="ring")

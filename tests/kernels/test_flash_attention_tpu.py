@@ -8,6 +8,7 @@ from test_flash_attention_kernel import BK, BQ, HKV, B, D, H, T, _inputs  # noqa
 
 from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.options import FlashOptions
 
 
 def test_dkdv_kernel_is_gqa_native():
@@ -17,8 +18,8 @@ def test_dkdv_kernel_is_gqa_native():
     lse = delta = jnp.zeros((B, H, T), jnp.float32)
 
     def bwd(q, k, v, do):
-        kw = dict(causal=True, scale=0.25, block_q=BQ, block_k=BK, interpret=True)
-        return fk.backward(q, k, v, q_seg, kv_seg, lse, do, delta, **kw)
+        options = FlashOptions(causal=True, scale=0.25, block_q=BQ, block_k=BK, interpret=True)
+        return fk.backward(q, k, v, q_seg, kv_seg, lse, do, delta, options=options)
 
     eqns = [e for e in jax.make_jaxpr(bwd)(q, k, v, do).jaxpr.eqns if e.primitive.name == "pallas_call"]
     by_name = {e.params["name"]: e for e in eqns}
@@ -55,11 +56,11 @@ def test_causal_index_maps_skip_masked_blocks():
     k = jnp.zeros((b, hkv, t, d), jnp.bfloat16)
     seg = jnp.zeros((b, t), jnp.int32)
     rows = jnp.zeros((b, h, t), jnp.float32)
-    kw = dict(causal=True, scale=1.0, block_q=8, block_k=4, interpret=True)
+    options = FlashOptions(causal=True, scale=1.0, policy=fm.default_policy(), block_q=8, block_k=4, interpret=True)
 
     def both(q, k):
-        fk.forward(q, k, k, seg, seg, policy=fm.default_policy(), **kw)
-        return fk.backward(q, k, k, seg, seg, rows, q, rows, **kw)
+        fk.forward(q, k, k, seg, seg, options=options)
+        return fk.backward(q, k, k, seg, seg, rows, q, rows, options=options)
 
     eqns = {e.params["name"]: e for e in jax.make_jaxpr(both)(q, k).jaxpr.eqns if e.primitive.name == "pallas_call"}
     assert _fetches(eqns["lpt_flash_attention_fwd"], 1) == 40  # operand 1: k

@@ -3,6 +3,8 @@ Mosaic, "loop": Triton) interpreted against the XLA twin, forward and backward, 
 not multiples of the blocks; the block ranges of lpt.kernels.flash_attention.tiles against brute force; and the
 kernels visit exactly the blocks that meet the window (counted in the kernel, not read off the range function)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import reference as fr
 from lpt.kernels.flash_attention import tiles
 from lpt.kernels.flash_attention import tpu as tpu
+from lpt.kernels.flash_attention.options import FlashOptions
 
 
 def _visible_blocks(t: int, bq: int, bk: int, window: int) -> set[tuple[int, int]]:
@@ -73,16 +76,16 @@ def test_both_structures_match_reference_with_window(window):
     changes O by O(1), so a kernel that ignored it would fail."""
     policy = fm.default_policy()
     q, k, v, do, q_seg, kv_seg = _inputs()
-    kw = dict(causal=True, scale=0.25, window=window)
-    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=BK, **kw))()
-    o_full, _ = fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=BK, causal=True, scale=0.25)
+    twin = FlashOptions(causal=True, scale=0.25, policy=policy, window=window, block_q=BQ, block_k=BK)
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, options=twin))()
+    o_full, _ = fr.reference_forward(q, k, v, q_seg, kv_seg, options=dataclasses.replace(twin, window=0))
     assert float(jnp.max(jnp.abs(o_full - o_r))) > 0.3
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
-    g_r = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=BK, **kw))()
+    g_r = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options=twin))()
     for structure in ("grid", "loop"):
-        run = dict(block_q=BQ, block_k=BK, interpret=True, structure=structure, **kw)
-        o, lse = jax.jit(lambda s=run: fk.forward(q, k, v, q_seg, kv_seg, policy=policy, **s))()
-        dq, dk, dv = jax.jit(lambda s=run: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **s))()
+        run = dataclasses.replace(twin, interpret=True, structure=structure)
+        o, lse = jax.jit(lambda s=run: fk.forward(q, k, v, q_seg, kv_seg, options=s))()
+        dq, dk, dv = jax.jit(lambda s=run: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options=s))()
         for x, ref in zip((o, lse, dq, dk, dv), (o_r, lse_r, *g_r), strict=True):
             _assert_f32_order_close(x, ref)
 
@@ -105,22 +108,22 @@ def test_kernels_visit_only_the_blocks_in_the_window(structure, bq, bk, window, 
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 1, t, 8))
     seg = jnp.zeros((1, t), jnp.int32)
     kw = dict(causal=True, scale=1.0, block_q=bq, block_k=bk, window=window, interpret=True, structure=structure)
+    options = FlashOptions(policy=fm.default_policy(), **kw)
     expected = sorted(_visible_blocks(t, bq, bk, window))
-    o, lse = fk.forward(x, x, x, seg, seg, policy=fm.default_policy(), **kw)
+    o, lse = fk.forward(x, x, x, seg, seg, options=options)
     jax.effects_barrier()
     assert sorted(visits) == expected
     causal_blocks = _visible_blocks(t, bq, bk, t)  # a window of T keys masks nothing beyond causal
     assert len(expected) < 0.6 * len(causal_blocks)  # the window leaves out blocks a causal kernel visits
     visits.clear()
-    fk.backward(x, x, x, seg, seg, lse, x, lse, **kw)
+    fk.backward(x, x, x, seg, seg, lse, x, lse, options=options)
     jax.effects_barrier()
     assert sorted(visits) == sorted(expected * 2)  # dQ and dK/dV
 
 
 def test_window_needs_causal_and_a_count():
-    q, k, v, _, q_seg, kv_seg = _inputs()
     kw = dict(policy=fm.default_policy(), scale=1.0, block_q=BQ, block_k=BK, interpret=True)
     with pytest.raises(ValueError, match=r"^sliding window=4 needs causal attention"):
-        fk.forward(q, k, v, q_seg, kv_seg, causal=False, window=4, **kw)
+        FlashOptions(causal=False, window=4, **kw)
     with pytest.raises(ValueError, match=r"^sliding window=-1 must be an int >= 0 \(0: no window\)$"):
-        fk.forward(q, k, v, q_seg, kv_seg, causal=True, window=-1, **kw)
+        FlashOptions(causal=True, window=-1, **kw)

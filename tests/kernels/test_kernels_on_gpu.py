@@ -20,6 +20,7 @@ which error it allows:
 Run with ``-s`` to see the measured errors.
 """
 
+import dataclasses
 import faulthandler
 import functools
 
@@ -40,6 +41,7 @@ from lpt.kernels.adamw_kahan.kernel import adamw_kahan
 from lpt.kernels.flash_attention import kernel as fk
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import reference as fr
+from lpt.kernels.flash_attention.options import FlashOptions
 from lpt.kernels.flash_attention.tiles import tiles
 from lpt.kernels.fp8_blockwise_matmul.kernel import fp8_blockwise_matmul, fp8_blockwise_matmul_reference
 from lpt.kernels.fp8_blockwise_matmul.mosaic_gpu import fp8_blockwise_matmul_mgpu
@@ -113,19 +115,20 @@ def _forward_close(o, lse, o_r, lse_r, policy, case):
 
 
 def _kernels_vs_twin(forward, backward, bk, d, causal, window, name, label):
-    """``forward(q, k, v, q_seg, kv_seg, policy, **kw) -> (o, lse)`` and ``backward(q, k, v, q_seg, kv_seg, lse, do,
-    delta, **kw) -> (dq, dk, dv)`` against the blockwise XLA twin with key blocks of ``bk``, GQA 4:1, T = 1024, with
-    packed sequences and a padded key."""
+    """``forward(q, k, v, q_seg, kv_seg, options) -> (o, lse)`` and ``backward(q, k, v, q_seg, kv_seg, lse, do,
+    delta, options) -> (dq, dk, dv)`` (``options``: the twin's :class:`FlashOptions`, which each kernel adapts to its
+    blocks) against the blockwise XLA twin with key blocks of ``bk``, GQA 4:1, T = 1024, with packed sequences and a
+    padded key."""
     policy = fm.default_policy() if name == "default" else fm.standard_policy()
     q, k, v, do, q_seg, kv_seg = _attention_inputs(2, 8, 2, 1024, d)
-    kw = dict(causal=causal, scale=d**-0.5, window=window)
+    options = FlashOptions(causal=causal, scale=d**-0.5, policy=policy, window=window, block_k=bk)
     case = f"{label} d={d} {name} causal={causal} window={window}"
-    o, lse = jax.jit(lambda: forward(q, k, v, q_seg, kv_seg, policy, **kw))()
-    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, policy=policy, block_k=bk, **kw))()
+    o, lse = jax.jit(lambda: forward(q, k, v, q_seg, kv_seg, options))()
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, options=options))()
     _forward_close(o, lse, o_r, lse_r, policy, case)
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
-    grads = jax.jit(lambda: backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, **kw))()
-    refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, block_k=bk, **kw))()
+    grads = jax.jit(lambda: backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options))()
+    refs = jax.jit(lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options=options))()
     for what, g, g_r in zip(("dq", "dk", "dv"), grads, refs, strict=True):
         _close(g, g_r, f"{what} {case}")
 
@@ -170,10 +173,10 @@ def _cases(f):
 @_cases
 def test_flash_attention_triton_equals_twin(d, causal, window, name):
     """The Triton forward, dQ and dK/dV kernels (blocks 128 x 128) vs the twin with the kernel's key-block size."""
-    blocks = dict(block_q=128, block_k=128)
+    blocks = lambda options: dataclasses.replace(options, block_q=128, block_k=128)
     _, bk = tiles("triton", 1024, 1024, d, 128, 128)
-    forward = lambda *a, **kw: fk.forward(*a[:5], policy=a[5], **blocks, **kw)
-    backward = lambda *a, **kw: fk.backward(*a, **blocks, **kw)
+    forward = lambda *a: fk.forward(*a[:5], options=blocks(a[5]))
+    backward = lambda *a: fk.backward(*a[:8], options=blocks(a[8]))
     _kernels_vs_twin(forward, backward, bk, d, causal, window, name, "triton")
 
 
@@ -191,8 +194,9 @@ def test_flash_attention_mosaic_gpu_equals_twin(d, causal, window, name):
     from lpt.kernels.flash_attention import mosaic_gpu as mg
 
     bk = mg.BLOCK_KS[0]
-    forward = lambda *a, **kw: mg.forward(*a[:5], policy=a[5], block_k=bk, **kw)
-    backward = lambda *a, **kw: mg.backward(*a, block_k=bk, **kw)
+    compiled = lambda options: dataclasses.replace(options, interpret=False)
+    forward = lambda *a: mg.forward(*a[:5], options=compiled(a[5]))
+    backward = lambda *a: mg.backward(*a[:8], options=compiled(a[8]))
     _kernels_vs_twin(forward, backward, bk, d, causal, window, name, "mgpu")
 
 
@@ -221,12 +225,13 @@ def _ws_forward_case(d, causal, window, name):
     policy = fm.default_policy() if name == "default" else fm.standard_policy()
     q, k, v, *_ = _attention_inputs(2, 8, 2, 1024, d)
     segs = (jnp.zeros((2, 1024), jnp.int32),) * 2  # one segment
-    kw = dict(causal=causal, scale=d**-0.5, window=window, block_k=64 if name == "default" else 128)
+    block_k = 64 if name == "default" else 128
+    options = FlashOptions(causal=causal, scale=d**-0.5, policy=policy, window=window, block_k=block_k, interpret=False)
     case = f"mgpu-ws d={d} {name} causal={causal} window={window}"
-    o, lse = jax.jit(lambda: ws.forward(q, k, v, policy=policy, **kw))()
-    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, *segs, policy=policy, **kw))()
+    o, lse = jax.jit(lambda: ws.forward(q, k, v, options=options))()
+    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, *segs, options=options))()
     _forward_close(o, lse, o_r, lse_r, policy, case)
-    o_1, lse_1 = jax.jit(lambda: mg.forward(q, k, v, policy=policy, **kw))()
+    o_1, lse_1 = jax.jit(lambda: mg.forward(q, k, v, options=options))()
     same = bool(jnp.array_equal(o, o_1) & jnp.array_equal(lse, lse_1))
     print(f"{case}: equal to the single-warpgroup forward bit for bit: {same}")
 

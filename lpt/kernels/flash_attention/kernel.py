@@ -22,8 +22,9 @@ Two structures of the same kernels, one per compiler (tiles per mode: :func:`lpt
 dK/dV is GQA-native in both: one program per (b, kv head, key block) accumulates over the G query heads of its kv
 head and their query blocks and writes dk, dv [B, Hkv, Tk, D]. Platform: :func:`lpt.kernels.dispatch.platform_call`
 (``interpret=True`` interprets everywhere; ``interpret=None`` interprets on CPU, Triton on cuda, Mosaic on tpu).
-The interpreter runs the "grid" structure unless ``structure="loop"`` is passed to :func:`forward` /
-:func:`backward`.
+:func:`forward` and :func:`backward` take their static arguments as one
+:class:`~lpt.kernels.flash_attention.options.FlashOptions` (policy, position rule, scale, blocks, ``interpret``,
+``structure``); the interpreter runs the "grid" structure unless it says ``structure="loop"``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from lpt.kernels import dispatch
 from lpt.kernels.flash_attention import tpu
 from lpt.kernels.flash_attention import triton as gpu
+from lpt.kernels.flash_attention.options import FlashOptions
 from lpt.kernels.flash_attention.tiles import check, structure_of, tiles
 
 
@@ -40,89 +42,78 @@ def _module(mode: str, structure: str | None):
     return tpu if structure_of(mode, structure) == "grid" else gpu
 
 
-def forward(
-    q, k, v, q_seg, kv_seg, *, policy, causal, scale, block_q, block_k, window=0, interpret=None, structure=None
-):
+def _layout(q, k, options: FlashOptions):
+    """(G, ``tiles_of(mode)``): checks the layout against ``options`` (:func:`~lpt.kernels.flash_attention.tiles.check`)
+    and returns the GQA group size and the tiles per compile mode."""
+    g = check(q, k, options.block_q, options.block_k, options.causal, options.window)
+    tq, d = q.shape[2], q.shape[3]
+
+    def tiles_of(mode):
+        return tiles(mode, tq, k.shape[2], d, options.block_q, options.block_k, q.dtype.itemsize)
+
+    return g, tiles_of
+
+
+def forward(q, k, v, q_seg, kv_seg, *, options: FlashOptions):
     """Forward kernel. Returns (O [B, H, Tq, D], lse f32 [B, H, Tq]); O is f32, or already rounded to nearest in
-    q's dtype when ``policy.residual == "input"`` (the wrapper's rounding is then exact). ``window`` > 0: a causal
-    sliding window of that many keys (key blocks outside it are skipped). ``structure`` ("grid" or "loop"; None:
-    "grid") is the structure the interpreter runs.
+    q's dtype when ``options.policy.residual == "input"`` (the wrapper's rounding is then exact). ``options.window``
+    > 0: a causal sliding window of that many keys (key blocks outside it are skipped). ``options.structure``
+    ("grid" or "loop"; None: "grid") is the structure the interpreter runs.
 
     Args:
-      q: [B, H, Tq, D]; Tq a multiple of ``block_q``.
-      k, v: [B, Hkv, Tk, D] (H % Hkv == 0); Tk a multiple of ``block_k``.
+      q: [B, H, Tq, D]; Tq a multiple of ``options.block_q``.
+      k, v: [B, Hkv, Tk, D] (H % Hkv == 0); Tk a multiple of ``options.block_k``.
       q_seg, kv_seg: int32 segment ids [B, Tq], [B, Tk].
-      policy: the :class:`lpt.kernels.flash_attention.math.AttentionPolicy`.
-      causal: key j visible to query i only if j <= i (needs Tq == Tk).
-      scale: logit scale.
-      block_q, block_k: the caller's blocks; the tiles per compile mode derive from them
-        (:func:`lpt.kernels.flash_attention.tiles.tiles`).
-      window: sliding window of keys (needs ``causal``); 0: none.
-      interpret: True interprets on every platform; None per platform (:func:`lpt.kernels.dispatch.platform_call`).
-      structure: "grid" or "loop" for the interpreter; None: "grid".
+      options: the :class:`~lpt.kernels.flash_attention.options.FlashOptions`: the policy, the position rule
+        (``causal``: needs Tq == Tk; ``window``), the logit scale, the caller's blocks (the tiles per compile mode
+        derive from them: :func:`lpt.kernels.flash_attention.tiles.tiles`), ``interpret`` (True interprets on every
+        platform; None per platform: :func:`lpt.kernels.dispatch.platform_call`) and the interpreter's structure.
     """
-    g = check(q, k, block_q, block_k, causal, window)
-    structure_of("interpret", structure)  # validate
-    b, h, tq, d = q.shape
-    tk = k.shape[2]
-    o_dtype = q.dtype if policy.residual == "input" else jnp.float32  # bf16 O halves the write when it suffices
+    g, tiles_of = _layout(q, k, options)
+    o_dtype = q.dtype if options.policy.residual == "input" else jnp.float32  # bf16 O halves the write when it suffices
 
     def build(mode):
-        bq, bk = tiles(mode, tq, tk, d, block_q, block_k, q.dtype.itemsize)
-        return _module(mode, structure).forward_call(
-            mode,
-            shape=q.shape,
-            g=g,
-            tk=tk,
-            o_dtype=o_dtype,
-            policy=policy,
-            causal=causal,
-            window=window,
-            scale=scale,
-            bq=bq,
-            bk=bk,
+        bq, bk = tiles_of(mode)
+        return _module(mode, options.structure).forward_call(
+            mode, shape=q.shape, g=g, tk=k.shape[2], o_dtype=o_dtype, options=options, bq=bq, bk=bk
         )
 
-    o, lse = dispatch.platform_call(build, q, k, v, q_seg[:, :, None], kv_seg[:, None, :], interpret=interpret)
+    segs = (q_seg[:, :, None], kv_seg[:, None, :])
+    o, lse = dispatch.platform_call(build, q, k, v, *segs, interpret=options.interpret)
     return o, lse[..., 0]
 
 
-def backward(
-    q, k, v, q_seg, kv_seg, lse, do, delta, *, causal, scale, block_q, block_k, window=0, interpret=None, structure=None
-):
+def backward(q, k, v, q_seg, kv_seg, lse, do, delta, *, options: FlashOptions):
     """Backward kernels given lse, δ [B, H, Tq] f32. Returns f32 (dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]).
-    ``window``: as in :func:`forward`. ``structure`` ("grid" or "loop"; None: "grid") is the structure the
-    interpreter runs.
 
     Args:
       q, k, v, q_seg, kv_seg: as :func:`forward`.
       lse: f32 [B, H, Tq], the forward's logsumexp.
       do: [B, H, Tq, D], the output's cotangent.
       delta: f32 [B, H, Tq], δ = rowsum(dO ∘ O_residual).
-      causal, scale, block_q, block_k, window, interpret, structure: as :func:`forward`.
+      options: as :func:`forward` (its policy is not read: it enters through lse and δ).
     """
-    g = check(q, k, block_q, block_k, causal, window)
-    structure_of("interpret", structure)  # validate
+    g, tiles_of = _layout(q, k, options)
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     lse_r, delta_r = lse[..., None], delta[..., None]
     segs = (q_seg[:, :, None], kv_seg[:, None, :])
-    kw = dict(g=g, tk=tk, causal=causal, window=window, scale=scale)
 
     def build_dq(mode):
-        bq, bk = tiles(mode, tq, tk, d, block_q, block_k, q.dtype.itemsize)
-        return _module(mode, structure).dq_call(mode, shape=q.shape, bq=bq, bk=bk, **kw)
+        bq, bk = tiles_of(mode)
+        return _module(mode, options.structure).dq_call(mode, shape=q.shape, g=g, tk=tk, options=options, bq=bq, bk=bk)
 
     def build_dkdv(mode):
-        bq, bk = tiles(mode, tq, tk, d, block_q, block_k, q.dtype.itemsize)
-        return _module(mode, structure).dkdv_call(mode, shape=(b, hkv, g * tq, d), bq=bq, bk=bk, **kw)
+        bq, bk = tiles_of(mode)
+        shape = (b, hkv, g * tq, d)
+        return _module(mode, options.structure).dkdv_call(mode, shape=shape, g=g, tk=tk, options=options, bq=bq, bk=bk)
 
     def grouped(x):  # [B, H, Tq, n] -> [B, Hkv, G·Tq, n] (free: query heads of one kv head are adjacent)
         return x.reshape(b, hkv, g * tq, x.shape[-1])
 
     dkdv_args = (grouped(q), k, v, grouped(do), grouped(lse_r), grouped(delta_r), *segs)
-    dk, dv = dispatch.platform_call(build_dkdv, *dkdv_args, interpret=interpret)
-    dq = dispatch.platform_call(build_dq, q, k, v, do, lse_r, delta_r, *segs, interpret=interpret)
+    dk, dv = dispatch.platform_call(build_dkdv, *dkdv_args, interpret=options.interpret)
+    dq = dispatch.platform_call(build_dq, q, k, v, do, lse_r, delta_r, *segs, interpret=options.interpret)
     return dq, dk, dv
 
 

@@ -113,6 +113,7 @@ from lpt.kernels.flash_attention.mosaic_gpu_blocks import (
     dq_smem_bytes,
     smem_bytes,
 )
+from lpt.kernels.flash_attention.options import FlashOptions
 from lpt.kernels.flash_attention.tiles import check
 
 __all__ = [
@@ -131,13 +132,13 @@ __all__ = [
 ]
 
 
-def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments, interpret):
+def _kernel(*refs, options, nq, nk, g, d, segments):
     q_g, k_g, v_g, *segs, o_g, lse_g = refs  # segs: (q_seg [B, Tq], kv_seg [B, Tk]) or ()
+    interpret, bq, bk = options.interpret, options.block_q, options.block_k
     native = not interpret  # the hardware RNE convert when compiled; the bit-exact rounding under XLA
     dtype = q_g.dtype
-    pv_dtype = policy.pv(v_g.dtype)
-    mask = dict(policy=policy, causal=causal, window=window)
-    i, h, b, hk, first, end, rows = blocks._query_program(nq, nk, g, bq, bk, causal, window)
+    pv_dtype = options.policy.pv(v_g.dtype)
+    i, h, b, hk, first, end, rows = blocks._query_program(nq, nk, g, bq, bk, options.causal, options.window)
     tiled = blocks._swizzled(d, dtype)
 
     def with_q(q_s, bars, p_s, qseg_s):
@@ -147,11 +148,9 @@ def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments
         def step(idx, k_s, v_s, *rest):
             *kvseg_s, carry = rest
             j = first + idx[0]
-            s = blocks.logits(q_s, k_s if interpret else k_s.transpose((1, 0)), bk, scale)
+            s = blocks.logits(q_s, k_s if interpret else k_s.transpose((1, 0)), bk, options.scale)
             kv_seg = blocks._vector(kvseg_s[0], 0, interpret) if segments else None  # [bk] int32 columns
-            return blocks.forward_block(
-                carry, s, v_s, p_s, i * bq, j * bk, **mask, q_seg=q_seg, kv_seg=kv_seg, interpret=interpret
-            )
+            return blocks.forward_block(carry, s, v_s, p_s, i * bq, j * bk, options=options, q_seg=q_seg, kv_seg=kv_seg)
 
         init = blocks.forward_init(bq, d, interpret)
         if interpret:  # k arrives transposed, [D, Tk]
@@ -192,8 +191,9 @@ def _kernel(*refs, policy, causal, window, scale, nq, nk, g, d, bq, bk, segments
     )
 
 
-def _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_q, block_k, interpret) -> int:
-    blocks._validate_common(q, k, v, q_seg, kv_seg, block_q, block_k, interpret)
+def _validate(q, k, v, q_seg, kv_seg, options) -> int:
+    blocks._validate_common(q, k, v, q_seg, kv_seg, options)
+    policy, block_k = options.policy, options.block_k
     d = q.shape[3]
     if d not in blocks.HEAD_DIMS:
         raise ValueError(f"head dim D={d} is not supported by the Mosaic GPU forward; allowed: {blocks.HEAD_DIMS}")
@@ -209,48 +209,29 @@ def _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_q, block_k, 
             f"D={d} with block_k={block_k} needs {need} bytes of shared memory per block, more than the "
             f"{blocks.SMEM_LIMIT} of an H100; use block_k={blocks.BLOCK_KS[0]}"
         )
-    return check(q, k, block_q, block_k, causal, window)
+    return check(q, k, options.block_q, block_k, options.causal, options.window)
 
 
-def forward(
-    q,
-    k,
-    v,
-    q_seg=None,
-    kv_seg=None,
-    *,
-    policy: fm.AttentionPolicy,
-    causal: bool,
-    scale: float,
-    block_q: int = blocks.BLOCK_Q,
-    block_k: int = blocks.BLOCK_KS[0],
-    window: int = 0,
-    interpret: bool = False,
-):
+def forward(q, k, v, q_seg=None, kv_seg=None, *, options: FlashOptions):
     """The Mosaic GPU (Hopper) flash-attention forward. Returns (O [B, H, Tq, D], lse f32 [B, H, Tq]) as
     :func:`lpt.kernels.flash_attention.kernel.forward` does: O is f32, or already rounded to nearest in q's dtype
-    when ``policy.residual == "input"``; a query that sees no key gets O = 0 and lse = −inf.
+    when ``options.policy.residual == "input"``; a query that sees no key gets O = 0 and lse = −inf.
 
     Args:
-      q: [B, H, Tq, D], bf16 or f16; D in :data:`HEAD_DIMS`; Tq a multiple of ``block_q``.
-      k, v: [B, Hkv, Tk, D] (H % Hkv == 0) in q's dtype; Tk a multiple of ``block_k``; causal needs Tq == Tk.
+      q: [B, H, Tq, D], bf16 or f16; D in :data:`HEAD_DIMS`; Tq a multiple of ``options.block_q``.
+      k, v: [B, Hkv, Tk, D] (H % Hkv == 0) in q's dtype; Tk a multiple of ``options.block_k``; causal needs Tq == Tk.
       q_seg, kv_seg: None, or int32 segment ids [B, Tq] and [B, Tk]: query i attends key j only if
         q_seg[i] == kv_seg[j] (packing; padding: ids that match nothing).
-      policy: the numerics policy; its ``pv_dtype`` must be None or the input dtype.
-      causal, window: the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`); ``window`` > 0
-        needs ``causal``; key blocks outside a query block's range are neither fetched nor computed.
-      scale: logit scale.
-      block_q: 64.
-      block_k: 64 or 128 (D = 256 fits shared memory with 64 only).
-      interpret: False compiles for CUDA (Hopper, custom call ``mosaic_gpu_v2``); True runs the Mosaic GPU
-        interpreter on CPU.
+      options: the :class:`~lpt.kernels.flash_attention.options.FlashOptions`: the policy (its ``pv_dtype`` None or
+        the input dtype); the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`; key blocks
+        outside a query block's range are neither fetched nor computed); the logit scale; ``block_q`` 64;
+        ``block_k`` 64 or 128 (D = 256 fits shared memory with 64 only); ``interpret`` False compiles for CUDA
+        (Hopper, custom call ``mosaic_gpu_v2``), True runs the Mosaic GPU interpreter on CPU (None: ValueError).
     """
-    g = _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_q, block_k, interpret)
+    g = _validate(q, k, v, q_seg, kv_seg, options)
     segments = q_seg is not None
-    static, out_type, k_op = blocks.forward_launch(
-        q, k, policy, causal=causal, window=window, scale=scale, g=g, block_k=block_k, interpret=interpret
-    )
-    kernel = functools.partial(_kernel, **static, bq=block_q, segments=segments)
+    static, out_type, k_op = blocks.forward_launch(q, k, options, g=g)
+    kernel = functools.partial(_kernel, **static, segments=segments)
     b, h = q.shape[:2]
     return plgpu.kernel(
         kernel,
@@ -258,7 +239,7 @@ def forward(
         grid=(static["nq"], h, b),
         grid_names=("q", "h", "b"),
         kernel_name="lpt_flash_attention_fwd_mgpu",
-        interpret=blocks.interpret_params() if interpret else None,
+        interpret=blocks.interpret_params() if options.interpret else None,
     )(q, k_op, v, *((q_seg, kv_seg) if segments else ()))
 
 

@@ -14,18 +14,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import mosaic_gpu_blocks as blocks
+from lpt.kernels.flash_attention.options import FlashOptions
 from lpt.kernels.flash_attention.tiles import check, query_blocks
 
 __all__ = ["backward"]
 
 
-def _dq_kernel(*refs, causal, window, scale, nq, nk, g, d, bq, bk, segments, interpret):
+def _dq_kernel(*refs, options, nq, nk, g, d, bq, bk, segments):
     """dQ of query block i (64 rows) of head h, batch b: dq = scale · Σ_j round(dS_j) K_j over key_blocks(i).
 
     Operands (q, k, v, do, lse, δ, [q_seg, kv_seg], dq) compiled; the interpreter gets (q, kᵀ, vᵀ, k, do, lse, δ, ...)
     instead: its wgmma cannot transpose, so the Kᵀ and Vᵀ that S = Q Kᵀ and dP = dO Vᵀ read come stored
     transposed."""
     *ins, dq_g = refs
+    causal, window, scale, interpret = options.causal, options.window, options.scale, options.interpret
     if interpret:
         q_g, kt_g, vt_g, k_g, do_g, lse_g, delta_g, *segs = ins
         streamed = [kt_g, vt_g, k_g]
@@ -98,7 +100,7 @@ def _dq_kernel(*refs, causal, window, scale, nq, nk, g, d, bq, bk, segments, int
     )
 
 
-def _dkdv_kernel(*refs, causal, window, scale, tq, g, d, bq, bk, segments, interpret):
+def _dkdv_kernel(*refs, options, tq, g, d, bq, bk, segments):
     """dK, dV of key block j (``bk`` = 64 rows) of kv head hk, batch b, summed over the G query heads of hk and the
     query blocks of query_blocks(j) (``bq`` rows each), with keys as rows (Sᵀ = K Qᵀ, the tiles' M = 64):
 
@@ -110,6 +112,7 @@ def _dkdv_kernel(*refs, causal, window, scale, tq, g, d, bq, bk, segments, inter
     kv_seg], dk, dv) compiled; the interpreter gets (q, qᵀ, k, v, do, doᵀ, lse, δ, ...): its wgmma cannot transpose,
     so the Qᵀ and dOᵀ that Sᵀ and dPᵀ read come stored transposed."""
     *ins, dk_g, dv_g = refs
+    causal, window, scale, interpret = options.causal, options.window, options.scale, options.interpret
     if interpret:
         q_g, qt_g, k_g, v_g, do_g, dot_g, lse_g, delta_g, *segs = ins
         streamed = [q_g, do_g, lse_g, delta_g, qt_g, dot_g]
@@ -195,8 +198,9 @@ def _dkdv_kernel(*refs, causal, window, scale, tq, g, d, bq, bk, segments, inter
     )
 
 
-def _validate_backward(q, k, v, q_seg, kv_seg, lse, do, delta, causal, window, block_q, block_k, interpret) -> int:
-    blocks._validate_common(q, k, v, q_seg, kv_seg, block_q, block_k, interpret)
+def _validate_backward(q, k, v, q_seg, kv_seg, lse, do, delta, options) -> int:
+    blocks._validate_common(q, k, v, q_seg, kv_seg, options)
+    block_q, block_k, causal, window = options.block_q, options.block_k, options.causal, options.window
     b, h, tq, d = q.shape
     if do.shape != q.shape or do.dtype != q.dtype or lse.shape != (b, h, tq) or delta.shape != (b, h, tq):
         raise ValueError(
@@ -221,23 +225,7 @@ def _validate_backward(q, k, v, q_seg, kv_seg, lse, do, delta, causal, window, b
     return check(q, k, block_q, block_k, causal, window)
 
 
-def backward(
-    q,
-    k,
-    v,
-    q_seg,
-    kv_seg,
-    lse,
-    do,
-    delta,
-    *,
-    causal: bool,
-    scale: float,
-    block_q: int = blocks.BLOCK_Q,
-    block_k: int = blocks.BLOCK_KS[0],
-    window: int = 0,
-    interpret: bool = False,
-):
+def backward(q, k, v, q_seg, kv_seg, lse, do, delta, *, options: FlashOptions):
     """The Mosaic GPU (Hopper) flash-attention backward, as :func:`lpt.kernels.flash_attention.kernel.backward`:
     given lse and δ = rowsum(dO ∘ O_residual) [B, H, Tq] f32, returns f32 (dq [B, H, Tq, D], dk, dv [B, Hkv, Tk,
     D]); the policy enters through lse (its forward) and δ (its residual). Two kernels: dQ, one CTA per (query block
@@ -246,19 +234,20 @@ def backward(
     of ``query_blocks`` in steps of ``block_k`` queries (GQA-native: no [B, H, Tk, D] buffer).
 
     Args:
-      q, k, v, q_seg, kv_seg, causal, scale, window, interpret: as
-        :func:`lpt.kernels.flash_attention.mosaic_gpu.forward`; D in
+      q, k, v, q_seg, kv_seg: as :func:`lpt.kernels.flash_attention.mosaic_gpu.forward`; D in
         :data:`~lpt.kernels.flash_attention.mosaic_gpu_blocks.BACKWARD_HEAD_DIMS`.
       lse, delta: [B, H, Tq] f32: the forward's logsumexp and δ = rowsum(dO ∘ O_residual).
       do: [B, H, Tq, D] in q's dtype, the output's gradient.
-      block_q, block_k: 64, and 64 or 128 with D · block_k <= 8192 (registers); Tq and Tk multiples of both.
+      options: as :func:`lpt.kernels.flash_attention.mosaic_gpu.forward` (its policy is not read), with
+        ``block_q`` 64 and ``block_k`` 64 or 128 with D · block_k <= 8192 (registers); Tq and Tk multiples of both.
     """
-    g = _validate_backward(q, k, v, q_seg, kv_seg, lse, do, delta, causal, window, block_q, block_k, interpret)
+    g = _validate_backward(q, k, v, q_seg, kv_seg, lse, do, delta, options)
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
+    block_q, block_k, interpret = options.block_q, options.block_k, options.interpret
     segments = q_seg is not None
     segs = (q_seg, kv_seg) if segments else ()
-    common = dict(causal=causal, window=window, scale=scale, g=g, d=d, segments=segments, interpret=interpret)
+    common = dict(options=options, g=g, d=d, segments=segments)
     params = blocks.interpret_params() if interpret else None
     dq_kernel = functools.partial(_dq_kernel, nq=tq // block_q, nk=tk // block_k, bq=block_q, bk=block_k, **common)
     if interpret:  # the interpreter's wgmma takes Kᵀ, Vᵀ as stored

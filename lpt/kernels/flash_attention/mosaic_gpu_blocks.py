@@ -221,7 +221,7 @@ def logits(q_s, k_t, bk: int, scale: float):
     return _mma(q_s, k_t, (q_s.shape[0], bk)) * jnp.float32(scale)
 
 
-def forward_block(carry, s, v_s, p_s, q_start, k_start, *, policy, causal, window, q_seg, kv_seg, interpret):
+def forward_block(carry, s, v_s, p_s, q_start, k_start, *, options, q_seg, kv_seg):
     """One key block of the Mosaic GPU forward given its logits: the block's position (and segment) mask and
     math.py's online-softmax step (:func:`lpt.kernels.flash_attention.math.forward_step`), its P̃V by wgmma from V in
     SMEM. Returns the new carry. Every Mosaic GPU forward schedule runs this per key block.
@@ -232,39 +232,37 @@ def forward_block(carry, s, v_s, p_s, q_start, k_start, *, policy, causal, windo
       v_s: the V block [bk, D] in SMEM (its dtype is the P̃V dtype).
       p_s: the interpreter's SMEM tile [bq, bk] for P̃ (None when compiled).
       q_start, k_start: int32 positions of the block's first query and first key.
-      policy, causal, window: the numerics policy and the position rule.
+      options: the :class:`~lpt.kernels.flash_attention.options.FlashOptions` (its policy, position rule and
+        ``interpret``: True in the Mosaic GPU interpreter).
       q_seg, kv_seg: [bq] / [bk] int32 segment ids of the block's rows and columns, or None.
-      interpret: True in the Mosaic GPU interpreter.
     """
-    valid = block_mask(q_start, k_start, s.shape, causal, window, interpret)
+    interpret = options.interpret
+    valid = block_mask(q_start, k_start, s.shape, options.causal, options.window, interpret)
     valid = segment_mask(valid, q_seg, kv_seg, s.shape)
 
     def matmul(w):  # w [bq, bk] in the pv dtype -> w V f32 [bq, D]
         return _mma(_operand(w, p_s, interpret), v_s, (s.shape[0], v_s.shape[1]))
 
-    return fm.forward_step(carry, s, valid, matmul, policy, jnp.dtype(v_s.dtype), not interpret)
+    return fm.forward_step(carry, s, valid, matmul, options.policy, jnp.dtype(v_s.dtype), not interpret)
 
 
-def forward_launch(q, k, policy, *, causal, window, scale, g, block_k, interpret):
-    """What both forwards' launches share: the static keywords of the per-CTA kernel (``policy, causal, window,
-    scale, nq, nk, g, d, bk, interpret``; nq, nk the query and key blocks of 64 and ``block_k`` rows), the output
-    types (O in the input dtype when ``policy.residual == "input"``, else f32; lse f32 [B, H, Tq]) and K as the kernel
-    reads it (stored transposed for the interpreter's wgmma). Returns ``(static, out_type, k_op)``.
+def forward_launch(q, k, options, *, g):
+    """What both forwards' launches share: the static keywords of the per-CTA kernel (``options, nq, nk, g, d``; nq,
+    nk the query and key blocks of 64 and ``options.block_k`` rows), the output types (O in the input dtype when
+    ``options.policy.residual == "input"``, else f32; lse f32 [B, H, Tq]) and K as the kernel reads it (stored
+    transposed for the interpreter's wgmma). Returns ``(static, out_type, k_op)``.
 
     Args:
       q: [B, H, Tq, D].
       k: [B, Hkv, Tk, D].
-      policy, causal, window, scale: as the forward takes them.
+      options: the forward's :class:`~lpt.kernels.flash_attention.options.FlashOptions`.
       g: query heads per kv head (GQA).
-      block_k: key rows per pipeline step.
-      interpret: True in the Mosaic GPU interpreter.
     """
     b, h, tq, d = q.shape
-    o_dtype = q.dtype if policy.residual == "input" else jnp.float32  # bf16 O halves the write when it suffices
-    static = dict(policy=policy, causal=causal, window=window, scale=scale, g=g, d=d, bk=block_k, interpret=interpret)
-    static.update(nq=tq // BLOCK_Q, nk=k.shape[2] // block_k)
+    o_dtype = q.dtype if options.policy.residual == "input" else jnp.float32  # bf16 O halves the write if it suffices
+    static = dict(options=options, g=g, d=d, nq=tq // BLOCK_Q, nk=k.shape[2] // options.block_k)
     out_type = (jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
-    return static, out_type, jnp.swapaxes(k, 2, 3) if interpret else k
+    return static, out_type, jnp.swapaxes(k, 2, 3) if options.interpret else k
 
 
 def _query_program(nq, nk, g, bq, bk, causal, window):
@@ -277,8 +275,9 @@ def _query_program(nq, nk, g, bq, bk, causal, window):
     return i, h, b, hk, first, end, pl.ds(pl.multiple_of(i * bq, bq), bq)
 
 
-def _validate_common(q, k, v, q_seg, kv_seg, block_q, block_k, interpret) -> None:
+def _validate_common(q, k, v, q_seg, kv_seg, options) -> None:
     """The checks the forward and the backward share."""
+    block_q, block_k, interpret = options.block_q, options.block_k, options.interpret
     if interpret not in (True, False):
         raise ValueError(
             f"interpret must be True (the Mosaic GPU interpreter, on CPU) or False (compile for CUDA), got "

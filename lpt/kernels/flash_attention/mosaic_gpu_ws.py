@@ -66,6 +66,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import mosaic_gpu_blocks as blocks
+from lpt.kernels.flash_attention.options import FlashOptions
 from lpt.kernels.flash_attention.tiles import check, key_blocks
 
 __all__ = ["BLOCK_KS", "HEAD_DIMS", "STAGES", "forward", "smem_bytes"]
@@ -95,13 +96,14 @@ def smem_bytes(d: int, itemsize: int, o_itemsize: int, block_k: int, stages: int
     return tiles + epilogue + blocks._REDUCTION_SCRATCH + blocks._BARRIER * (_CONSUMERS + 4 * stages)
 
 
-def _kernel(q_g, k_g, v_g, o_g, lse_g, *, policy, causal, window, scale, nq, nk, g, d, bk, stages, interpret):
+def _kernel(q_g, k_g, v_g, o_g, lse_g, *, options, nq, nk, g, d, stages):
+    interpret, bk = options.interpret, options.block_k
     bq, dtype, native = blocks.BLOCK_Q, q_g.dtype, not interpret
     tiled = blocks._swizzled(d, dtype)
     pair = nq // _CONSUMERS - 1 - lax.axis_index("q")  # the last first: the longest causal ranges start first
     h, b = lax.axis_index("h"), lax.axis_index("b")
     hk = lax.div(h, jnp.int32(g))
-    ranges = dict(bq=bq, bk=bk, nk=nk, causal=causal, window=window)
+    ranges = dict(bq=bq, bk=bk, nk=nk, causal=options.causal, window=options.window)
     first, _ = key_blocks(_CONSUMERS * pair, **ranges)
     _, end = key_blocks(_CONSUMERS * pair + _CONSUMERS - 1, **ranges)  # the union of the consumers' ranges
 
@@ -131,22 +133,12 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, *, policy, causal, window, scale, nq, nk,
             def compute(j, carry):
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_full.at[slot])
-                s = blocks.logits(q_w, k_s.at[slot] if interpret else k_s.at[slot].transpose((1, 0)), bk, scale)
+                k_t = k_s.at[slot] if interpret else k_s.at[slot].transpose((1, 0))
+                s = blocks.logits(q_w, k_t, bk, options.scale)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
                 carry = blocks.forward_block(
-                    carry,
-                    s,
-                    v_s.at[slot],
-                    p_w,
-                    i * bq,
-                    j * bk,
-                    policy=policy,
-                    causal=causal,
-                    window=window,
-                    q_seg=None,
-                    kv_seg=None,
-                    interpret=interpret,
+                    carry, s, v_s.at[slot], p_w, i * bq, j * bk, options=options, q_seg=None, kv_seg=None
                 )
                 plgpu.barrier_arrive(v_free.at[slot])
                 return carry
@@ -207,13 +199,18 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, *, policy, causal, window, scale, nq, nk,
     )
 
 
-def _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_k, stages, interpret) -> int:
+def _validate(q, k, v, q_seg, kv_seg, options, stages) -> int:
     if q_seg is not None or kv_seg is not None:
         raise ValueError(
             "segment ids are not supported by the warp-specialized Mosaic GPU forward; use "
             "lpt.kernels.flash_attention.mosaic_gpu.forward"
         )
-    blocks._validate_common(q, k, v, None, None, blocks.BLOCK_Q, block_k, interpret)
+    if options.block_q != blocks.BLOCK_Q:
+        raise ValueError(
+            f"block_q must be {blocks.BLOCK_Q} (one consumer warpgroup's rows); got block_q={options.block_q}"
+        )
+    blocks._validate_common(q, k, v, None, None, options)
+    policy, block_k = options.policy, options.block_k
     d = q.shape[3]
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim D={d} is not supported by the warp-specialized forward; allowed: {HEAD_DIMS}")
@@ -233,50 +230,30 @@ def _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_k, stages, i
         )
     if q.shape[2] % (_CONSUMERS * blocks.BLOCK_Q):
         raise ValueError(f"Tq={q.shape[2]} must be a multiple of {_CONSUMERS * blocks.BLOCK_Q} (query rows per CTA)")
-    return check(q, k, blocks.BLOCK_Q, block_k, causal, window)
+    return check(q, k, blocks.BLOCK_Q, block_k, options.causal, options.window)
 
 
-def forward(
-    q,
-    k,
-    v,
-    q_seg=None,
-    kv_seg=None,
-    *,
-    policy: fm.AttentionPolicy,
-    causal: bool,
-    scale: float,
-    block_q: int = blocks.BLOCK_Q,
-    block_k: int = BLOCK_KS[0],
-    window: int = 0,
-    stages: int = STAGES,
-    interpret: bool = False,
-):
+def forward(q, k, v, q_seg=None, kv_seg=None, *, options: FlashOptions, stages: int = STAGES):
     """The warp-specialized Mosaic GPU (Hopper) flash-attention forward: returns what
     :func:`lpt.kernels.flash_attention.mosaic_gpu.forward` returns, (O [B, H, Tq, D], lse f32 [B, H, Tq]); O is f32,
-    or rounded to nearest in q's dtype when ``policy.residual == "input"``; a query that sees no key gets O = 0 and
-    lse = −inf. Takes that function's arguments (and ``stages``), so either can be passed where the other is.
+    or rounded to nearest in q's dtype when ``options.policy.residual == "input"``; a query that sees no key gets
+    O = 0 and lse = −inf. Takes that function's arguments (and ``stages``), so either can be passed where the other
+    is.
 
     Args:
       q: [B, H, Tq, D], bf16 or f16; D in :data:`HEAD_DIMS`; Tq a multiple of 128 (two 64-row query blocks per CTA).
-      k, v: [B, Hkv, Tk, D] (H % Hkv == 0) in q's dtype; Tk a multiple of ``block_k``; causal needs Tq == Tk.
+      k, v: [B, Hkv, Tk, D] (H % Hkv == 0) in q's dtype; Tk a multiple of ``options.block_k``; causal needs Tq == Tk.
       q_seg, kv_seg: None (segment ids are not supported here: ValueError).
-      policy: the numerics policy; its ``pv_dtype`` must be None or the input dtype.
-      causal, window: the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`); key blocks that
-        no query of a CTA sees are neither fetched nor computed.
-      scale: logit scale.
-      block_q: 64 (query rows per consumer warpgroup).
-      block_k: 64 or 128 (D = 128 with 128 fits shared memory only with O in the input dtype).
+      options: the :class:`~lpt.kernels.flash_attention.options.FlashOptions`: the policy (its ``pv_dtype`` None or
+        the input dtype); the position rule (:func:`lpt.kernels.flash_attention.math.position_mask`; key blocks
+        that no query of a CTA sees are neither fetched nor computed); the logit scale; ``block_q`` 64 (query rows
+        per consumer warpgroup); ``block_k`` 64 or 128 (D = 128 with 128 fits shared memory only with O in the
+        input dtype); ``interpret`` False compiles for CUDA (Hopper, custom call ``mosaic_gpu_v2``), True runs the
+        Mosaic GPU interpreter on CPU.
       stages: K/V slots of the ring (>= 2).
-      interpret: False compiles for CUDA (Hopper, custom call ``mosaic_gpu_v2``); True runs the Mosaic GPU
-        interpreter on CPU.
     """
-    if block_q != blocks.BLOCK_Q:
-        raise ValueError(f"block_q must be {blocks.BLOCK_Q} (one consumer warpgroup's rows); got block_q={block_q}")
-    g = _validate(q, k, v, q_seg, kv_seg, policy, causal, window, block_k, stages, interpret)
-    static, out_type, k_op = blocks.forward_launch(
-        q, k, policy, causal=causal, window=window, scale=scale, g=g, block_k=block_k, interpret=interpret
-    )
+    g = _validate(q, k, v, q_seg, kv_seg, options, stages)
+    static, out_type, k_op = blocks.forward_launch(q, k, options, g=g)
     kernel = functools.partial(_kernel, **static, stages=stages)
     b, h = q.shape[:2]
     return plgpu.kernel(
@@ -287,5 +264,5 @@ def forward(
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         kernel_name="lpt_flash_attention_fwd_ws_mgpu",
-        interpret=blocks.interpret_params() if interpret else None,
+        interpret=blocks.interpret_params() if options.interpret else None,
     )(q, k_op, v)

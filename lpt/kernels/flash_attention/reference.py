@@ -3,9 +3,11 @@
 Layout (canonical, as the kernel sees it): q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H % Hkv == 0 (grouped-query
 attention: query head h reads kv head h // (H / Hkv)); q_seg [B, Tq], kv_seg [B, Tk] int32. Query i may attend key
 j iff ``q_seg[i] == kv_seg[j]`` and, if causal, ``j <= i``, and with a sliding window ``window`` > 0 also
-``i − window < j`` (:func:`lpt.kernels.flash_attention.math.position_mask`). Tk must be a multiple of ``block_k``
-(the wrapper pads). The twin masks the keys outside a window but still visits every key block (all query rows share
-one scan): its work stays O(Tq·Tk); the kernels skip the blocks outside the window.
+``i − window < j`` (:func:`lpt.kernels.flash_attention.math.position_mask`). :func:`reference_forward` and
+:func:`reference_backward` take the kernels' :class:`~lpt.kernels.flash_attention.options.FlashOptions` (policy,
+position rule, scale, ``block_k``). Tk must be a multiple of ``block_k`` (the wrapper pads). The twin masks the
+keys outside a window but still visits every key block (all query rows share one scan): its work stays O(Tq·Tk);
+the kernels skip the blocks outside the window.
 
 Forward: a ``lax.scan`` over key blocks of size ``block_k`` applying :mod:`lpt.kernels.flash_attention.math`'s rules;
 all query rows at once (rows are independent, so the query blocking of the kernel does not change a row's arithmetic).
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.options import FlashOptions
 
 
 def valid_mask(q_seg, kv_seg, q_pos, k_pos, causal: bool, window: int = 0):
@@ -54,40 +57,37 @@ def _key_blocks(k, v, kv_seg, block_k: int):
     return jnp.arange(nk, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks
 
 
-def _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k: int, *, causal: bool, window: int, scale: float):
+def _block_logits(qg, k_blk, q_seg, seg_blk, j, options: FlashOptions):
     """(s, valid) of key block j: f32 logits scale·q kᵀ [B, Hkv, G, Tq, bk] and the attend mask."""
+    block_k = options.block_k
     q_pos = jnp.arange(qg.shape[3], dtype=jnp.int32)
     k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    valid = valid_mask(q_seg, seg_blk, q_pos, k_pos, causal, window)
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    valid = valid_mask(q_seg, seg_blk, q_pos, k_pos, options.causal, options.window)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_blk, preferred_element_type=jnp.float32) * jnp.float32(options.scale)
     return s, valid
 
 
-def reference_forward(
-    q, k, v, q_seg, kv_seg, *, policy: fm.AttentionPolicy, causal: bool, scale: float, block_k: int, window: int = 0
-):
+def reference_forward(q, k, v, q_seg, kv_seg, *, options: FlashOptions):
     """Blockwise forward. Returns (O f32 [B, H, Tq, D], lse f32 [B, H, Tq]).
 
     Args:
       q: [B, H, Tq, D].
-      k, v: [B, Hkv, Tk, D] (H % Hkv == 0); Tk a multiple of ``block_k``.
+      k, v: [B, Hkv, Tk, D] (H % Hkv == 0); Tk a multiple of ``options.block_k``.
       q_seg, kv_seg: int32 segment ids [B, Tq], [B, Tk].
-      policy: the :class:`lpt.kernels.flash_attention.math.AttentionPolicy`.
-      causal: key j visible to query i only if j <= i.
-      scale: logit scale.
-      block_k: keys per scan step.
-      window: sliding window of keys (needs ``causal``); 0: none.
+      options: the :class:`~lpt.kernels.flash_attention.options.FlashOptions`: the policy, the position rule
+        (``causal``, ``window``), the logit scale and ``block_k``, the keys per scan step (the rest is not read).
     """
     b, h, tq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
-    xs = _key_blocks(k, v, kv_seg, block_k)
+    xs = _key_blocks(k, v, kv_seg, options.block_k)
+    policy = options.policy
     pv_dtype = policy.pv(v.dtype)
     qg = q.reshape(b, hkv, g, tq, d)
 
     def step(carry, xs):
         j, k_blk, v_blk, seg_blk = xs
-        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, window=window, scale=scale)
+        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, options)
         v_pv = fm.round_to(v_blk.astype(jnp.float32), pv_dtype)  # v dtype -> f32 (exact) -> pv dtype
 
         def matmul(p_part):
@@ -103,27 +103,21 @@ def reference_forward(
     return o.reshape(b, h, tq, d), lse[..., 0].reshape(b, h, tq)  # [B, Hkv, G, Tq, 1] -> [B, H, Tq]
 
 
-def reference_backward(
-    q, k, v, q_seg, kv_seg, lse, do, delta, *, causal: bool, scale: float, block_k: int | None = None, window: int = 0
-):
+def reference_backward(q, k, v, q_seg, kv_seg, lse, do, delta, *, options: FlashOptions):
     """Blockwise FA2 backward. lse, delta: [B, H, Tq] f32. Returns f32 (dq [B,H,Tq,D], dk, dv [B,Hkv,Tk,D]).
-
-    ``block_k`` None: the largest power of two <= 128 that divides Tk.
 
     Args:
       q, k, v, q_seg, kv_seg: as :func:`reference_forward`.
       lse: f32 [B, H, Tq], the forward's logsumexp.
       do: [B, H, Tq, D], the output's cotangent.
       delta: f32 [B, H, Tq], δ = rowsum(dO ∘ O_residual).
-      causal, scale, window: as :func:`reference_forward`.
-      block_k: keys per scan step, dividing Tk.
+      options: as :func:`reference_forward` (its policy is not read: it enters through lse and δ).
     """
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = h // hkv
-    if block_k is None:
-        block_k = next(c for c in (128, 64, 32, 16, 8, 4, 2, 1) if tk % c == 0)
-    xs = _key_blocks(k, v, kv_seg, block_k)
+    scale = options.scale
+    xs = _key_blocks(k, v, kv_seg, options.block_k)
     in_dtype = q.dtype
     qg = q.reshape(b, hkv, g, tq, d)
     dog = do.reshape(b, hkv, g, tq, d)
@@ -132,7 +126,7 @@ def reference_backward(
 
     def step(dq, xs):
         j, k_blk, v_blk, seg_blk = xs
-        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, block_k, causal=causal, window=window, scale=scale)
+        s, valid = _block_logits(qg, k_blk, q_seg, seg_blk, j, options)
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", dog, v_blk, preferred_element_type=jnp.float32)
         p_in, ds_in = fm.backward_weights(s, valid, lse_g, dp, delta_g, in_dtype)
         dv_blk = jnp.einsum("bhgqk,bhgqd->bhkd", p_in, dog, preferred_element_type=jnp.float32)
@@ -156,7 +150,8 @@ def softmax_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, win
 
     Args:
       q, k, v, q_seg, kv_seg: as :func:`reference_forward` (any float dtype, computed in f32).
-      causal, scale, window: as :func:`reference_forward`.
+      causal, scale, window: the position rule and the logit scale, as the fields of
+        :class:`~lpt.kernels.flash_attention.options.FlashOptions`.
     """
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]

@@ -25,10 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from lpt.kernels.flash_attention import math as fm
+from lpt.kernels.flash_attention.options import STRUCTURES
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
-STRUCTURES = ("grid", "loop")
 
 
 def dot(a, b, dims=None):
@@ -128,35 +128,23 @@ def backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec) -> list:
 _MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4}  # bq x bk x d matmuls per visited (query, key) block: S, PV / S, dP, dQ / ...
 
 
-def cost(
-    kind: str,
-    *,
-    b: int,
-    h: int,
-    g: int,
-    tq: int,
-    tk: int,
-    d: int,
-    bq: int,
-    bk: int,
-    causal: bool,
-    window: int,
-    itemsize: int,
-):
-    """The ``pl.CostEstimate`` of one flash kernel (``kind``: "fwd", "dq" or "dkdv") over ``b`` rows of ``h`` query
-    heads (``g`` per kv head): its matmul FLOPs, ``2 · bq · bk · d`` per matmul and visited block (the blocks of
-    :func:`key_blocks`: a causal kernel skips the blocks above the diagonal, a sliding window those before it), one
+def cost(kind: str, *, shape, g: int, tk: int, itemsize: int, bq: int, bk: int, causal: bool, window: int):
+    """The ``pl.CostEstimate`` of one flash kernel (``kind``: "fwd", "dq" or "dkdv") over q of ``shape`` (B rows of
+    H query heads, ``g`` per kv head): its matmul FLOPs, ``2 · bq · bk · d`` per matmul and visited block (the blocks
+    of :func:`key_blocks`: a causal kernel skips the blocks above the diagonal, a sliding window those before it), one
     exp per score, and the bytes of q, k, v, O (or dO) and the f32 rows. XLA's cost model reads it;
     ``lpt.targets.hlo.flops`` counts it.
 
     Args:
       kind: "fwd", "dq" or "dkdv".
-      b, h, g: batch, query heads, query heads per kv head.
-      tq, tk, d: query and key lengths, head dim.
+      shape: (B, H, Tq, D): batch, query heads, query length, head dim.
+      g: query heads per kv head.
+      tk: key length.
+      itemsize: bytes per element of q, k, v and O (or dO).
       bq, bk: the kernel's tiles.
       causal, window: the position rule (which blocks are visited).
-      itemsize: bytes per element of q, k, v and O (or dO).
     """
+    b, h, tq, d = shape
     nq, nk = tq // bq, tk // bk
     visited = sum(
         e - f for f, e in (key_blocks(i, bq=bq, bk=bk, nk=nk, causal=causal, window=window) for i in range(nq))
@@ -195,7 +183,7 @@ def call_outputs(kind: str, *, shape, g: int, tk: int, o_dtype=jnp.float32, **ma
     else:
         out = [jax.ShapeDtypeStruct((b, h, tq, d), o_dtype), jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32)]
     itemsize = jnp.dtype(o_dtype).itemsize
-    est = cost(kind, b=b, h=h, g=g, tq=tq, tk=tk, d=d, itemsize=itemsize, **mask)
+    est = cost(kind, shape=(b, h, tq, d), g=g, tk=tk, itemsize=itemsize, **mask)
     return dict(out_shape=out, name=_NAMES[kind], cost_estimate=est)
 
 

@@ -60,9 +60,8 @@ def _when(cond, fn):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, m_sc, n_sc, c_sc, l_sc, acc_sc, **kw):
-    policy, causal, window, scale, bq, bk, nt, native = (
-        kw[n] for n in ("policy", "causal", "window", "scale", "bq", "bk", "nt", "native")
-    )
+    options, bq, bk, nt, native = (kw[n] for n in ("options", "bq", "bk", "nt", "native"))
+    policy, causal, window, scale = options.policy, options.causal, options.window, options.scale
     i, t = pl.program_id(2), pl.program_id(3)
     j, visited = _visit(kw["blocks"], i, t)
 
@@ -92,9 +91,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, m_sc, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, dq_sc, **kw):
-    causal, window, scale, bq, bk, nt, native = (
-        kw[n] for n in ("causal", "window", "scale", "bq", "bk", "nt", "native")
-    )
+    options, bq, bk, nt, native = (kw[n] for n in ("options", "bq", "bk", "nt", "native"))
+    causal, window, scale = options.causal, options.window, options.scale
     i, t = pl.program_id(2), pl.program_id(3)
     j, visited = _visit(kw["blocks"], i, t)
 
@@ -120,9 +118,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, dk_sc, dv_sc, **kw
 ):
-    causal, window, scale, bq, bk, ns, g, native = (
-        kw[n] for n in ("causal", "window", "scale", "bq", "bk", "ns", "g", "native")
-    )
+    options, bq, bk, ns, g, native = (kw[n] for n in ("options", "bq", "bk", "ns", "g", "native"))
+    causal, window, scale = options.causal, options.window, options.scale
     j, r = pl.program_id(2), pl.program_id(3)
     i, visited = _visit(kw["blocks"], j, lax.rem(r, ns))
 
@@ -148,13 +145,14 @@ def _dkdv_kernel(
         dv_ref[...] = dv_sc[...]
 
 
-def _key_steps(tq, tk, bq, bk, causal, window):
-    """(key_blocks of query block i, the most key blocks one query block visits): the trailing grid axis."""
-    blocks = functools.partial(key_blocks, bq=bq, bk=bk, nk=tk // bk, causal=causal, window=window)
-    return blocks, widest(blocks, tq // bq)
+def _key_steps(tq, tk, mask):
+    """(key_blocks of query block i, the most key blocks one query block visits): the trailing grid axis. ``mask``:
+    the position rule and the tiles (``causal``, ``window``, ``bq``, ``bk``)."""
+    blocks = functools.partial(key_blocks, nk=tk // mask["bk"], **mask)
+    return blocks, widest(blocks, tq // mask["bq"])
 
 
-def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, bq, bk):
+def forward_call(mode, *, shape, g, tk, o_dtype, options, bq, bk):
     """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1]).
 
     Args:
@@ -163,14 +161,13 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, 
       g: query heads per kv head.
       tk: key length.
       o_dtype: dtype of O.
-      policy: the :class:`lpt.kernels.flash_attention.math.AttentionPolicy`.
-      causal, window: the position rule.
-      scale: logit scale.
+      options: the :class:`~lpt.kernels.flash_attention.options.FlashOptions` (its policy, position rule and
+        scale; its blocks are not read: ``bq``, ``bk`` are).
       bq, bk: the tiles (:func:`lpt.kernels.flash_attention.tiles.tiles`).
     """
-    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
+    mask = dict(causal=options.causal, window=options.window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
-    blocks, nt = _key_steps(tq, tk, bq, bk, causal, window)
+    blocks, nt = _key_steps(tq, tk, mask)
 
     def kv_blk(i, t):
         return _visit(blocks, i, t)[0]
@@ -188,7 +185,7 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, 
         pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0)),
     ]
     kernel = functools.partial(
-        _fwd_kernel, policy=policy, scale=scale, nt=nt, blocks=blocks, **mask, native=mode == "mosaic"
+        _fwd_kernel, options=options, nt=nt, blocks=blocks, bq=bq, bk=bk, native=mode == "mosaic"
     )
     return pl.pallas_call(
         kernel,
@@ -201,15 +198,15 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, 
     )
 
 
-def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
+def dq_call(mode, *, shape, g, tk, options, bq, bk):
     """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D].
 
     Args:
-      mode, shape, g, tk, causal, window, scale, bq, bk: as :func:`forward_call`.
+      mode, shape, g, tk, options, bq, bk: as :func:`forward_call`.
     """
-    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
+    mask = dict(causal=options.causal, window=options.window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
-    blocks, nt = _key_steps(tq, tk, bq, bk, causal, window)
+    blocks, nt = _key_steps(tq, tk, mask)
 
     def kv_blk(i, t):
         return _visit(blocks, i, t)[0]
@@ -220,7 +217,7 @@ def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0))
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_blk(i, j)))
     in_specs = backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec)
-    kernel = functools.partial(_dq_kernel, scale=scale, nt=nt, blocks=blocks, **mask, native=mode == "mosaic")
+    kernel = functools.partial(_dq_kernel, options=options, nt=nt, blocks=blocks, bq=bq, bk=bk, native=mode == "mosaic")
     return pl.pallas_call(
         kernel,
         grid=(b, h, tq // bq, nt),
@@ -232,19 +229,19 @@ def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     )
 
 
-def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
+def dkdv_call(mode, *, shape, g, tk, options, bq, bk):
     """``pallas_call`` of dK/dV on (q, k, v, do, lse, δ, q_seg, kv_seg) with q, do [B, Hkv, G·Tq, D] and lse, δ
     [B, Hkv, G·Tq, 1] -> dk, dv f32 [B, Hkv, Tk, D].
 
     Args:
       shape: the grouped q's shape (B, Hkv, G·Tq, D).
-      mode, g, tk, causal, window, scale, bq, bk: as :func:`forward_call`.
+      mode, g, tk, options, bq, bk: as :func:`forward_call`.
     """
-    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
+    mask = dict(causal=options.causal, window=options.window, bq=bq, bk=bk)  # the position rule and the blocks
     b, hkv, gtq, d = shape
     tq = gtq // g
     nq, nk = tq // bq, tk // bk
-    blocks = functools.partial(query_blocks, bq=bq, bk=bk, nq=nq, causal=causal, window=window)
+    blocks = functools.partial(query_blocks, nq=nq, **mask)
     ns = widest(blocks, nk)
 
     def q_blk(j, r):
@@ -259,7 +256,9 @@ def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hk, j, r: (bi, q_blk(j, r), 0))
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j, r: (bi, 0, j))
     in_specs = backward_in_specs(q_spec, kv_spec, row_spec, qseg_spec, kvseg_spec)
-    kernel = functools.partial(_dkdv_kernel, scale=scale, ns=ns, g=g, blocks=blocks, **mask, native=mode == "mosaic")
+    kernel = functools.partial(
+        _dkdv_kernel, options=options, ns=ns, g=g, blocks=blocks, bq=bq, bk=bk, native=mode == "mosaic"
+    )
     return pl.pallas_call(
         kernel,
         grid=(b, hkv, nk, g * ns),

@@ -31,9 +31,8 @@ from lpt.kernels.flash_attention import math as fm
 from lpt.kernels.flash_attention import tiles
 
 
-def _fwd_kernel(
-    q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, policy, causal, window, scale, bq, bk, native
-):
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, options, bq, bk, native):
+    policy, causal, window, scale = options.policy, options.causal, options.window, options.scale
     i = pl.program_id(2)
     q = q_ref[...]
     q_seg = qseg_ref[...]
@@ -57,7 +56,8 @@ def _fwd_kernel(
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, **kw):
-    causal, window, scale, bq, bk, native = (kw[n] for n in ("causal", "window", "scale", "bq", "bk", "native"))
+    options, bq, bk, native = (kw[n] for n in ("options", "bq", "bk", "native"))
+    causal, window, scale = options.causal, options.window, options.scale
     i = pl.program_id(2)
     q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qseg_ref[...]
     nk = k_ref.shape[0] // bk
@@ -77,9 +77,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, **kw):
-    causal, window, scale, bq, bk, tq, g, native = (
-        kw[n] for n in ("causal", "window", "scale", "bq", "bk", "tq", "g", "native")
-    )
+    options, bq, bk, tq, g, native = (kw[n] for n in ("options", "bq", "bk", "tq", "g", "native"))
+    causal, window, scale = options.causal, options.window, options.scale
     j = pl.program_id(2)
     k, v, kv_seg = k_ref[...], v_ref[...], kvseg_ref[...]
     lo, hi = tiles.query_blocks(j, bq=bq, bk=bk, nq=tq // bq, causal=causal, window=window)
@@ -120,15 +119,14 @@ def _call(kind, kernel, mode, grid, in_specs, out_specs, **outputs):
     )
 
 
-def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, bq, bk):
+def forward_call(mode, *, shape, g, tk, o_dtype, options, bq, bk):
     """``pallas_call`` of the forward on (q, k, v, q_seg [B, Tq, 1], kv_seg [B, 1, Tk]) -> (O, lse [B, H, Tq, 1]).
 
     Args:
       mode: "triton" or "interpret".
-      shape, g, tk, o_dtype, policy, causal, window, scale, bq, bk: as
-        :func:`lpt.kernels.flash_attention.tpu.forward_call`.
+      shape, g, tk, o_dtype, options, bq, bk: as :func:`lpt.kernels.flash_attention.tpu.forward_call`.
     """
-    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
+    mask = dict(causal=options.causal, window=options.window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
     full_kv = pl.BlockSpec((None, None, tk, d), lambda bi, hi, i: (bi, lax.div(hi, g), 0, 0))
     in_specs = [
@@ -142,18 +140,18 @@ def forward_call(mode, *, shape, g, tk, o_dtype, policy, causal, window, scale, 
         pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0)),
         pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0)),
     ]
-    kernel = functools.partial(_fwd_kernel, policy=policy, scale=scale, **mask, native=False)
+    kernel = functools.partial(_fwd_kernel, options=options, bq=bq, bk=bk, native=False)
     grid = (b, h, tq // bq)
     return _call("fwd", kernel, mode, grid, in_specs, out_specs, shape=shape, g=g, tk=tk, o_dtype=o_dtype, **mask)
 
 
-def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
+def dq_call(mode, *, shape, g, tk, options, bq, bk):
     """``pallas_call`` of dQ on (q, k, v, do, lse, δ [B, H, Tq, 1], q_seg, kv_seg) -> dq f32 [B, H, Tq, D].
 
     Args:
-      mode, shape, g, tk, causal, window, scale, bq, bk: as :func:`forward_call`.
+      mode, shape, g, tk, options, bq, bk: as :func:`forward_call`.
     """
-    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
+    mask = dict(causal=options.causal, window=options.window, bq=bq, bk=bk)  # the position rule and the blocks
     b, h, tq, d = shape
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i: (bi, hi, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i: (bi, hi, i, 0))
@@ -161,19 +159,19 @@ def dq_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0))
     kvseg_spec = pl.BlockSpec((None, 1, tk), lambda bi, hi, i: (bi, 0, 0))
     in_specs = tiles.backward_in_specs(q_spec, full_kv, row_spec, qseg_spec, kvseg_spec)
-    kernel = functools.partial(_dq_kernel, scale=scale, **mask, native=False)
+    kernel = functools.partial(_dq_kernel, options=options, bq=bq, bk=bk, native=False)
     return _call("dq", kernel, mode, (b, h, tq // bq), in_specs, q_spec, shape=shape, g=g, tk=tk, **mask)
 
 
-def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
+def dkdv_call(mode, *, shape, g, tk, options, bq, bk):
     """``pallas_call`` of dK/dV, one program per key block, with the operands and outputs of
     :func:`lpt.kernels.flash_attention.tpu.dkdv_call`.
 
     Args:
       mode: "triton" or "interpret".
-      shape, g, tk, causal, window, scale, bq, bk: as :func:`lpt.kernels.flash_attention.tpu.dkdv_call`.
+      shape, g, tk, options, bq, bk: as :func:`lpt.kernels.flash_attention.tpu.dkdv_call`.
     """
-    mask = dict(causal=causal, window=window, bq=bq, bk=bk)  # the position rule and the blocks
+    mask = dict(causal=options.causal, window=options.window, bq=bq, bk=bk)  # the position rule and the blocks
     b, hkv, gtq, d = shape
     tq = gtq // g
     full_q = pl.BlockSpec((None, None, gtq, d), lambda bi, hk, j: (bi, hk, 0, 0))
@@ -182,6 +180,6 @@ def dkdv_call(mode, *, shape, g, tk, causal, window, scale, bq, bk):
     qseg_spec = pl.BlockSpec((None, tq, 1), lambda bi, hk, j: (bi, 0, 0))
     kvseg_spec = pl.BlockSpec((None, 1, bk), lambda bi, hk, j: (bi, 0, j))
     in_specs = tiles.backward_in_specs(full_q, kv_spec, full_row, qseg_spec, kvseg_spec)
-    kernel = functools.partial(_dkdv_kernel, scale=scale, tq=tq, g=g, **mask, native=False)
+    kernel = functools.partial(_dkdv_kernel, options=options, tq=tq, g=g, bq=bq, bk=bk, native=False)
     grid = (b, hkv, tk // bk)
     return _call("dkdv", kernel, mode, grid, in_specs, [kv_spec, kv_spec], shape=shape, g=g, tk=tk, **mask)
