@@ -178,3 +178,72 @@ class Wide(Layer):
         "x.py::Layer.call": "no Args: section (5 parameters)",
         "x.py::Wide.__init__": "no Args: section (6 parameters)",
     }
+
+
+# Public functions of ten or more parameters whose positional parameters mirror an outside library's function of the
+# same name: {"path::qualname": "module.function"}; their positional names must be that function's.
+MIRRORS = {"lpt/optim/recipes.py::adamw": "optax.adamw"}
+MAX_POSITIONAL = 3  # the operands (q, k, v; x, w; a model, a tokenizer and the prompts)
+
+
+def wide_functions(source: str, path: str) -> dict[str, list[str]]:
+    """``{"path::qualname": positional parameter names}`` for each public function of ``source`` with ten or more
+    parameters that takes more than MAX_POSITIONAL of them by position."""
+    tree = ast.parse(source)
+    todo = [(n.name, n, False) for n in tree.body if isinstance(n, _FUNCS) and not n.name.startswith("_")]
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef) and not cls.name.startswith("_"):
+            todo += [
+                (f"{cls.name}.{m.name}", m, True)
+                for m in cls.body
+                if isinstance(m, _FUNCS) and (not m.name.startswith("_") or m.name == "__init__")
+            ]
+    out = {}
+    for qualname, fn, method in todo:
+        positional = [x.arg for x in (*fn.args.posonlyargs, *fn.args.args)]
+        if method and positional and positional[0] in ("self", "cls"):
+            positional = positional[1:]
+        if len(_params(fn, method)) >= 10 and len(positional) > MAX_POSITIONAL:
+            out[f"{path}::{qualname}"] = positional
+    return out
+
+
+def test_functions_of_ten_or_more_parameters_take_options_by_keyword():
+    """A public function takes at most nine parameters (kernel entry points take an options object, as
+    ``lpt.kernels.adamw_kahan.StepOptions``), or its operands by position and every option by keyword, as
+    ``jax.nn.dot_product_attention``, ``nnx.Linear`` and ``transformers``' ``generate`` do; a mirror of an outside
+    function keeps that function's positional parameters."""
+    import importlib
+    import inspect
+
+    found = {}
+    for f in sorted((ROOT / "lpt").rglob("*.py")):
+        found.update(wide_functions(f.read_text(), f.relative_to(ROOT).as_posix()))
+    for name, target in MIRRORS.items():
+        module, attr = target.rsplit(".", 1)
+        theirs = [
+            p.name
+            for p in inspect.signature(getattr(importlib.import_module(module), attr)).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        assert found.pop(name, None) == theirs, f"{name} no longer mirrors {target}'s positional parameters {theirs}"
+    assert not found, "public functions with >= 10 parameters and more than 3 positional ones:\n" + "\n".join(
+        f"  {k}: {', '.join(v)}" for k, v in sorted(found.items())
+    )
+
+
+def test_the_width_check_sees_positional_options():
+    source = '''
+def wide(q, k, v, q_seg, kv_seg, *, a=0, b=0, c=0, d=0, e=0):
+    pass
+
+
+def keyword(q, k, v, *, a=0, b=0, c=0, d=0, e=0, f=0, g=0):
+    pass
+
+
+class Layer:
+    def __init__(self, m, n, *, a=0, b=0, c=0, d=0, e=0, f=0, g=0, h=0):
+        pass
+'''
+    assert wide_functions(source, "m.py") == {"m.py::wide": ["q", "k", "v", "q_seg", "kv_seg"]}
