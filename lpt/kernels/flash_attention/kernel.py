@@ -87,11 +87,8 @@ def backward(q, k, v, q_seg, kv_seg, lse, do, delta, *, options: FlashOptions):
     """Backward kernels given lse, δ [B, H, Tq] f32. Returns f32 (dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]).
 
     Args:
-      q, k, v, q_seg, kv_seg: as :func:`forward`.
-      lse: f32 [B, H, Tq], the forward's logsumexp.
-      do: [B, H, Tq, D], the output's cotangent.
-      delta: f32 [B, H, Tq], δ = rowsum(dO ∘ O_residual).
-      options: as :func:`forward` (its policy is not read: it enters through lse and δ).
+      q, k, v, q_seg, kv_seg, lse, do, delta, options: as the twin's
+        :func:`lpt.kernels.flash_attention.reference.reference_backward`, which computes the same.
     """
     g, tiles_of = _layout(q, k, options)
     b, h, tq, d = q.shape

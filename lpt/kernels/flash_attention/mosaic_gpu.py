@@ -172,12 +172,7 @@ def _kernel(*refs, options, nq, nk, g, d, segments):
         o, lse = fm.finalize(acc, l, c)  # O [bq, D], lse [bq]
 
         def epilogue(o_s, lse_s):
-            o_s[...] = fm.round_to(o, o_s.dtype, native)  # f32 -> O dtype (RNE; a no-op for f32)
-            lse_s[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, h, rows])
-            plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, rows])
-            plgpu.wait_smem_to_gmem(0)
+            blocks.store_outputs(o, lse, o_s, lse_s, o_g.at[b, h], lse_g.at[b, h], rows, native)
 
         o_tiled = () if o_g.dtype == jnp.float32 else tiled
         pl.run_scoped(epilogue, plgpu.SMEM((bq, d), o_g.dtype, transforms=o_tiled), plgpu.SMEM((bq,), jnp.float32))
@@ -233,14 +228,9 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, options: FlashOptions):
     static, out_type, k_op = blocks.forward_launch(q, k, options, g=g)
     kernel = functools.partial(_kernel, **static, segments=segments)
     b, h = q.shape[:2]
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        grid=(static["nq"], h, b),
-        grid_names=("q", "h", "b"),
-        kernel_name="lpt_flash_attention_fwd_mgpu",
-        interpret=blocks.interpret_params() if options.interpret else None,
-    )(q, k_op, v, *((q_seg, kv_seg) if segments else ()))
+    grid = (static["nq"], h, b)
+    call = blocks.launch(kernel, out_type, grid, "lpt_flash_attention_fwd_mgpu", options.interpret)
+    return call(q, k_op, v, *((q_seg, kv_seg) if segments else ()))
 
 
 # -- the backward: dQ and dK/dV ------------------------------------------------------------------------------------

@@ -246,6 +246,49 @@ def forward_block(carry, s, v_s, p_s, q_start, k_start, *, options, q_seg, kv_se
     return fm.forward_step(carry, s, valid, matmul, options.policy, jnp.dtype(v_s.dtype), not interpret)
 
 
+def store_outputs(o, lse, o_s, lse_s, o_g, lse_g, rows, native: bool):
+    """A forward's epilogue: ``o`` (f32 [bq, D], rounded to nearest into O's dtype) and ``lse`` (f32 [bq]) through
+    the SMEM tiles ``o_s``, ``lse_s`` into ``o_g[rows]`` / ``lse_g[rows]`` (GMEM refs already indexed by batch and
+    head) by TMA, waited on.
+
+    Args:
+      o, lse: the finalized rows (:func:`lpt.kernels.flash_attention.math.finalize`).
+      o_s, lse_s: SMEM tiles of O's dtype [bq, D] and f32 [bq].
+      o_g, lse_g: the GMEM outputs at (b, h): [Tq, D] and [Tq].
+      rows: the query rows (a ``pl.ds``).
+      native: the hardware RNE convert (compiled) or lpt.numerics' bit-exact rounding (interpreter).
+    """
+    o_s[...] = fm.round_to(o, o_s.dtype, native)  # f32 -> O dtype (RNE; a no-op for f32)
+    lse_s[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[rows])
+    plgpu.copy_smem_to_gmem(lse_s, lse_g.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def launch(kernel, out_type, grid, name: str, interpret: bool, **threads):
+    """``plgpu.kernel`` of a forward over ``grid`` = (query blocks, heads, batch), named ("q", "h", "b"), compiled
+    for CUDA or run in the Mosaic GPU interpreter.
+
+    Args:
+      kernel: the per-CTA kernel function.
+      out_type: the outputs' ``jax.ShapeDtypeStruct`` (or a tuple of them).
+      grid: (query blocks, heads, batch).
+      name: the kernel's name in the compiled program.
+      interpret: True runs the Mosaic GPU interpreter; False compiles for CUDA.
+      **threads: ``num_threads`` and ``thread_name`` of a warp-specialized kernel.
+    """
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=grid,
+        grid_names=("q", "h", "b"),
+        kernel_name=name,
+        interpret=interpret_params() if interpret else None,
+        **threads,
+    )
+
+
 def forward_launch(q, k, options, *, g):
     """What both forwards' launches share: the static keywords of the per-CTA kernel (``options, nq, nk, g, d``; nq,
     nk the query and key blocks of 64 and ``options.block_k`` rows), the output types (O in the input dtype when

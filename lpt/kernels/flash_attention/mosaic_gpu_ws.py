@@ -148,13 +148,7 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, *, options, nq, nk, g, d, stages):
             lax.fori_loop(own_end, end, skip, None)
             _, _, c, l, acc = carry
             o, lse = fm.finalize(acc, l, c)  # O [bq, D], lse [bq]
-            o_w, lse_w = o_s.at[wg], lse_s.at[wg]
-            o_w[...] = fm.round_to(o, o_w.dtype, native)  # f32 -> O dtype (RNE; a no-op for f32)
-            lse_w[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_w, o_g.at[b, h, rows])
-            plgpu.copy_smem_to_gmem(lse_w, lse_g.at[b, h, rows])
-            plgpu.wait_smem_to_gmem(0)
+            blocks.store_outputs(o, lse, o_s.at[wg], lse_s.at[wg], o_g.at[b, h], lse_g.at[b, h], rows, native)
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
@@ -256,13 +250,8 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, options: FlashOptions, stages: 
     static, out_type, k_op = blocks.forward_launch(q, k, options, g=g)
     kernel = functools.partial(_kernel, **static, stages=stages)
     b, h = q.shape[:2]
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        grid=(static["nq"] // _CONSUMERS, h, b),
-        grid_names=("q", "h", "b"),
-        num_threads=_CONSUMERS + 1,
-        thread_name="wg",
-        kernel_name="lpt_flash_attention_fwd_ws_mgpu",
-        interpret=blocks.interpret_params() if options.interpret else None,
-    )(q, k_op, v)
+    grid = (static["nq"] // _CONSUMERS, h, b)
+    threads = dict(num_threads=_CONSUMERS + 1, thread_name="wg")
+    return blocks.launch(kernel, out_type, grid, "lpt_flash_attention_fwd_ws_mgpu", options.interpret, **threads)(
+        q, k_op, v
+    )
