@@ -6,11 +6,15 @@ shared memory per block)."""
 
 import functools
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_devices import cpu_env
 from float_bounds import assert_within
 from test_flash_attention_mosaic_gpu import (
     POLICIES,
@@ -31,9 +35,9 @@ from lpt.kernels.flash_attention import mosaic_gpu_blocks as mgb
 from lpt.kernels.flash_attention import mosaic_gpu_ws as ws
 from lpt.kernels.flash_attention.options import FlashOptions
 
-# the single-warpgroup kernel's cases that this forward takes (no segment ids, D <= 128), with their block_k; not
-# "window-d128": the interpreter hangs there (G = 2 with a window: lpt/kernels/flash_attention/mosaic_gpu_ws.py), so
-# the windows are tested with G = 1 below
+# the single-warpgroup kernel's cases that this forward takes (no segment ids, D <= 128), with their block_k; the
+# windows with G = 2 ("window-d128") run in a process with three CPU devices (test_window_and_gqa_...): the
+# interpreter needs a thread of XLA's CPU pool per warpgroup (lpt/kernels/flash_attention/mosaic_gpu_ws.py)
 WS_CASES = ["causal-gqa-d64", "cross-d128", "causal-bk128-large-logits"]
 
 
@@ -62,6 +66,38 @@ def test_interpreted_kernel_equals_single_warpgroup_kernel_and_matches_twin(case
     assert o.dtype == np.float32 and o.shape == o_t.shape
 
 
+_WINDOW_GQA = textwrap.dedent(
+    """
+    import functools, jax, jax.numpy as jnp, numpy as np
+    from lpt.kernels.flash_attention import math as fm, mosaic_gpu as mg, mosaic_gpu_ws as ws
+    from lpt.kernels.flash_attention.options import FlashOptions
+    rng = np.random.default_rng(0)
+    for d, bk, window in ((128, 64, 100), (64, 128, 20)):
+        q = jnp.asarray(rng.integers(-3, 4, (1, 2, 256, d)) / 4, jnp.bfloat16)  # G = 2: one kv head
+        k = jnp.asarray(rng.integers(-3, 4, (1, 1, 256, d)) / 4, jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((1, 1, 256, d)), jnp.bfloat16)  # f64 -> bf16 (RNE)
+        for name, policy in (("stable", fm.default_policy()), ("standard", fm.standard_policy())):
+            options = FlashOptions(
+                policy=policy, causal=True, window=window, scale=d**-0.5, block_k=bk, interpret=True
+            )
+            o, lse = map(np.asarray, jax.jit(functools.partial(ws.forward, options=options))(q, k, v))
+            o_1, lse_1 = map(np.asarray, jax.jit(functools.partial(mg.forward, options=options))(q, k, v))
+            assert np.array_equal(o, o_1) and np.array_equal(lse, lse_1), (d, bk, window, name)
+            print("ws", d, bk, window, name, "bitwise OK", flush=True)
+    """
+)
+
+
+def test_window_and_gqa_equal_the_single_warpgroup_kernel_given_a_thread_per_warpgroup():
+    """Sliding windows with G = 2 (the second consumer skips the CTA's first blocks, both read one kv head), in a
+    process whose XLA CPU pool has a thread for each of the three warpgroups (three CPU devices): bit for bit the
+    single-warpgroup forward, both policies. On a 2-core machine with one device the same calls can wait forever
+    (two warpgroups blocked on barriers hold the pool's two threads; the module docstring)."""
+    r = subprocess.run([sys.executable, "-c", _WINDOW_GQA], env=cpu_env(3), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("bitwise OK") == 4, r.stdout
+
+
 def test_f16_window_three_stages_and_o_in_the_input_dtype():
     """f16, a sliding window of 200 keys (the second consumer skips the first blocks of the CTA's range), three K/V
     slots (the ring wraps mid-range), and the standard policy's O rounded to the input dtype: the single-warpgroup
@@ -84,7 +120,7 @@ def test_kernel_computes_only_the_key_blocks_in_range(bk, window, monkeypatch):
     it only waits for and releases): every (query head, 64-row query block) computes exactly the key blocks with a
     visible pair, once, O(T·w) with a window."""
     t, h = 256, 2
-    # G = 1: the interpreter hangs on G = 2 here (module docstring)
+    # G = 1: G = 2 needs three threads in XLA's CPU pool (module docstring); a 2-core machine has two
     visits = block_visits(ws.forward, monkeypatch, t=t, h=h, hkv=h, bk=bk, window=window)
     assert sorted(visits) == sorted(_visible_blocks(t, mgb.BLOCK_Q, bk, True, window) * h)
 

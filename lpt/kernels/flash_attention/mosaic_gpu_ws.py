@@ -47,12 +47,12 @@ does at D = 128.
 
 ``interpret=True`` runs the Mosaic GPU interpreter (jax 0.10.2, 0.11.2, 0.12) as the single-warpgroup kernel does (K
 stored transposed, P̃ via an SMEM tile per consumer): there it returns that kernel's (O, lse) bit for bit.
-Some configurations hang in the interpreter of jax 0.10.2 and 0.12, all with a sliding window and G >= 2 (window 20,
-block_k = 128, T = 256; window 100, block_k = 64, T = 256, D = 128); the same with G = 1 finishes, as do windows of 70
-with G = 2 at D = 64. The cause is not known (each CTA touches only its own barriers, the interpreter runs the CTAs
-one after another, and the schedule above has no wait that the other warpgroups' waits do not eventually satisfy), so
-the interpreter tests run the windows with G = 1. Not run on GPU hardware yet:
-outputs, absence of deadlock and speed on a GPU are unverified.
+The interpreter runs the three warpgroups as threads that each execute an XLA:CPU program, on the pool of XLA's CPU
+client: on a 2-core machine with one or two CPU devices (too few threads in the pool) two warpgroups blocked on a barrier
+hold the whole pool and the third, which would release them, never runs, so some calls wait forever (seen with
+sliding windows and G >= 2). With three CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=3``) they
+finish, bit for bit the single-warpgroup kernel's; the tests run those cases so. A GPU runs each warpgroup on its
+own warps. Not run on GPU hardware yet: outputs, absence of deadlock and speed on a GPU are unverified.
 """
 
 from __future__ import annotations
