@@ -48,11 +48,11 @@ does at D = 128.
 ``interpret=True`` runs the Mosaic GPU interpreter (jax 0.10.2, 0.11.2, 0.12) as the single-warpgroup kernel does (K
 stored transposed, P̃ via an SMEM tile per consumer): there it returns that kernel's (O, lse) bit for bit.
 The interpreter runs the three warpgroups as threads that each execute an XLA:CPU program, on the pool of XLA's CPU
-client: on a 2-core machine with one or two CPU devices (too few threads in the pool) two warpgroups blocked on a barrier
-hold the whole pool and the third, which would release them, never runs, so some calls wait forever (seen with
-sliding windows and G >= 2). With three CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=3``) they
-finish, bit for bit the single-warpgroup kernel's; the tests run those cases so. A GPU runs each warpgroup on its
-own warps. Not run on GPU hardware yet: outputs, absence of deadlock and speed on a GPU are unverified.
+client: on a 2-core machine with one or two CPU devices (too few threads in the pool) two warpgroups blocked on a
+barrier hold the whole pool and the third, which would release them, never runs, so some calls wait forever (seen
+with sliding windows and G >= 2). With three CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=3``)
+they finish, bit for bit the single-warpgroup kernel's; the tests run those cases so. A GPU runs each warpgroup on
+its own warps. Not run on GPU hardware yet: outputs, absence of deadlock and speed on a GPU are unverified.
 """
 
 from __future__ import annotations
