@@ -233,7 +233,7 @@ def test_functions_of_ten_or_more_parameters_take_options_by_keyword():
 
 
 def test_the_width_check_sees_positional_options():
-    source = '''
+    source = """
 def wide(q, k, v, q_seg, kv_seg, *, a=0, b=0, c=0, d=0, e=0):
     pass
 
@@ -245,5 +245,5 @@ def keyword(q, k, v, *, a=0, b=0, c=0, d=0, e=0, f=0, g=0):
 class Layer:
     def __init__(self, m, n, *, a=0, b=0, c=0, d=0, e=0, f=0, g=0, h=0):
         pass
-'''
+"""
     assert wide_functions(source, "m.py") == {"m.py::wide": ["q", "k", "v", "q_seg", "kv_seg"]}
