@@ -182,7 +182,7 @@ def test_configs_by_name_and_shipped_in_the_wheel(tmp_path):
     ):
         config_lib.resolve_config("tiny")
     src = tmp_path / "src"  # a clean copy: a stale build/ of the checkout must not leak into the wheel
-    skip = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "runs", "__pycache__", "tests", "docs")
+    skip = shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "runs", "__pycache__", "tests", "docs")
     shutil.copytree(ROOT, src, symlinks=True, ignore=skip)
     cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
