@@ -8,8 +8,8 @@ of its own (a SIGKILL, more than one device, two processes), in this process oth
 * the same losses in a 2-process ``jax.distributed`` run on localhost, preempted (SIGTERM to one process) and
   resumed;
 * the recipes with optimizer state or randomness of their own (tiny_cpu_bf16_kahan8, tiny_cpu_nvfp4): 4 steps
-  straight == resumed from the straight run's step-2 checkpoint, bitwise, in this process; their losses on a
-  2-device mesh follow the 1-device run.
+  straight == preempted (SIGTERM after step 3) and resumed, bitwise, in this process; their losses on a 2-device
+  mesh follow the 1-device run.
 
 The subprocesses and this process share the session's persistent compilation cache, so that runs of the same
 program compile once.
@@ -210,26 +210,24 @@ def train_here(workdir, config: str, *extra: str, **faults) -> int:
 
 
 def straight_and_resumed(tmp_path, config: str) -> tuple[Path, Path]:
-    """4 steps of ``config`` in this process, straight, and resumed from the straight run's step-2 checkpoint (copied
-    into a workdir of its own); asserts the resume and bitwise equal losses of steps 3-4 and the validation losses.
-    Returns the two workdirs. (The checkpoint is the one a preemption saves: the same save, of the state after its
-    step; test_exact_resume_after_kill_and_sigterm preempts a run.)"""
+    """4 steps of ``config`` in this process, straight and preempted (SIGTERM after step 3: step 3 saved, a clean
+    exit) then resumed; asserts the preemption, the resume and bitwise equal losses. Returns the two workdirs."""
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
     assert train_here(ref, config, "--config.train.steps=4") == 0
-    shutil.copytree(ref / "checkpoints" / "2", resumed / "checkpoints" / "2")
+    with trainer_log() as log:
+        assert train_here(resumed, config, "--config.train.steps=4", sigterm_at=3) == 0
+    assert any("preempted: saved checkpoint at step 3" in m for m in log)
     with trainer_log() as log:
         assert train_here(resumed, config, "--config.train.steps=4") == 0
-    assert any("resumed from step 2" in m for m in log)
-    (ref_train, ref_eval), (train, evals) = records(ref), records(resumed)
-    assert sorted(train) == [3, 4] and sorted(evals) == sorted(ref_eval) == [3, 4]
-    assert (train, evals) == ({s: ref_train[s] for s in (3, 4)}, ref_eval)  # bitwise
+    assert any("resumed from step 3" in m for m in log)
+    assert records(resumed) == records(ref)  # bitwise: every train loss and the validation losses
     return ref, resumed
 
 
 def test_bf16_kahan_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir):
     """The bf16 Kahan recipe with 8-bit moments (tiny_cpu_bf16_kahan8): its fused optimizer state (uint16 moment
-    codes, complex64 block scales, bf16 compensation, count) is in the checkpoint and survives a resume bit for bit;
-    on a 2-device fsdp mesh (leaves not sequenced there, scales sharded like the params) the losses follow the
+    codes, complex64 block scales, bf16 compensation, count) is in the checkpoint and survives a preemption bit for
+    bit; on a 2-device fsdp mesh (leaves not sequenced there, scales sharded like the params) the losses follow the
     1-device run."""
     config = "configs/tiny_cpu_bf16_kahan8.py"
     ref, resumed = straight_and_resumed(tmp_path, config)
@@ -250,9 +248,9 @@ def test_bf16_kahan_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir)
 
 
 def test_nvfp4_recipe_resumes_exactly_and_runs_sharded(tmp_path, cache_dir):
-    """tiny_cpu_nvfp4 (its stochastic rounding and Hadamard signs come from each layer's step key): a resumed run is
-    bitwise the straight one, losses and parameters; on a 2-device data mesh (tokens split, so dW adds the shards'
-    partial sums) the losses follow the 1-device run."""
+    """tiny_cpu_nvfp4 (its stochastic rounding and Hadamard signs come from each layer's step key): a preempted and
+    resumed run is bitwise the straight one, losses and parameters; on a 2-device data mesh (tokens split, so dW
+    adds the shards' partial sums) the losses follow the 1-device run."""
     config = "configs/tiny_cpu_nvfp4.py"
     ref, resumed = straight_and_resumed(tmp_path, config)
     a, b = state_arrays(ref, 4), state_arrays(resumed, 4)
