@@ -1,8 +1,8 @@
 """End-to-end runs of ``python -m lpt.train`` (tiny model, 6 steps): in subprocesses where a run needs a process
 of its own (a SIGKILL, more than one device, two processes), in this process otherwise.
 
-* exact resume: 6 steps straight == (crash by SIGKILL after step 3, resume) + (SIGTERM at step 5: save, clean exit)
-  + resume to 6, bitwise in the loss sequence, the validation loss and every parameter;
+* exact resume: 6 steps straight == (crash by SIGKILL after step 3 in a subprocess, resume) + (SIGTERM at step 5:
+  save, clean exit) + resume to 6, bitwise in the loss sequence, the validation loss and every parameter;
 * the same losses on a 4-device CPU mesh with fsdp=4, and with data=2 x tensor=2 restored from the 1-device run's
   step-4 checkpoint (restore onto a different mesh);
 * the same losses in a 2-process ``jax.distributed`` run on localhost, preempted (SIGTERM to one process) and
@@ -11,7 +11,8 @@ of its own (a SIGKILL, more than one device, two processes), in this process oth
   straight == preempted (SIGTERM after step 3) and resumed, bitwise, in this process; their losses on a 2-device
   mesh follow the 1-device run.
 
-The subprocesses share a persistent compilation cache so that runs of the same program compile once.
+The subprocesses and this process share the session's persistent compilation cache, so that runs of the same
+program compile once.
 """
 
 import json
@@ -51,8 +52,10 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
+def cache_dir():
+    """The session's persistent compilation cache (tests/conftest.py): the subprocesses and this process's runs of
+    the same program compile it once."""
+    return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def run(workdir, cache_dir, *extra, devices=1, faults=(), check=True, background=False, config="configs/tiny_cpu.py"):
@@ -89,10 +92,10 @@ def records(workdir) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    """6 steps straight on one device."""
+def reference(tmp_path_factory):
+    """6 steps straight on one device, in this process."""
     w = tmp_path_factory.mktemp("ref")
-    run(w, cache_dir)
+    assert train_here(w, "configs/tiny_cpu.py") == 0
     return w
 
 
@@ -112,10 +115,13 @@ def test_reference_run_learns_and_writes_artifacts(reference):
 def test_exact_resume_after_kill_and_sigterm(reference, tmp_path, cache_dir):
     p = run(tmp_path, cache_dir, faults=["--kill-at=3"], check=False)
     assert p.returncode == -9, p.stderr[-2000:]  # hard crash after step 3; newest checkpoint is step 2
-    p = run(tmp_path, cache_dir, faults=["--sigterm-at=5"])
-    assert "resumed from step 2" in p.stderr and "preempted: saved checkpoint at step 5" in p.stderr
-    p = run(tmp_path, cache_dir, "--config.train.keep_checkpoints=2")
-    assert "resumed from step 5" in p.stderr
+    with trainer_log() as log:  # the preemption and the last resume in this process
+        assert train_here(tmp_path, "configs/tiny_cpu.py", sigterm_at=5) == 0
+    assert any("resumed from step 2" in m for m in log)
+    assert any("preempted: saved checkpoint at step 5" in m for m in log)
+    with trainer_log() as log:
+        assert train_here(tmp_path, "configs/tiny_cpu.py", "--config.train.keep_checkpoints=2") == 0
+    assert any("resumed from step 5" in m for m in log)
     assert sorted(int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()) == [5, 6]
     assert records(tmp_path) == records(reference)  # bitwise: every train loss and both validation losses
     ref, got = state_arrays(reference, 6), state_arrays(tmp_path, 6)
