@@ -23,8 +23,8 @@ from lpt.kernels.flash_attention import mosaic_gpu as mg
 
 # name: (B, T, H, Hkv, D, sliding_window, packed)
 CASES = {
-    "causal-gqa-pad-d64": (2, 100, 4, 2, 64, 0, False),  # T = 100 -> 128 (block_k 128): padding as segment ids
-    "window-gqa-d128": (1, 128, 4, 2, 128, 40, False),  # no padding, no segments: the kernels without segment ids
+    "causal-gqa-pad-d64": (1, 100, 2, 1, 64, 0, False),  # T = 100 -> 128 (block_k 128): padding as segment ids
+    "window-gqa-d128": (1, 128, 2, 1, 128, 40, False),  # no padding, no segments: the kernels without segment ids
     "packed-d64": (1, 128, 2, 1, 64, 0, True),  # three packed sequences of 50, 60, 18 tokens
 }
 BOUND = 2.0**-7  # one bf16 ulp of the largest magnitude (module doc)

@@ -26,12 +26,12 @@ POLICIES = {"stable": fm.default_policy(), "standard": fm.standard_policy(residu
 
 # name: (B, H, Hkv, Tq, Tk, D, block_k, causal, window, dtype, q scale)
 CASES = {
-    "causal-gqa-d64": (2, 4, 2, 256, 256, 64, 64, True, 0, jnp.bfloat16, 1),
+    "causal-gqa-d64": (1, 2, 1, 256, 256, 64, 64, True, 0, jnp.bfloat16, 1),
     "cross-d128": (1, 2, 1, 128, 256, 128, 128, False, 0, jnp.bfloat16, 1),  # Tq != Tk, bk = 128 != bq
     "window-d128": (1, 2, 1, 256, 256, 128, 64, True, 100, jnp.bfloat16, 1),  # window not a multiple of the blocks
     "causal-bk128-large-logits": (1, 2, 2, 256, 256, 64, 128, True, 0, jnp.bfloat16, 16),  # β offsets past the cap
     "f16-d256": (1, 2, 1, 128, 128, 256, 64, True, 0, jnp.float16, 1),
-    "packed-padded-gqa-d64": (1, 4, 2, 256, 256, 64, 64, True, 0, jnp.bfloat16, 1),  # segment ids: SEGMENTED
+    "packed-padded-gqa-d64": (1, 2, 1, 256, 256, 64, 64, True, 0, jnp.bfloat16, 1),  # segment ids: SEGMENTED
 }
 SEGMENTED = {"packed-padded-gqa-d64"}  # the cases run with segment ids (:func:`_segment_ids`)
 
@@ -429,12 +429,12 @@ BWD_POLICIES = {"stable": fm.default_policy(), "standard": fm.standard_policy()}
 
 # name: (B, H, Hkv, Tq, Tk, D, block_k, causal, window, dtype)
 BWD_CASES = {
-    "causal-gqa-d64": (1, 4, 2, 256, 256, 64, 64, True, 0, jnp.bfloat16),
+    "causal-gqa-d64": (1, 2, 1, 256, 256, 64, 64, True, 0, jnp.bfloat16),
     "full-cross-d128": (1, 2, 1, 128, 256, 128, 64, False, 0, jnp.bfloat16),  # Tq != Tk
     "window-d128": (1, 2, 1, 256, 256, 128, 64, True, 100, jnp.bfloat16),  # window not a multiple of the blocks
-    "causal-gqa-bk128-d64": (1, 4, 2, 256, 256, 64, 128, True, 0, jnp.bfloat16),  # 128-row steps in both kernels
-    "window-f16-d64": (1, 2, 2, 256, 256, 64, 64, True, 70, jnp.float16),  # G = 1
-    "packed-padded-gqa-d64": (1, 4, 2, 256, 256, 64, 64, True, 0, jnp.bfloat16),  # segment ids: SEGMENTED
+    "causal-gqa-bk128-d64": (1, 2, 1, 256, 256, 64, 128, True, 0, jnp.bfloat16),  # 128-row steps in both kernels
+    "window-f16-d64": (1, 1, 1, 256, 256, 64, 64, True, 70, jnp.float16),  # G = 1
+    "packed-padded-gqa-d64": (1, 2, 1, 256, 256, 64, 64, True, 0, jnp.bfloat16),  # segment ids: SEGMENTED
 }
 
 
@@ -594,7 +594,7 @@ def test_backward_visits_only_the_blocks_in_range(bk, window, monkeypatch):
         return real(q_start, k_start, shape, causal, window, interpret, keys_first=keys_first)
 
     monkeypatch.setattr(mgb, "block_mask", counting)
-    t, h, hkv = 256, 4, 2
+    t, h, hkv = 256, 2, 1
     q = jnp.ones((1, h, t, 64), jnp.bfloat16)
     rows = jnp.zeros((1, h, t), jnp.float32)
     options = FlashOptions(causal=True, scale=1.0, window=window, block_k=bk, interpret=True)
