@@ -3,8 +3,9 @@ persistent compilation cache for the whole run, and the tests that share a modul
 worker.
 
 The environment is set before jax initializes a backend; xdist workers and subprocess tests inherit it. The cache
-(a fresh temporary directory per run, removed at exit) lets the many tests that train the same tiny model compile
-each step once; a cached executable is the one the compiler produced, so results are unchanged. Every program is
+(a fresh temporary directory per run, removed at exit, unless ``JAX_COMPILATION_CACHE_DIR`` names one: .ci/run
+shares one between the two tiers of a leg) lets the many tests that train the same tiny model compile each step
+once; a cached executable is the one the compiler produced, so results are unchanged. Every program is
 cached, however fast it compiled: the tiny models' programs compile in well under a second each, but the workers
 and the subprocess runs compile them again and again.
 """
@@ -23,8 +24,8 @@ import slow_tier
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: workers inherit its directory
     _cache = tempfile.mkdtemp(prefix="lpt-tests-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 from lpt import targets  # noqa: E402  (jax reads the cache settings at import)
 
