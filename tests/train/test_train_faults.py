@@ -61,11 +61,6 @@ def crashed(tmp_path_factory):
     return w
 
 
-def copy_run(src, workdir) -> None:
-    """Every file of the workdir ``src`` into ``workdir`` (created if missing)."""
-    shutil.copytree(src, workdir, dirs_exist_ok=True)
-
-
 def _largest_state_file(workdir, step) -> Path:
     files = [p for p in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
@@ -78,7 +73,7 @@ def _snapshot(workdir, step) -> dict:
 
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "checksum"])
 def test_damaged_newest_checkpoint_is_moved_aside_and_the_run_continues(crashed, reference, tmp_path, fault, caplog):
-    copy_run(crashed, tmp_path)  # checkpoints 2 and 4 written, then a crash
+    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)  # checkpoints 2 and 4 written, then a crash
     before = _snapshot(tmp_path, 2)
     if fault == "truncate":
         f = _largest_state_file(tmp_path, 4)
@@ -201,7 +196,7 @@ def test_an_empty_workdir_is_a_one_line_error(tmp_path, monkeypatch, capsys, wor
 
 
 def test_torn_metrics_line_is_skipped_and_a_finished_run_is_left_alone(crashed, reference, tmp_path, caplog):
-    copy_run(crashed, tmp_path)
+    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
     path = tmp_path / "metrics.jsonl"
     path.write_text(path.read_text() + '{"step": 5, "loss": 1.2')  # a crash mid-write
     assert run(tmp_path) == 0
@@ -363,7 +358,7 @@ def test_knobs_that_keep_the_state_resume_and_a_longer_schedule_is_announced(ref
 def test_a_changed_worker_count_resumes_exactly_and_moves_nothing(crashed, reference, tmp_path):
     """data.worker_count is a performance knob: the run resumes at its step with the same batches (the data position
     is the step), every checkpoint stays where it is and metrics.jsonl keeps its history."""
-    copy_run(crashed, tmp_path)  # checkpoints 2 and 4, then a crash
+    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)  # checkpoints 2 and 4, then a crash
     steps = []
     hook = lambda step, ckpt: steps.append(step)  # noqa: E731
     argv = [*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6", "--config.data.worker_count=1"]
@@ -384,7 +379,7 @@ def test_a_finished_run_rerun_with_fewer_steps_is_left_alone(reference, tmp_path
 
 
 def test_an_unfinished_run_past_a_smaller_step_count_is_an_error(crashed, tmp_path, capsys):
-    copy_run(crashed, tmp_path)  # checkpoints 2 and 4, no summary
+    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)  # checkpoints 2 and 4, no summary
     before = _files(tmp_path)
     rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=3"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -415,7 +410,7 @@ def test_a_run_that_fails_before_its_first_step_rewrites_nothing(crashed, tmp_pa
     """An unfinished run started again with a config that does not compile: config.json, metrics.jsonl, the
     TensorBoard files and the checkpoints stay byte-identical. In a new workdir, the directories the run created
     (its parent included) are removed again."""
-    copy_run(crashed, tmp_path)
+    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
     before = _files(tmp_path)
     _fail_to_compile(monkeypatch)
     rc = main([*ARGS, "--workdir", str(tmp_path), "--config.train.steps=6", "--config.train.log_every=2"])
@@ -582,7 +577,7 @@ def test_run_files_of_the_wrong_kind_stop_the_run_before_it_writes(reference, tm
 def test_when_every_checkpoint_is_damaged_the_history_goes_aside_with_them(crashed, reference, tmp_path, capsys):
     """Both checkpoints of an unfinished run truncated: they are moved aside and the run's records go with them,
     byte-identical; the next run starts from step 0 in a clean workdir and reproduces the reference."""
-    copy_run(crashed, tmp_path)  # checkpoints 2 and 4, metrics of steps 1-5
+    shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)  # checkpoints 2 and 4, metrics of steps 1-5
     for step in (2, 4):
         f = _largest_state_file(tmp_path, step)
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
