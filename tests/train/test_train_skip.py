@@ -44,17 +44,27 @@ def _copy(state):
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # the step donates its input
 
 
+def _warm(mode: str):
+    """(cfg, state after 25 good steps, the step, the batch iterator) of the ``train.bad_step=mode`` program."""
+    cfg, state, step, batches = _program(mode)
+    for _ in range(25):
+        state, m = step(state, next(batches))
+        assert math.isfinite(float(m["loss"]))
+    return cfg, state, step, batches
+
+
 @pytest.fixture(scope="module")
 def after_warmup():
-    """Per mode: (cfg, state after 25 good steps, the step, the batch iterator)."""
-    out = {}
-    for mode in ("skip", "stop"):
-        cfg, state, step, batches = _program(mode)
-        for _ in range(25):
-            state, m = step(state, next(batches))
-            assert math.isfinite(float(m["loss"]))
-        out[mode] = (cfg, state, step, batches)
-    return out
+    """``after_warmup(mode)``: :func:`_warm` of ``mode``, built the first time a test of the file asks for that mode
+    (each mode is a program of its own, compiled for the tests that use it)."""
+    built = {}
+
+    def get(mode: str):
+        if mode not in built:
+            built[mode] = _warm(mode)
+        return built[mode]
+
+    return get
 
 
 def _bad_batches(cfg, batch):
@@ -66,7 +76,7 @@ def _bad_batches(cfg, batch):
 
 @pytest.mark.parametrize("kind", ["nan", "spike"])
 def test_a_bad_step_leaves_params_and_optimizer_state_bit_for_bit(after_warmup, kind):
-    cfg, state, step, batches = after_warmup["skip"]
+    cfg, state, step, batches = after_warmup("skip")
     state = _copy(state)
     batch = _bad_batches(cfg, next(batches))[kind]
     before = _copy(state)
@@ -90,7 +100,7 @@ def test_a_bad_step_leaves_params_and_optimizer_state_bit_for_bit(after_warmup, 
 
 def test_with_stop_the_same_bad_step_changes_the_state(after_warmup):
     """The comparison the skip test rests on: without skipping, the NaN batch's step does change the state."""
-    cfg, state, step, batches = after_warmup["stop"]
+    cfg, state, step, batches = after_warmup("stop")
     before = _copy(state)
     after, m = step(_copy(state), _bad_batches(cfg, next(batches))["nan"])
     assert "skipped" not in m and not math.isfinite(float(m["loss"]))
