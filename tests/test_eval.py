@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_bounds import gamma, transformer_logits_sigma
-from tiny_run import train_tiny
+from shared_run import shared_run
 
 import lpt.models as M
 from lpt import eval as E
@@ -20,10 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """(workdir, summary) of a 3-step run (checkpoints at steps 2 and 3)."""
-    workdir = tmp_path_factory.mktemp("run")
-    summary = train_tiny(workdir, {"train.eval_batches": "2"})
-    return workdir, summary
+    """(workdir, summary) of the session's 3-step run with 2 eval batches (tests/shared_run.py), checkpoints at steps
+    2 and 3: read only."""
+    return shared_run(tmp_path_factory)
 
 
 def _eval(capsys, *argv):

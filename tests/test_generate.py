@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_bounds import transformer_logits_sigma
-from tiny_run import train_tiny
+from shared_run import shared_run
 
 import lpt.models as M
 from lpt import eval as E
@@ -153,9 +153,8 @@ def test_errors(model):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("run")
-    train_tiny(workdir)
-    return workdir
+    """The session's finished 3-step tiny run (tests/shared_run.py), checkpoints at steps 2 and 3: read only."""
+    return shared_run(tmp_path_factory)[0]
 
 
 def test_cli_workdir(run, capsys):

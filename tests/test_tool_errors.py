@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_errors import one_error
-from tiny_run import OVERRIDES, ROOT, train_tiny
+from shared_run import copy, shared_run
+from tiny_run import OVERRIDES, ROOT
 
 from lpt import eval as eval_tool
 from lpt import export, generate
@@ -34,10 +35,9 @@ def tree(path: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A finished 3-step tiny run (bytes tokenizer)."""
-    workdir = tmp_path_factory.mktemp("run") / "workdir"
-    train_tiny(workdir)
-    return workdir
+    """The session's finished 3-step tiny run (bytes tokenizer; tests/shared_run.py): read only, a test that changes
+    it (or could, were the code under test wrong) works on a copy."""
+    return shared_run(tmp_path_factory)[0]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,7 @@ def test_export_overwrite_replaces_the_directory_as_a_unit(run, hf_dir, tmp_path
 def test_export_never_writes_over_the_run_it_exports(run, tmp_path, capsys, where):
     """``--out`` that is the run's workdir, lies inside it, holds it, or is a symlink to it: refused with
     ``--overwrite`` too (the swap would delete the run), every file of the run byte-identical."""
+    run = copy(run, tmp_path / "run")
     out = {"workdir": run, "inside": run / "checkpoints", "parent": run.parent, "symlink": tmp_path / "link"}[where]
     if where == "symlink":
         out.symlink_to(run)
@@ -296,17 +297,13 @@ def test_compile_for_a_gpu_without_the_cuda_plugin(monkeypatch, capsys):
 @pytest.mark.parametrize("fault", ["a directory", "invalid JSON"])
 def test_export_eval_generate_do_not_read_summary_json(fault, run, tmp_path, capsys):
     """They read the checkpoint and config.json; a summary.json that is a directory or not JSON changes nothing."""
+    run = copy(run, tmp_path / "run")
     summary = run / "summary.json"
-    saved = summary.read_bytes()
     summary.unlink()
     summary.mkdir() if fault == "a directory" else summary.write_text('{"eval_loss": ')
-    try:
-        assert export.main(["--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
-        assert eval_tool.main(["--workdir", str(run), "--batches", "1"]) == 0
-        assert generate.main(["--workdir", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
-    finally:
-        shutil.rmtree(summary) if summary.is_dir() else summary.unlink()
-        summary.write_bytes(saved)
+    assert export.main(["--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert eval_tool.main(["--workdir", str(run), "--batches", "1"]) == 0
+    assert generate.main(["--workdir", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
     assert "error" not in capsys.readouterr().err
 
 
