@@ -21,27 +21,15 @@ import fault_runner
 import jax
 import numpy as np
 import pytest
+import shared_run
 from cpu_devices import cpu_env
+from tiny_run import tiny_config
 
 import lpt.optim
 from lpt.models import hf
 from lpt.train import checkpoint, init_from, loop
 from lpt.train import config as config_lib
 
-TINY = {
-    "model.d_model": "32",
-    "model.n_layers": "1",
-    "model.n_heads": "2",
-    "model.n_kv_heads": "2",
-    "model.d_ff": "64",
-    "model.max_seq_len": "32",
-    "data.seq_len": "32",
-    "train.global_batch": "8",
-    "train.eval_batches": "1",
-    "train.log_every": "1",
-    "train.diagnostics_every": "0",
-    "optim.warmup_steps": "1",
-}
 BF16_KAHAN = {
     "precision.param_dtype": "bfloat16",
     "precision.compute_dtype": "bfloat16",
@@ -50,8 +38,8 @@ BF16_KAHAN = {
 
 
 def config(**overrides):
-    cfg = config_lib.apply_overrides(config_lib.load_config_file("tiny_cpu"), {**TINY, **overrides})
-    return config_lib.resolve(cfg)
+    """The source run's config (tests/shared_run.py), then ``overrides``, resolved."""
+    return config_lib.resolve(tiny_config({**shared_run.OVERRIDES, **overrides}))
 
 
 def flat(tree, prefix=""):
@@ -72,17 +60,16 @@ def start(cfg):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """A 4-step f32 run (its weights moved off the init grid); returns its workdir."""
-    w = tmp_path_factory.mktemp("source")
-    loop.train(config(**{"train.steps": "4", "train.eval_every": "4", "train.checkpoint_every": "4"}), w)
-    return w
+    """The session's 3-step f32 run (tests/shared_run.py; its weights moved off the init grid), checkpoints at steps
+    2 and 3: its workdir, read only."""
+    return shared_run.shared_run(tmp_path_factory)[0]
 
 
 def test_f32_fine_tune_starts_from_the_source_bitwise(source, tmp_path, caplog):
     want, _ = checkpoint.load_params(source)
     cfg = config(**{"init_from.workdir": str(source)})
     state, origin = start(cfg)
-    assert origin == {"workdir": str(source.resolve()), "step": 4}
+    assert origin == {"workdir": str(source.resolve()), "step": 3}
     assert int(state.step) == 0
     got, ref = flat(jax.device_get(state.params)), flat(want)
     assert got.keys() == ref.keys() and len(got) > 5
@@ -94,27 +81,27 @@ def test_f32_fine_tune_starts_from_the_source_bitwise(source, tmp_path, caplog):
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(adam[0].mu))  # fresh moments
 
     # the trainer: logs the origin and records it in the metadata; preempted after step 2 (SIGTERM: step 2 saved, a
-    # clean exit). The fine-tune keeps the source's 4-step schedule: the same train step, compiled once for both
+    # clean exit). The fine-tune keeps the source's 3-step schedule: the same train step, compiled once for both
     run = tmp_path / "ft"
-    ft = config(**{"init_from.workdir": str(source), "train.steps": "4", "train.eval_every": "2"})
+    ft = config(**{"init_from.workdir": str(source), "train.eval_every": "2"})
     with caplog.at_level(logging.INFO, logger="lpt.train"):
         assert loop.train(ft, run, hooks=fault_runner.hooks(sigterm_at=2)) == {"preempted_at": 2}
-    assert f"from init_from.workdir={source.resolve()} (step 4)" in caplog.text
+    assert f"from init_from.workdir={source.resolve()} (step 3)" in caplog.text
     meta = json.loads(next((run / "checkpoints" / "2" / "metadata").glob("*")).read_text())
     assert meta["init_from"] == origin and meta["step"] == 2
 
     # a second start resumes the fine-tune's own checkpoint (step 2) and never reads the source; the summary records
     # the origin
     caplog.clear()
-    again = config(**{"init_from.workdir": str(tmp_path / "no_such_run"), "train.steps": "4", "train.eval_every": "2"})
+    again = config(**{"init_from.workdir": str(tmp_path / "no_such_run"), "train.eval_every": "2"})
     with caplog.at_level(logging.INFO, logger="lpt.train"):
         summary = loop.train(again, run)
     assert "resumed from step 2" in caplog.text and "initialised" not in caplog.text
     assert summary["init_from"] == origin
-    meta = json.loads(next((run / "checkpoints" / "4" / "metadata").glob("*")).read_text())
-    assert meta["init_from"] == origin and meta["step"] == 4
+    meta = json.loads(next((run / "checkpoints" / "3" / "metadata").glob("*")).read_text())
+    assert meta["init_from"] == origin and meta["step"] == 3
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # steps 1-2 from the first start, 3-4 resumed
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # steps 1-2 from the first start, 3 resumed
 
 
 def test_bf16_kahan_keeps_the_dropped_bits_in_the_compensation(source):
@@ -146,7 +133,7 @@ def test_shape_mismatch_names_the_key(source):
     params["blocks"]["0"]["mlp"]["up"]["kernel"] = np.zeros((32, 65), np.float32)  # orbax: string block keys
     with pytest.raises(ValueError, match=r"parameter 'blocks/0/mlp/up/kernel' has shape \(32, 65\); .* \(32, 64\)"):
         init_from.state_from_params(cfg, prog, params, "here")
-    with pytest.raises(ValueError, match=r"init_from.step=7 is not a checkpoint of .*; available: \[4\]"):
+    with pytest.raises(ValueError, match=r"init_from.step=7 is not a checkpoint of .*; available: \[2, 3\]"):
         start(config(**{"init_from.workdir": str(source), "init_from.step": "7"}))
 
 
@@ -165,13 +152,14 @@ def test_hugging_face_directory(source, tmp_path):
 
 
 def test_the_model_section_comes_from_the_hugging_face_directory(source, tmp_path):
-    """tiny_cpu states no shape of the source (its model keys are the defaults, or equal the source's): with
-    init_from.hf the model section is the directory's; keys set to other shapes are listed all at once; a key the
-    user sets on purpose (max_seq_len) is kept."""
+    """tiny_cpu with the source's n_kv_heads states no shape of the source (its model keys are the defaults, or
+    equal the source's): with init_from.hf the model section is the directory's; keys set to other shapes are listed
+    all at once; a key the user sets on purpose (max_seq_len) is kept."""
     params, run_cfg = checkpoint.load_params(source)
     hf.save_params(tmp_path / "hf", params, run_cfg.model)
     base = config_lib.load_config_file("tiny_cpu")
     run = {"init_from.hf": str(tmp_path / "hf"), "data.seq_len": "16", "train.global_batch": "8"}
+    run["model.n_kv_heads"] = str(run_cfg.model.n_kv_heads)  # tiny_cpu sets 2, not the default
     cfg = config_lib.apply_overrides(base, run)
     for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         assert getattr(cfg.model, key) == getattr(run_cfg.model, key), key
