@@ -149,22 +149,25 @@ def test_greedy_decoding_matches_transformers(case, tmp_path):
 
 
 def _lpt_model(cfg, seed=0):
-    """A fresh lpt model whose biases and norm scales are random too (N(0, 0.3²), 1 + N(0, 0.2²)): a mapping that
-    drops or swaps them changes the logits."""
-    model = M.build_model(cfg, {}, rngs=nnx.Rngs(seed))
-    state = nnx.state(model, nnx.Param)
+    """An lpt model of ``cfg`` whose weights are drawn here with numpy (no init program to compile), as build_model
+    draws them: matrices and embeddings N(0, init_std²), the "out" and "down" projections N(0, init_std² / (2
+    n_layers)); and, unlike build_model's zeros and ones, biases N(0, 0.3²) and norm scales 1 + N(0, 0.2²): a mapping
+    that drops or swaps any of them changes the logits."""
+    abstract = nnx.eval_shape(lambda: M.build_model(cfg, {}, rngs=nnx.Rngs(0)))
     rng = np.random.RandomState(seed)
+    std, out_std = cfg["init_std"], cfg["init_std"] / np.sqrt(2 * cfg["n_layers"])
 
-    def perturb(path, x):
-        name = path[-1].key
-        if name not in ("bias", "scale"):
-            return x
-        noise = rng.standard_normal(x.shape).astype(np.float32)
-        return x + (0.3 if name == "bias" else 0.2) * noise
+    def draw(path, x):
+        keys = [getattr(k, "key", None) for k in path]
+        z = rng.standard_normal(x.shape).astype(np.float32)
+        if keys[-1] == "bias":
+            return 0.3 * z
+        if keys[-1] == "scale":
+            return 1.0 + 0.2 * z
+        return (out_std if "o" in keys or "down" in keys else std) * z
 
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(perturb, nnx.to_pure_dict(state)))
-    nnx.update(model, state)
-    return model
+    params = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    return hf.model_from_params(cfg, {}, params)
 
 
 def _architecture(cfg):

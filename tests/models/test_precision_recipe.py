@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_bounds import assert_within, transformer_logits_sigma
+from test_decode import numpy_init
 
 import lpt.models as M
 from lpt.models import layers
@@ -142,7 +143,7 @@ def test_pqt_linear_noise_only_with_a_key():
 
 
 def test_pqt_model_key_changes_logits_and_bitwidth_loss():
-    model = M.build_model(CFG, PQT, rngs=nnx.Rngs(0))
+    model = numpy_init(CFG, PQT, seed=0)  # build_model's init recipe, drawn by numpy: bitwidths 6 and f32 weights
     g, st = nnx.split(model)
     f = jax.jit(lambda s, t, k: nnx.merge(g, s)(t, key=k))
     a, b = np.asarray(f(st, TOKENS, jax.random.key(1))), np.asarray(f(st, TOKENS, jax.random.key(2)))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_bounds import assert_within, attention_f32_bound, transformer_logits_sigma
+from test_decode import numpy_init
 
 import lpt.models as M
 from lpt.models.attention_block import attend
@@ -91,7 +92,7 @@ GPT2_TIED = {**GPT2, "tie_embeddings": True}
 
 
 def _built(cfg):
-    model = M.build_model(cfg, {}, rngs=nnx.Rngs(1))
+    model = numpy_init(cfg, {})
     f, state = _jit_forward(model)
     return cfg, model, f, state
 
@@ -155,7 +156,7 @@ def test_llama_options_under_every_attention_impl():
     cfg = {**QWEN3, "qkv_bias": True, "init_std": 0.3}
     logits = {}
     for impl in ("softmax", "xla", "pallas"):
-        model = M.build_model(cfg, {"attention": {"impl": impl}}, rngs=nnx.Rngs(0))
+        model = numpy_init(cfg, {"attention": {"impl": impl}}, seed=0)
         state = nnx.state(model, nnx.Param)  # biases and norm scales away from their 0 / 1 init
         nnx.update(model, jax.tree.map(lambda x: x + 0.1 * jnp.cos(jnp.arange(x.size) * 0.7).reshape(x.shape), state))
 
@@ -214,7 +215,8 @@ def test_bad_configs_raise_clear_errors():
         M.build_model({**LLAMA, "n_kv_heads": 3}, {}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"d_model=32 is not divisible by n_heads=3 \(or set model.head_dim\)$"):
         M.build_model({**LLAMA, "n_heads": 3, "n_kv_heads": 3}, {}, rngs=nnx.Rngs(0))
-    M.build_model({**LLAMA, "n_heads": 3, "n_kv_heads": 3, "head_dim": 8}, {}, rngs=nnx.Rngs(0))  # fine with it
+    fine = {**LLAMA, "n_heads": 3, "n_kv_heads": 3, "head_dim": 8}
+    nnx.eval_shape(lambda: M.build_model(fine, {}, rngs=nnx.Rngs(0)))  # fine with it
     with pytest.raises(ValueError, match="RoPE needs an even head_dim, got 7"):
         M.build_model({**LLAMA, "head_dim": 7}, {}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"model.head_dim=-8 must be >= 0 \(0 = d_model / n_heads\)"):
@@ -226,7 +228,7 @@ def test_bad_configs_raise_clear_errors():
         M.build_model(LLAMA, {"param_dtype": "int8"}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"matmul.qkv='int4'"):
         M.build_model(LLAMA, {"matmul": {"qkv": "int4"}}, rngs=nnx.Rngs(0))
-    model = M.build_model(LLAMA, {}, rngs=nnx.Rngs(0))
+    model = numpy_init(LLAMA, {})
     with pytest.raises(ValueError, match="exceeds config.model.max_seq_len=16"):
         model(jnp.zeros((1, 17), jnp.int32))
 
@@ -277,7 +279,7 @@ def test_scanned_layers_equal_the_unrolled_model(llama_built):
     unrolled layers) whose f32 sums XLA:CPU may order or contract differently per program and ISA: each within 6σ of
     the exact logits, σ from first-order rounding error propagation (tests/float_bounds.py)."""
     cfg, model, f, state = llama_built
-    scanned = M.build_model({**cfg, "scan_layers": True}, {}, rngs=nnx.Rngs(1))
+    scanned = nnx.eval_shape(lambda: M.build_model({**cfg, "scan_layers": True}, {}, rngs=nnx.Rngs(1)))
     g_scan, s_scan = nnx.split(scanned)
     unrolled = {p: v for p, v in nnx.to_flat_state(state)}
     n = cfg["n_layers"]
