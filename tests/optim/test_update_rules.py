@@ -38,8 +38,8 @@ def _least_squares(d=64, n=256, sigma=0.05, seed=0):
 @pytest.fixture(scope="module")
 def floor_losses():
     """The final loss of 6000 steps of lr 0.01 on _least_squares for each rule: the four runs in one program (no
-    value crosses between them), compiled with LLVM's optimizations off (a few hundred thousand flops a run; the
-    checks are ratios of losses)."""
+    value crosses between them), compiled with LLVM's optimizations off (6000 steps of a 256 x 64 problem run in
+    well under a second unoptimized; the checks are ratios of losses)."""
     loss, d = _least_squares()
     runs = {
         "f32": (optax.identity(), jnp.float32),
