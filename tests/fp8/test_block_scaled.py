@@ -25,9 +25,8 @@ KEY = jax.random.key(7)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("tiles",))
-def _ref_dq(a, recipe, axis, *, tiles=False, key=None):
-    """``a`` quantized along ``axis`` (NVFP4 16x16 tiles when ``tiles``) and dequantized in f32, as float64."""
+def _dq(a, recipe, axis, *, tiles=False, key=None):
+    """``a`` quantized along ``axis`` (NVFP4 16x16 tiles when ``tiles``) and dequantized in f32 (traced)."""
     rounding = "nearest" if key is None else "stochastic"
     if recipe == "mxfp8":
         c, s = mx_quantize(a, jnp.float8_e4m3fn, 32, axis, rounding=rounding, key=key)
@@ -39,25 +38,29 @@ def _ref_dq(a, recipe, axis, *, tiles=False, key=None):
     return nvfp4_dequantize(c, bs, ts, axis)
 
 
-def ref_dq(a, recipe, axis, *, tiles=False, key=None):
-    """``a`` quantized along ``axis`` (NVFP4 16x16 tiles when ``tiles``) and dequantized in f32, as float64."""
-    return np.asarray(_ref_dq(a, recipe, axis, tiles=tiles, key=key), np.float64)
-
-
-def ref_dot(x, w, g, recipe, key, hadamard, sr):
-    """(y, dx, dw) of the recipe from the quantizers, float64 products, plus the bounds' |a| @ |b| terms."""
+def _ref_operands(x, w, g, recipe, key, hadamard, sr):
+    """The dequantized f32 operands of the recipe's three GEMMs, from the quantizers (traced): name -> (a, b)."""
     nv = recipe == "nvfp4"
     keys = [jax.random.fold_in(key, i) for i in (1, 2, 3)]
-    xq, wq = ref_dq(x, recipe, 1), ref_dq(w, recipe, 0, tiles=nv)
-    gq, wqt = ref_dq(g, recipe, 1, key=keys[0] if sr else None), ref_dq(w, recipe, 1, tiles=nv)
+    xq, wq = _dq(x, recipe, 1), _dq(w, recipe, 0, tiles=nv)
+    gq, wqt = _dq(g, recipe, 1, key=keys[0] if sr else None), _dq(w, recipe, 1, tiles=nv)
     pad = (-x.shape[0]) % (16 if nv else 32)
     xt, gt = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(g, ((0, pad), (0, 0)))
     if hadamard:
         r = random_hadamard(keys[2])
         xt, gt = block_hadamard(xt, r, 0), block_hadamard(gt, r, 0)
-    xtq, gtq = ref_dq(xt, recipe, 0), ref_dq(gt, recipe, 0, key=keys[1] if sr else None)
-    pairs = {"y": (xq, wq), "dx": (gq, wqt.T), "dw": (xtq.T, gtq)}
-    return {k: (a @ b, np.abs(a) @ np.abs(b), a.shape[1]) for k, (a, b) in pairs.items()}
+    xtq, gtq = _dq(xt, recipe, 0), _dq(gt, recipe, 0, key=keys[1] if sr else None)
+    return {"y": (xq, wq), "dx": (gq, wqt.T), "dw": (xtq.T, gtq)}
+
+
+def ref_dot(operands):
+    """(y, dx, dw) of the recipe from its dequantized operands: float64 products, plus the bounds' |a| @ |b| terms
+    and the contraction length."""
+    out = {}
+    for k, (a, b) in operands.items():
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        out[k] = (a @ b, np.abs(a) @ np.abs(b), a.shape[1])
+    return out
 
 
 def _inputs(m, k, n, seed=0):
@@ -96,28 +99,48 @@ def _scaled_matmul_as_documented(a, b, a_scales, b_scales, preferred_element_typ
     return y.astype(preferred_element_type)
 
 
-@pytest.mark.parametrize(
-    "recipe,hadamard,sr,impl",
-    [
-        ("mxfp8", False, False, "xla"),
-        ("mxfp8", True, True, "xla"),
-        ("nvfp4", False, False, "xla"),
-        ("nvfp4", True, True, "xla"),
-        ("mxfp8", False, False, "scaled_matmul"),
-        ("nvfp4", True, True, "scaled_matmul"),
-    ],
-)
-def test_forward_and_backward_equal_reference(recipe, hadamard, sr, impl, monkeypatch):
+_CASES = [  # recipe, hadamard, stochastic gradients, impl
+    ("mxfp8", False, False, "xla"),
+    ("mxfp8", True, True, "xla"),
+    ("nvfp4", False, False, "xla"),
+    ("nvfp4", True, True, "xla"),
+    ("mxfp8", False, False, "scaled_matmul"),
+    ("nvfp4", True, True, "scaled_matmul"),
+]
+
+
+@pytest.fixture(scope="module")
+def equal_reference():
+    """case -> (y, dx, dw of block_scaled_dot, the reference's dequantized operands) on 40 x 64 x 96 inputs, every
+    case of _CASES in one program (it compiles in about two thirds of the time of a program per case; no value
+    crosses between cases), compiled with LLVM's optimizations off: the bound holds for any order and contraction
+    of the f32 operations, and the program runs once on tiny inputs. jax.nn.scaled_matmul is its documented math
+    while this traces (it lowers for GPUs only); impl="xla" never calls it."""
+    x, w, g = _inputs(40, 64, 96)  # 40 tokens: dw pads them to a multiple of the block
+
+    def all_cases(x, w, g, key):
+        out = []
+        for recipe, hadamard, sr, impl in _CASES:
+            kw = dict(key=key, hadamard=hadamard, stochastic_grads=sr, impl=impl)
+            y, vjp = jax.vjp(lambda x, w, recipe=recipe, kw=kw: block_scaled_dot(x, w, recipe, **kw), x, w)
+            dx, dw = vjp(g)
+            out.append(({"y": y, "dx": dx, "dw": dw}, _ref_operands(x, w, g, recipe, key, hadamard, sr)))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.nn, "scaled_matmul", _scaled_matmul_as_documented)
+        compiled = jax.jit(all_cases).lower(x, w, g, KEY).compile({"xla_backend_optimization_level": 0})
+    return dict(zip(_CASES, compiled(x, w, g, KEY), strict=True))
+
+
+@pytest.mark.parametrize("recipe,hadamard,sr,impl", _CASES)
+def test_forward_and_backward_equal_reference(recipe, hadamard, sr, impl, equal_reference):
     """Both impls: the emulation, and the codes and block scales handed to jax.nn.scaled_matmul (here its documented
     math, since it lowers for GPUs only), which checks their layout (contraction axis last, 16x16 tile scales
     repeated along the other axis)."""
-    if impl == "scaled_matmul":
-        monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul_as_documented)
-    x, w, g = _inputs(40, 64, 96)  # 40 tokens: dw pads them to a multiple of the block
-    got = _run(x, w, g, recipe, key=KEY, hadamard=hadamard, stochastic_grads=sr, impl=impl)
-    ref = ref_dot(x, w, g, recipe, KEY, hadamard, sr)
-    for name, (want, mag, k) in ref.items():
-        err = np.abs(got[name] - want)
+    got, operands = equal_reference[recipe, hadamard, sr, impl]
+    for name, (want, mag, k) in ref_dot(operands).items():
+        err = np.abs(np.asarray(got[name]) - want)
         bound = (k + 4) * EPS32 * mag + 1e-37
         assert np.all(err <= bound), (name, float(np.max(err / bound)))
         assert np.linalg.norm(want) > 0
@@ -142,13 +165,21 @@ def test_defaults_are_the_recipes():
 
 def test_keys_make_runs_reproducible():
     x, w, g = _inputs(32, 64, 32)
-    a, b = _run(x, w, g, "nvfp4", key=KEY), _run(x, w, g, "nvfp4", key=jax.random.key(7))
-    c = _run(x, w, g, "nvfp4", key=jax.random.key(8))
+
+    def y_dx_dw(x, w, g, key):
+        y, vjp = jax.vjp(lambda x, w: block_scaled_dot(x, w, "nvfp4", key=key), x, w)
+        return dict(zip(("y", "dx", "dw"), (y, *vjp(g)), strict=True))
+
+    def run(key):  # one executable per key type, LLVM's optimizations off: the runs compared share it
+        return jax.jit(y_dx_dw).lower(x, w, g, key).compile({"xla_backend_optimization_level": 0})
+
+    typed = run(KEY)
+    a, b, c = (typed(x, w, g, k) for k in (KEY, jax.random.key(7), jax.random.key(8)))
     for name in ("dx", "dw"):
         np.testing.assert_array_equal(a[name], b[name])
         assert not np.array_equal(a[name], c[name])
     np.testing.assert_array_equal(a["y"], c["y"])  # the forward is deterministic
-    raw = _run(x, w, g, "nvfp4", key=jax.random.PRNGKey(3))  # raw uint32[2] keys work as well
+    raw = run(jax.random.PRNGKey(3))(x, w, g, jax.random.PRNGKey(3))  # raw uint32[2] keys work as well
     assert np.all(np.isfinite(raw["dw"]))
 
 
@@ -213,9 +244,9 @@ def test_hadamard_is_orthogonal_and_cancels():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _nvfp4_expected(g):
-    """E[SR dequantized g] for NVFP4 1x16 blocks along the last axis: the scaled value clipped to ±6, unscaled."""
-    _, bs, ts = nvfp4_quantize(g)  # the scales do not depend on the rounding
+def _nvfp4_expected(g, bs, ts):
+    """E[SR dequantized g] for NVFP4 1x16 blocks along the last axis, from g's block and tensor scales (which do not
+    depend on the rounding): the scaled value clipped to ±6, unscaled."""
     dec = np.repeat(np.asarray(bs, np.float64), 16, axis=-1) * float(ts)
     y = np.asarray(g, np.float64) / np.where(dec > 0, dec, 1.0)
     return np.clip(y, -6.0, 6.0) * dec
@@ -227,18 +258,25 @@ def test_stochastic_gradients_are_unbiased():
     x, w, g = _inputs(32, 64, 32, seed=2)
     n = 512
 
-    def dx_of(key):
-        # impl="xla": jax.nn.scaled_matmul (impl="auto"'s CUDA branch) batches only all four operands together
-        _, vjp = jax.vjp(lambda x: block_scaled_dot(x, w, "nvfp4", key=key, hadamard=False, impl="xla"), x)
-        return vjp(g)[0]
+    def draws(x, w, g, keys):
+        def dx_of(key, stochastic_grads=True):
+            # impl="xla": jax.nn.scaled_matmul (impl="auto"'s CUDA branch) batches only all four operands together
+            kw = dict(key=key, hadamard=False, stochastic_grads=stochastic_grads, impl="xla")
+            _, vjp = jax.vjp(lambda x: block_scaled_dot(x, w, "nvfp4", **kw), x)
+            return vjp(g)[0]
 
-    dxs = np.asarray(jax.jit(jax.vmap(dx_of))(jax.random.split(KEY, n)), np.float64)
-    want = _nvfp4_expected(g) @ ref_dq(w, "nvfp4", 1, tiles=True).T
+        _, bs, ts = nvfp4_quantize(g)
+        return jax.vmap(dx_of)(keys), bs, ts, _dq(w, "nvfp4", 1, tiles=True), dx_of(KEY, stochastic_grads=False)
+
+    # one program, LLVM's optimizations off: the checks are statistical bounds, far above f32 round-off
+    args = (x, w, g, jax.random.split(KEY, n))
+    dxs, bs, ts, wq, nearest = jax.jit(draws).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+    dxs = np.asarray(dxs, np.float64)
+    want = _nvfp4_expected(g, bs, ts) @ np.asarray(wq, np.float64).T
     mean, sem = dxs.mean(0), dxs.std(0, ddof=1) / np.sqrt(n)
     assert np.all(sem > 0)
     assert np.all(np.abs(mean - want) <= 6 * sem + 1e-9 * np.abs(want).max())
-    nearest = _run(x, w, g, "nvfp4", key=KEY, hadamard=False, stochastic_grads=False)["dx"]
-    assert np.max(np.abs(nearest - want) / sem) > 6  # round-to-nearest's bias is visible at this sample size
+    assert np.max(np.abs(np.asarray(nearest) - want) / sem) > 6  # round-to-nearest's bias is visible at this size
 
 
 def test_product_error_is_the_formats():
@@ -248,13 +286,27 @@ def test_product_error_is_the_formats():
     r = np.random.default_rng(3)
     x = jnp.asarray(r.standard_normal((128, 256)), jnp.float32)
     w = jnp.asarray(r.standard_normal((256, 128)), jnp.float32)
+    recipes = (("mxfp8", 2.0**-6, 2.0**-4), ("nvfp4", 2.0**-4, 2.0**-2))
+
+    def products(x, w):  # per recipe: x and w quantized as the GEMM does, and the GEMM's output
+        return {
+            recipe: (
+                _dq(x, recipe, 1),
+                _dq(w, recipe, 0, tiles=recipe == "nvfp4"),
+                block_scaled_dot(x, w, recipe, key=KEY),
+            )
+            for recipe, _, _ in recipes
+        }
+
+    # one program, LLVM's optimizations off: the checks are relative errors of 2^-6 and more, far above f32 round-off
+    out = jax.jit(products).lower(x, w).compile({"xla_backend_optimization_level": 0})(x, w)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+    rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
     errs = {}
-    for recipe, lo, hi in (("mxfp8", 2.0**-6, 2.0**-4), ("nvfp4", 2.0**-4, 2.0**-2)):
-        ex = rel(ref_dq(x, recipe, 1), np.asarray(x))
-        ew = rel(ref_dq(w, recipe, 0, tiles=recipe == "nvfp4"), np.asarray(w))
+    for recipe, lo, hi in recipes:
+        xq, wq, y = out[recipe]
+        ex, ew = rel(xq, np.asarray(x)), rel(wq, np.asarray(w))
         assert lo < ex < hi and lo < ew < hi, (recipe, ex, ew)
-        errs[recipe] = rel(_run(x, w, jnp.zeros((128, 128)), recipe, key=KEY)["y"], exact)
+        errs[recipe] = rel(y, exact)
         assert abs(errs[recipe] / np.hypot(ex, ew) - 1) < 0.1, (recipe, errs[recipe], np.hypot(ex, ew))
     assert errs["mxfp8"] < errs["nvfp4"] / 2

@@ -64,19 +64,37 @@ def test_rounding_and_codes_equal_lpt_numerics(fmt):
     the same random word, and fp8_code / fp8_value are the format's bit patterns (every one of the 256 codes)."""
     x = _spread((4096,), 0)
     key = jax.random.key(7)
-    nearest = jax.jit(lambda x: K.round_fp8(x, fmt))(x)
-    _bits_equal(nearest, round_nearest(x, fmt, saturate=True, out_dtype=jnp.float32), "nearest")
-    stoch = jax.jit(lambda x: K.round_fp8(x, fmt, hash_bits(key, x.shape)))(x)
-    _bits_equal(stoch, round_stochastic(x, fmt, key, saturate=True, out_dtype=jnp.float32), "stochastic")
     codes = np.arange(256, dtype=np.uint8)
     values = codes.view(jnp.dtype(fmt)).astype(np.float32)  # ml_dtypes' decoding
-    got = np.asarray(K.fp8_value(jnp.asarray(codes, jnp.uint32), fmt))  # u8 -> u32
     nan = np.isnan(values)
+
+    def both(x, codes, finite_values):  # lpt's conversions and the kernel's, one program
+        q = round_nearest(x, fmt, saturate=True)  # XLA's own float8 array
+        return {
+            "nearest": (K.round_fp8(x, fmt), round_nearest(x, fmt, saturate=True, out_dtype=jnp.float32)),
+            "stochastic": (
+                K.round_fp8(x, fmt, hash_bits(key, x.shape)),
+                round_stochastic(x, fmt, key, saturate=True, out_dtype=jnp.float32),
+            ),
+            "fp8_value": K.fp8_value(codes.astype(jnp.uint32), fmt),  # u8 -> u32
+            "fp8_code": K.fp8_code(finite_values, fmt).astype(jnp.uint8),
+            "codes of XLA's float8": (
+                K.fp8_code(q.astype(jnp.float32), fmt).astype(jnp.uint8),
+                jax.lax.bitcast_convert_type(q, jnp.uint8),
+            ),
+        }
+
+    # LLVM's optimizations off: each comparison is of correctly rounded results or of bit patterns, which any
+    # compile gives bit for bit
+    args = (x, jnp.asarray(codes), jnp.asarray(values[~nan]))
+    out = jax.jit(both).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+    _bits_equal(*out["nearest"], "nearest")
+    _bits_equal(*out["stochastic"], "stochastic")
+    got = np.asarray(out["fp8_value"])
     assert np.array_equal(np.isnan(got), nan)
     _bits_equal(got[~nan], values[~nan], "fp8_value")
-    _bits_equal(np.asarray(K.fp8_code(jnp.asarray(values[~nan]), fmt)).astype(np.uint8), codes[~nan], "fp8_code")
-    q = round_nearest(x, fmt, saturate=True)  # XLA's own float8 array
-    _bits_equal(K.fp8_code(q.astype(jnp.float32), fmt).astype(jnp.uint8), jax.lax.bitcast_convert_type(q, jnp.uint8))
+    _bits_equal(out["fp8_code"], codes[~nan], "fp8_code")
+    _bits_equal(*out["codes of XLA's float8"], "codes of XLA's float8")
     assert ml_dtypes.finfo(jnp.dtype(fmt)).bits == 8
 
 

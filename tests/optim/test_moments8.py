@@ -16,6 +16,19 @@ from lpt.optim import moments8 as M8
 E4M3 = "float8_e4m3fn"
 
 
+_NO_LLVM_OPT = {"xla_backend_optimization_level": 0}
+
+
+def _o0(f, *args):
+    """``f(*args)`` as one program compiled with LLVM's optimizations off: for the checks that are bounds or hold
+    bitwise for any compile, on tiny inputs that run in no time."""
+    return jax.jit(f).lower(*args).compile(_NO_LLVM_OPT)(*args)
+
+
+def _decode(codes, scales):
+    return M8.decode(codes, scales, E4M3, 128, sqrt=False)
+
+
 def _x(shape, seed=0, decades=3.0):
     rng = np.random.default_rng(seed)
     mag = 10.0 ** rng.uniform(-decades, 0, shape)
@@ -26,9 +39,14 @@ def test_nearest_codes_keep_e4m3_precision_relative_to_the_block():
     """Within a block, an element at least 2^-6 of the block's largest (e4m3's normal range after the scale) comes
     back within e4m3's unit roundoff 2^-4 (3 mantissa bits), plus f32 slack for the scale product."""
     x = _x((8, 512))
-    codes, scales = M8.encode(x, E4M3, 128, sqrt=False)
+
+    def round_trip(x):
+        codes, scales = M8.encode(x, E4M3, 128, sqrt=False)
+        return codes, scales, _decode(codes, scales)
+
+    codes, scales, back = _o0(round_trip, x)
     assert codes.dtype == jnp.uint8 and scales.shape == (8, 4)
-    back = np.asarray(M8.decode(codes, scales, E4M3, 128, sqrt=False))
+    back = np.asarray(back)
     xb = np.asarray(x).reshape(8, 4, 128)
     amax = np.abs(xb).max(-1, keepdims=True)
     normal = (np.abs(xb) >= amax * 2.0**-6).reshape(8, 512)
@@ -44,13 +62,13 @@ def test_stochastic_requantization_is_unbiased():
     ulps for the scale's own roundings."""
     x = _x((4, 128), seed=1, decades=2.0)
     keys = jax.random.split(jax.random.key(3), 2000)
-    one = lambda k: M8.decode(*M8.encode(x, E4M3, 128, sqrt=False, key=k), E4M3, 128, sqrt=False)
-    draws = np.asarray(jax.jit(jax.vmap(one))(keys))
+    one = lambda x, k=None: _decode(*M8.encode(x, E4M3, 128, sqrt=False, key=k))
+    draws, nearest = _o0(lambda x, keys: (jax.vmap(one, (None, 0))(x, keys), one(x)), x, keys)
+    draws, nearest = np.asarray(draws), np.asarray(nearest)
     mean, xs = draws.mean(0), np.asarray(x)
     scale = np.abs(xs).max(-1, keepdims=True) / 448.0  # one block per row
     half_step = np.asarray(ulp(xs / scale, E4M3)) * scale / 2
     assert np.all(np.abs(mean - xs) <= 5 * half_step / np.sqrt(len(keys)) + 4 * np.spacing(np.abs(xs)))
-    nearest = np.asarray(M8.decode(*M8.encode(x, E4M3, 128, sqrt=False), E4M3, 128, sqrt=False))
     assert np.mean(np.abs(mean - xs)) < 0.1 * np.mean(np.abs(nearest - xs))  # far below nearest rounding's error
 
 
@@ -59,7 +77,8 @@ def test_a_block_depends_only_on_its_own_elements():
     unchanged, so a row split into shards of whole blocks quantizes the same on each shard."""
     x = _x((3, 384), seed=2)
     y = x.at[1, :128].multiply(1000.0)
-    (cx, sx), (cy, sy) = M8.encode(x, E4M3, 128, sqrt=False), M8.encode(y, E4M3, 128, sqrt=False)
+    encode = jax.jit(lambda x: M8.encode(x, E4M3, 128, sqrt=False)).lower(x).compile(_NO_LLVM_OPT)
+    (cx, sx), (cy, sy) = encode(x), encode(y)  # one executable for both
     same = np.ones((3, 3), bool)
     same[1, 0] = False
     np.testing.assert_array_equal(np.asarray(sx)[same], np.asarray(sy)[same])
@@ -69,21 +88,22 @@ def test_a_block_depends_only_on_its_own_elements():
 
 
 def _state_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def test_state_bytes_per_param():
     """Counted from the actual pytrees (scales included) of a model-like tree of bf16 params: Kahan weights + 8-bit
     moments <= 6.1 bytes/param, stochastic-rounding weights + 8-bit moments <= 4.1."""
     shapes = [(512, 1536), (512, 512), (512, 1408), (1408, 512), (512,), (4096, 512)]
-    params = {f"w{i}": jnp.zeros(s, jnp.bfloat16) for i, s in enumerate(shapes)}
+    params = {f"w{i}": jax.ShapeDtypeStruct(s, jnp.bfloat16) for i, s in enumerate(shapes)}
     n = sum(int(np.prod(s)) for s in shapes)
-    kahan = O.kahan_adamw(1e-3, moment_dtype=E4M3).init(params)
-    sr = O.adamw(1e-3, moment_dtype=E4M3, update="stochastic").init(params)
+    init = lambda tx: jax.eval_shape(tx.init, params)  # the state's shapes and dtypes: nothing to compute
+    kahan = init(O.kahan_adamw(1e-3, moment_dtype=E4M3))
+    sr = init(O.adamw(1e-3, moment_dtype=E4M3, update="stochastic"))
     kahan_bytes = (_state_bytes(params) + _state_bytes(kahan)) / n
     sr_bytes = (_state_bytes(params) + _state_bytes(sr)) / n
     assert kahan_bytes <= 6.1 and sr_bytes <= 4.1, (kahan_bytes, sr_bytes)
-    bf16 = (_state_bytes(params) + _state_bytes(O.kahan_adamw(1e-3).init(params))) / n
+    bf16 = (_state_bytes(params) + _state_bytes(init(O.kahan_adamw(1e-3)))) / n
     assert bf16 >= 7.99  # the 16-bit moments' 8 bytes/param, the baseline
 
 
@@ -109,9 +129,10 @@ def test_v_floor_is_cauchy_schwarz_for_the_exact_emas():
     g = rng.standard_normal((300, 1000)) * 10.0 ** rng.uniform(-6, 2, (300, 1000))
     m = v = np.zeros(1000)
     worst = 0.0
+    v_floor = jax.jit(lambda m, v: K.v_floor(m, v, b1=0.9, b2=0.999))  # one executable for the 300 steps
     for t in range(300):
         m, v = 0.9 * m + 0.1 * g[t], 0.999 * v + 0.001 * g[t] ** 2
-        floored = np.asarray(K.v_floor(jnp.asarray(m, jnp.float32), jnp.asarray(v, jnp.float32), b1=0.9, b2=0.999))
+        floored = np.asarray(v_floor(jnp.asarray(m, jnp.float32), jnp.asarray(v, jnp.float32)))
         worst = max(worst, float(np.max(floored / np.asarray(v, np.float32))))
     assert worst <= 1 + 2.0**-20  # f32 rounding of (m / C)^2 only
 
@@ -157,11 +178,9 @@ def test_convert_moments_to_8_bits_and_back(make):
     g = jax.tree.map(lambda x: (x.astype(jnp.float32) * 0.01).astype(jnp.bfloat16), p)  # bf16 -> f32 -> bf16
     build = lambda md: O.kahan_adamw(1e-2, moment_dtype=md) if make == "kahan_adamw" else O.adamw(1e-2, moment_dtype=md)
     tx16 = build("bfloat16")
-    st = tx16.init(p)
+    st, update = tx16.init(p), jax.jit(tx16.update)
     for _ in range(3):
-        _, st = jax.jit(tx16.update)(g, st, p)
-    st8 = O.convert_moments(st, "bfloat16", E4M3)
-    assert jax.tree.structure(st8) == jax.tree.structure(build(E4M3).init(p))  # like a fresh 8-bit state
+        _, st = update(g, st, p)
 
     def moments(state, md):
         s = state if make == "kahan_adamw" else state[0]
@@ -174,14 +193,19 @@ def test_convert_moments_to_8_bits_and_back(make):
             return M8.load(M8.MOMENT8[md], s.mu["w"], s.nu["w"], s.scales["w"])
         return s.mu["w"].astype(jnp.float32), s.nu["w"].astype(jnp.float32)
 
-    (m16, v16), (m8, v8) = moments(st, "bfloat16"), moments(st8, E4M3)
+    def converted(st):  # to 8 bits and back, and the moments each state holds
+        st8 = O.convert_moments(st, "bfloat16", E4M3)
+        back = O.convert_moments(st8, E4M3, "bfloat16")
+        return st8, moments(st, "bfloat16"), moments(st8, E4M3), moments(back, "bfloat16")
+
+    # one program, LLVM's optimizations off: the checks are bounds, and the conversion back is exact by construction
+    st8, (m16, v16), (m8, v8), (mb, vb) = _o0(converted, st)
+    assert jax.tree.structure(st8) == jax.tree.structure(build(E4M3).init(p))  # like a fresh 8-bit state
     top = lambda x: np.abs(np.asarray(x)) >= np.abs(np.asarray(x)).max(-1, keepdims=True) / 2
     np.testing.assert_allclose(np.asarray(m8)[top(m16)], np.asarray(m16)[top(m16)], rtol=2.0**-4)
     np.testing.assert_allclose(
         np.sqrt(np.asarray(v8))[top(v16)], np.sqrt(np.asarray(v16))[top(v16)], rtol=2.0**-4 * 1.001
     )  # + f32 sqrt
-    back = O.convert_moments(st8, E4M3, "bfloat16")
-    mb, vb = moments(back, "bfloat16")
     np.testing.assert_array_equal(np.asarray(mb), np.asarray(jnp.asarray(m8).astype(jnp.bfloat16), np.float32))
     u, _ = jax.jit(build(E4M3).update)(g, st8, p)  # continues with 8-bit moments
     assert np.isfinite(np.asarray(u["w"], np.float32)).all()
