@@ -29,7 +29,7 @@ SCALARS = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
 WORDS = jnp.asarray([7, 11], jnp.uint32)
 
 # the interpreted steps run here on the CPU, compiled without LLVM's backend optimizations: they
-# compile in a third less time and the checks read only their bits
+# compile in about a third less time and the checks read only their bits
 CPU = {"xla_backend_optimization_level": 0}
 
 

@@ -23,7 +23,7 @@ from lpt.kernels.flash_attention import tiles
 from lpt.kernels.flash_attention.options import FlashOptions
 
 # programs run here on the CPU (the interpreted kernels, the XLA twin) compile without LLVM's backend optimizations:
-# they compile in a third less time and the checks read only their values, not their speed
+# they compile in about a third less time and the checks read only their values, not their speed
 CPU = {"xla_backend_optimization_level": 0}
 
 POLICIES = {"stable": fm.default_policy(), "standard": fm.standard_policy(residual="f32")}  # f32 O from both

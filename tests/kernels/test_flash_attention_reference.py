@@ -29,7 +29,7 @@ def _inputs():
 
 
 # the interpreted kernels and the twin run here on the CPU, compiled without LLVM's backend optimizations: they
-# compile in a third less time and the checks read only their values
+# compile in about a third less time and the checks read only their values
 CPU = {"xla_backend_optimization_level": 0}
 
 POLICIES = {
