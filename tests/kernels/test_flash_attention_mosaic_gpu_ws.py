@@ -17,7 +17,6 @@ import pytest
 from cpu_devices import cpu_env
 from float_bounds import assert_within
 from test_flash_attention_mosaic_gpu import (
-    CPU,
     POLICIES,
     _bounds,
     _h100_sharding,
@@ -52,10 +51,10 @@ def test_interpreted_kernel_equals_single_warpgroup_kernel_and_matches_twin(case
     overrides = {"block_k": 64} if case == "cross-d128" else {}
     options = FlashOptions(policy=POLICIES[policy], interpret=True, **_kw(case, **overrides))
     fwd = functools.partial(ws.forward, options=options)
-    o, lse = map(np.asarray, jax.jit(fwd, compiler_options=CPU)(*_inputs(case)))
+    o, lse = map(np.asarray, jax.jit(fwd)(*_inputs(case)))
     if overrides:
         single = functools.partial(mg.forward, options=options)
-        o_1, lse_1 = map(np.asarray, jax.jit(single, compiler_options=CPU)(*_inputs(case)))
+        o_1, lse_1 = map(np.asarray, jax.jit(single)(*_inputs(case)))
     else:
         o_1, lse_1 = _kernel(case, POLICIES[policy])
     np.testing.assert_array_equal(o, o_1)
@@ -109,8 +108,8 @@ def test_f16_window_three_stages_and_o_in_the_input_dtype():
     k = jnp.asarray(rng.integers(-3, 4, (1, 1, 256, 64)) / 4, jnp.float16)  # G = 1 (module docstring)
     v = jnp.asarray(rng.standard_normal((1, 1, 256, 64)), jnp.float16)  # f64 -> f16 (RNE)
     options = FlashOptions(causal=True, scale=0.125, policy=fm.standard_policy(), window=100, interpret=True)
-    o, lse = jax.jit(functools.partial(ws.forward, options=options, stages=3), compiler_options=CPU)(q, k, v)
-    o_1, lse_1 = jax.jit(functools.partial(mg.forward, options=options), compiler_options=CPU)(q, k, v)
+    o, lse = jax.jit(functools.partial(ws.forward, options=options, stages=3))(q, k, v)
+    o_1, lse_1 = jax.jit(functools.partial(mg.forward, options=options))(q, k, v)
     assert o.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_1))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_1))
