@@ -22,6 +22,10 @@ from lpt.kernels.flash_attention import reference as fr
 from lpt.kernels.flash_attention import tiles
 from lpt.kernels.flash_attention.options import FlashOptions
 
+# programs run here on the CPU (the interpreted kernels, the XLA twin) compile without LLVM's backend optimizations:
+# they compile in about a third less time and the checks read only their values, not their speed
+CPU = {"xla_backend_optimization_level": 0}
+
 POLICIES = {"stable": fm.default_policy(), "standard": fm.standard_policy(residual="f32")}  # f32 O from both
 
 # name: (B, H, Hkv, Tq, Tk, D, block_k, causal, window, dtype, q scale)
@@ -83,7 +87,9 @@ def _twin_segments(q, k, segs):
 
 @functools.cache
 def _kernel(case: str, policy: fm.AttentionPolicy):
-    """The interpreted kernel's (O, lse), as numpy (cached: several tests compare one run)."""
+    """The interpreted kernel's (O, lse), as numpy (cached: several tests compare one run). Compiled with XLA's
+    default optimizations, not ``CPU``: test_flash_attention_mosaic_gpu_ws.py compares it bit for bit with the
+    warp-specialized kernel's, and the two programs' f32 results agree bit for bit only as both compile by default."""
     fwd = functools.partial(mg.forward, options=FlashOptions(policy=policy, interpret=True, **_kw(case)))
     segs = _segments_of(case, CASES) or (None, None)
     return tuple(map(np.asarray, jax.jit(fwd)(*_inputs(case), *segs)))
@@ -95,7 +101,7 @@ def _twin(case: str, policy: fm.AttentionPolicy, segs="case", **overrides):
     kw = _kw(case, **overrides)
     segs = _twin_segments(q, k, _segments_of(case, CASES) if segs == "case" else segs)
     fwd = functools.partial(fr.reference_forward, options=FlashOptions(policy=policy, **kw))
-    return tuple(map(np.asarray, jax.jit(fwd)(q, k, v, *segs)))
+    return tuple(map(np.asarray, jax.jit(fwd, compiler_options=CPU)(q, k, v, *segs)))
 
 
 def _bounds(case: str, **overrides):
@@ -235,7 +241,7 @@ def test_residual_input_returns_o_rounded_to_the_input_dtype():
     O of the same arithmetic (residual "f32") within half a bf16 ulp, plus the f32 bound between two programs."""
     case = "causal-gqa-d64"
     fwd = functools.partial(mg.forward, options=FlashOptions(policy=fm.standard_policy(), interpret=True, **_kw(case)))
-    o16, lse = jax.jit(fwd)(*_inputs(case))
+    o16, lse = jax.jit(fwd, compiler_options=CPU)(*_inputs(case))
     assert o16.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     o32, lse32 = _kernel(case, POLICIES["standard"])
     o_bound, lse_bound = _bounds(case)
@@ -271,7 +277,8 @@ def block_visits(forward, monkeypatch, *, t, h, hkv, bk, window):
     monkeypatch.setattr(mgb, "block_mask", counting)
     x = jnp.ones((1, h, t, 64), jnp.bfloat16)
     kw = dict(policy=fm.default_policy(), causal=True, window=window, scale=1.0, block_k=bk, interpret=True)
-    jax.block_until_ready(forward(x, x[:, :hkv], x[:, :hkv], options=FlashOptions(**kw)))
+    run = jax.jit(functools.partial(forward, options=FlashOptions(**kw)), compiler_options=CPU)
+    jax.block_until_ready(run(x, x[:, :hkv], x[:, :hkv]))
     jax.effects_barrier()
     return visits
 
@@ -461,12 +468,14 @@ def _bwd_rows(case: str, policy: str):
     A query that sees no key (padding) has lse = −inf and O = 0, so δ = 0."""
     q, k, v, do = _bwd_inputs(case)
     pol = BWD_POLICIES[policy]
-    kw = _bwd_kw(case)
-    fwd = functools.partial(fr.reference_forward, options=FlashOptions(policy=pol, **kw))
-    o, lse = jax.jit(fwd)(q, k, v, *_twin_segments(q, k, _segments_of(case, BWD_CASES)))
-    residual = fm.residual_and_output(o, q.dtype, pol, None)[1]
-    delta = jnp.sum(do.astype(jnp.float32) * residual.astype(jnp.float32), axis=-1)  # dtype -> f32, exact
-    return lse, delta
+    options = FlashOptions(policy=pol, **_bwd_kw(case))
+
+    def rows(q, k, v, do, q_seg, kv_seg):
+        o, lse = fr.reference_forward(q, k, v, q_seg, kv_seg, options=options)
+        residual = fm.residual_and_output(o, q.dtype, pol, None)[1]
+        return lse, jnp.sum(do.astype(jnp.float32) * residual.astype(jnp.float32), axis=-1)  # dtype -> f32, exact
+
+    return jax.jit(rows, compiler_options=CPU)(q, k, v, do, *_twin_segments(q, k, _segments_of(case, BWD_CASES)))
 
 
 @functools.cache
@@ -476,7 +485,7 @@ def _bwd_kernel(case: str, policy: str):
     lse, delta = _bwd_rows(case, policy)
     bwd = functools.partial(mg.backward, options=FlashOptions(interpret=True, **_bwd_kw(case)))
     segs = _segments_of(case, BWD_CASES) or (None, None)
-    return tuple(map(np.asarray, jax.jit(bwd)(q, k, v, *segs, lse, do, delta)))
+    return tuple(map(np.asarray, jax.jit(bwd, compiler_options=CPU)(q, k, v, *segs, lse, do, delta)))
 
 
 def _bwd_twin(case: str, policy: str, segs="case", **overrides):
@@ -485,7 +494,7 @@ def _bwd_twin(case: str, policy: str, segs="case", **overrides):
     lse, delta = _bwd_rows(case, policy)
     segs = _twin_segments(q, k, _segments_of(case, BWD_CASES) if segs == "case" else segs)
     bwd = functools.partial(fr.reference_backward, options=FlashOptions(**_bwd_kw(case, **overrides)))
-    return tuple(map(np.asarray, jax.jit(bwd)(q, k, v, *segs, lse, do, delta)))
+    return tuple(map(np.asarray, jax.jit(bwd, compiler_options=CPU)(q, k, v, *segs, lse, do, delta)))
 
 
 def _bwd_bounds(case: str, policy: str):
@@ -598,7 +607,8 @@ def test_backward_visits_only_the_blocks_in_range(bk, window, monkeypatch):
     q = jnp.ones((1, h, t, 64), jnp.bfloat16)
     rows = jnp.zeros((1, h, t), jnp.float32)
     options = FlashOptions(causal=True, scale=1.0, window=window, block_k=bk, interpret=True)
-    jax.block_until_ready(mg.backward(q, q[:, :hkv], q[:, :hkv], None, None, rows, q, rows, options=options))
+    run = jax.jit(functools.partial(mg.backward, options=options), compiler_options=CPU)
+    jax.block_until_ready(run(q, q[:, :hkv], q[:, :hkv], None, None, rows, q, rows))
     jax.effects_barrier()
     assert sorted(visits[False]) == sorted(_visible_blocks(t, mg.BLOCK_Q, bk, True, window) * h)  # dQ
     assert sorted(visits[True]) == sorted(_visible_blocks(t, bk, mg.BLOCK_Q, True, window) * h)  # dK/dV
