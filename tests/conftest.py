@@ -26,6 +26,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the ru
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# numpy's OpenBLAS would start a thread per core in each xdist worker: the workers already fill the cores, and the
+# Mosaic GPU interpreter's small matmuls (one per wgmma) cost ~200x more CPU time with the threads than without
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from lpt import targets  # noqa: E402  (jax reads the cache settings at import)
 

@@ -13,6 +13,7 @@ import jax._src.cudnn.fused_attention_stablehlo as cudnn_attention
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 from lpt import targets
 from lpt.attention import auto_impl, cudnn, dot_product_attention
@@ -23,7 +24,7 @@ CUDNN = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
 
 def _custom_calls(topology: str | None, dtype, d: int, **options) -> set[str]:
     """The custom-call targets of jax.grad through the default call, lowered for ``topology``'s first device under
-    ``jax.set_mesh``, one sequence per device (None: this process's CPU)."""
+    ``jax.set_mesh``, one sequence per device (None: this process's UNOPTIMIZED)."""
     if topology is None:
         mesh = jax.make_mesh((1,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     else:
@@ -136,7 +137,7 @@ def test_on_a_cpu_auto_is_the_twin_exactly():
     do = jax.random.normal(ks[3], (2, 100, 4, 64), jnp.bfloat16)
 
     def out_and_grads(impl):  # compiled without LLVM's backend optimizations: less compile time, same check
-        @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+        @functools.partial(jax.jit, compiler_options=UNOPTIMIZED)
         def run(q, k, v, do):
             o, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, impl=impl), q, k, v)
             return o, *vjp(do)

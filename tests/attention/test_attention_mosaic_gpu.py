@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 from lpt.attention import dot_product_attention
 from lpt.attention.core import mosaic_gpu_block_k
@@ -27,10 +28,6 @@ CASES = {
     "packed-d64": (1, 128, 2, 1, 64, 0, True),  # three packed sequences of 50, 60, 18 tokens
 }
 BOUND = 2.0**-7  # one bf16 ulp of the largest magnitude (module doc)
-
-# the interpreted kernels and the twin run here on the CPU, compiled without LLVM's backend optimizations: they
-# compile in about a third less time and the checks read only their values
-CPU = {"xla_backend_optimization_level": 0}
 
 
 def _inputs(case: str):
@@ -53,7 +50,9 @@ def _out_and_grads(fn, q, k, v, do):
         o, vjp = jax.vjp(fn, q, k, v)
         return o, *vjp(do)
 
-    return [np.asarray(x, np.float32) for x in jax.jit(both, compiler_options=CPU)(q, k, v)]  # bf16 -> f32, exact
+    return [
+        np.asarray(x, np.float32) for x in jax.jit(both, compiler_options=UNOPTIMIZED)(q, k, v)
+    ]  # bf16 -> f32, exact
 
 
 def _check(got, want, what: str):
@@ -80,7 +79,7 @@ def test_interpreted_matches_xla_twin(case, stable):
     if window or CASES[case][6]:  # the bound sees a window one key longer, or segments ignored, in O alone
         wrong = dict(kw, sliding_window=window + 1) if window else dict(kw, segment_ids=None)
         twin_wrong = lambda q, k, v: dot_product_attention(q, k, v, impl="xla", block_q=mg.BLOCK_Q, block_k=bk, **wrong)
-        o_wrong = jax.jit(twin_wrong, compiler_options=CPU)(q, k, v)
+        o_wrong = jax.jit(twin_wrong, compiler_options=UNOPTIMIZED)(q, k, v)
         o_wrong = np.asarray(o_wrong, np.float32)  # bf16 -> f32, exact
         assert np.abs(got[0] - o_wrong).max() > 3 * BOUND * np.abs(o_wrong).max()
 

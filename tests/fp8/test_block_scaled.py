@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 from lpt.fp8 import block_hadamard, block_scaled_dot, hadamard_matrix, random_hadamard
 from lpt.fp8.microscaling.formats import mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
@@ -129,7 +130,7 @@ def equal_reference():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(jax.nn, "scaled_matmul", _scaled_matmul_as_documented)
-        compiled = jax.jit(all_cases).lower(x, w, g, KEY).compile({"xla_backend_optimization_level": 0})
+        compiled = jax.jit(all_cases).lower(x, w, g, KEY).compile(UNOPTIMIZED)
     return dict(zip(_CASES, compiled(x, w, g, KEY), strict=True))
 
 
@@ -171,7 +172,7 @@ def test_keys_make_runs_reproducible():
         return dict(zip(("y", "dx", "dw"), (y, *vjp(g)), strict=True))
 
     def run(key):  # one executable per key type, LLVM's optimizations off: the runs compared share it
-        return jax.jit(y_dx_dw).lower(x, w, g, key).compile({"xla_backend_optimization_level": 0})
+        return jax.jit(y_dx_dw).lower(x, w, g, key).compile(UNOPTIMIZED)
 
     typed = run(KEY)
     a, b, c = (typed(x, w, g, k) for k in (KEY, jax.random.key(7), jax.random.key(8)))
@@ -270,7 +271,7 @@ def test_stochastic_gradients_are_unbiased():
 
     # one program, LLVM's optimizations off: the checks are statistical bounds, far above f32 round-off
     args = (x, w, g, jax.random.split(KEY, n))
-    dxs, bs, ts, wq, nearest = jax.jit(draws).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+    dxs, bs, ts, wq, nearest = jax.jit(draws).lower(*args).compile(UNOPTIMIZED)(*args)
     dxs = np.asarray(dxs, np.float64)
     want = _nvfp4_expected(g, bs, ts) @ np.asarray(wq, np.float64).T
     mean, sem = dxs.mean(0), dxs.std(0, ddof=1) / np.sqrt(n)
@@ -299,7 +300,7 @@ def test_product_error_is_the_formats():
         }
 
     # one program, LLVM's optimizations off: the checks are relative errors of 2^-6 and more, far above f32 round-off
-    out = jax.jit(products).lower(x, w).compile({"xla_backend_optimization_level": 0})(x, w)
+    out = jax.jit(products).lower(x, w).compile(UNOPTIMIZED)(x, w)
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
     errs = {}

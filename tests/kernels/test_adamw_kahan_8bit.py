@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from cpu_compile import UNOPTIMIZED
 from cpu_devices import cpu_env
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -87,7 +88,7 @@ def test_rounding_and_codes_equal_lpt_numerics(fmt):
     # LLVM's optimizations off: each comparison is of correctly rounded results or of bit patterns, which any
     # compile gives bit for bit
     args = (x, jnp.asarray(codes), jnp.asarray(values[~nan]))
-    out = jax.jit(both).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+    out = jax.jit(both).lower(*args).compile(UNOPTIMIZED)(*args)
     _bits_equal(*out["nearest"], "nearest")
     _bits_equal(*out["stochastic"], "stochastic")
     got = np.asarray(out["fp8_value"])

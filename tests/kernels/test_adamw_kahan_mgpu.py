@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 from jax import lax
 from test_adamw_kahan_8bit import random_state8
 
@@ -27,10 +28,6 @@ from lpt.optim import moments8 as M8
 HP = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 SCALARS = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
 WORDS = jnp.asarray([7, 11], jnp.uint32)
-
-# the interpreted steps run here on the CPU, compiled without LLVM's backend optimizations: they
-# compile in about a third less time and the checks read only their bits
-CPU = {"xla_backend_optimization_level": 0}
 
 
 def _leaf(shape, seed, g_dtype=jnp.float32):
@@ -80,7 +77,9 @@ def _assert_bits_equal(out, ref):
 def test_interpreted_mgpu_step_equals_the_twin_bit_for_bit(interpreted_mgpu, shape, stochastic, g_dtype):
     g, p, c, mv = _leaf(shape, seed=1, g_dtype=g_dtype)
     options = StepOptions(**HP, stochastic=stochastic)
-    out = jax.jit(functools.partial(adamw_kahan, options=options), compiler_options=CPU)(g, p, c, mv, SCALARS, WORDS)
+    out = jax.jit(functools.partial(adamw_kahan, options=options), compiler_options=UNOPTIMIZED)(
+        g, p, c, mv, SCALARS, WORDS
+    )
     _assert_bits_equal(out, adamw_kahan_reference(g, p, c, mv, SCALARS, WORDS, options=options))
     assert np.mean(np.asarray(out[0]) != np.asarray(p)) > 0.5  # the step moved most params
 
@@ -95,7 +94,9 @@ def test_interpreted_mgpu_shard_hashes_global_indices(interpreted_mgpu):
     half = slice(128, 256)
     offset = jnp.uint32(128 * 256)
     step = lambda *leaf, offset: adamw_kahan(*leaf, options=options, shard=((256, 256), offset))
-    out = jax.jit(step, compiler_options=CPU)(g[half], p[half], c[half], mv[half], SCALARS, WORDS, offset=offset)
+    out = jax.jit(step, compiler_options=UNOPTIMIZED)(
+        g[half], p[half], c[half], mv[half], SCALARS, WORDS, offset=offset
+    )
     _assert_bits_equal(out, tuple(x[half] for x in whole))
     assert shard_index_map((128, 256), (256, 256), offset)(jnp.uint32(0)) == 128 * 256
 
@@ -173,7 +174,7 @@ def test_interpreted_mgpu_8bit_step_equals_the_twin(interpreted_mgpu8, spec, sha
     g, p, c, codes, scales, scalars, words, moments8 = random_state8(shape, spec, seed=2)
     options = StepOptions(**HP, stochastic=stochastic, moments8=moments8)
     step = lambda *a: adamw_kahan(*a, scales, options=options)
-    out = jax.jit(step, compiler_options=CPU)(g, p, c, codes, scalars, words)
+    out = jax.jit(step, compiler_options=UNOPTIMIZED)(g, p, c, codes, scalars, words)
     ref = adamw_kahan_reference(g, p, c, codes, scalars, words, scales, options=options)
     np.testing.assert_array_equal(np.asarray(out[3]).view(np.uint32), np.asarray(ref[3]).view(np.uint32))
     apart = _codes_apart(out[2], ref[2])

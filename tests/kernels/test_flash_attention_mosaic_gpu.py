@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 from float_bounds import U32, assert_within, gamma
 
 from lpt import targets
@@ -21,10 +22,6 @@ from lpt.kernels.flash_attention import mosaic_gpu_blocks as mgb
 from lpt.kernels.flash_attention import reference as fr
 from lpt.kernels.flash_attention import tiles
 from lpt.kernels.flash_attention.options import FlashOptions
-
-# programs run here on the CPU (the interpreted kernels, the XLA twin) compile without LLVM's backend optimizations:
-# they compile in about a third less time and the checks read only their values, not their speed
-CPU = {"xla_backend_optimization_level": 0}
 
 POLICIES = {"stable": fm.default_policy(), "standard": fm.standard_policy(residual="f32")}  # f32 O from both
 
@@ -101,7 +98,7 @@ def _twin(case: str, policy: fm.AttentionPolicy, segs="case", **overrides):
     kw = _kw(case, **overrides)
     segs = _twin_segments(q, k, _segments_of(case, CASES) if segs == "case" else segs)
     fwd = functools.partial(fr.reference_forward, options=FlashOptions(policy=policy, **kw))
-    return tuple(map(np.asarray, jax.jit(fwd, compiler_options=CPU)(q, k, v, *segs)))
+    return tuple(map(np.asarray, jax.jit(fwd, compiler_options=UNOPTIMIZED)(q, k, v, *segs)))
 
 
 def _bounds(case: str, **overrides):
@@ -241,7 +238,7 @@ def test_residual_input_returns_o_rounded_to_the_input_dtype():
     O of the same arithmetic (residual "f32") within half a bf16 ulp, plus the f32 bound between two programs."""
     case = "causal-gqa-d64"
     fwd = functools.partial(mg.forward, options=FlashOptions(policy=fm.standard_policy(), interpret=True, **_kw(case)))
-    o16, lse = jax.jit(fwd, compiler_options=CPU)(*_inputs(case))
+    o16, lse = jax.jit(fwd, compiler_options=UNOPTIMIZED)(*_inputs(case))
     assert o16.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     o32, lse32 = _kernel(case, POLICIES["standard"])
     o_bound, lse_bound = _bounds(case)
@@ -277,7 +274,7 @@ def block_visits(forward, monkeypatch, *, t, h, hkv, bk, window):
     monkeypatch.setattr(mgb, "block_mask", counting)
     x = jnp.ones((1, h, t, 64), jnp.bfloat16)
     kw = dict(policy=fm.default_policy(), causal=True, window=window, scale=1.0, block_k=bk, interpret=True)
-    run = jax.jit(functools.partial(forward, options=FlashOptions(**kw)), compiler_options=CPU)
+    run = jax.jit(functools.partial(forward, options=FlashOptions(**kw)), compiler_options=UNOPTIMIZED)
     jax.block_until_ready(run(x, x[:, :hkv], x[:, :hkv]))
     jax.effects_barrier()
     return visits
@@ -475,7 +472,9 @@ def _bwd_rows(case: str, policy: str):
         residual = fm.residual_and_output(o, q.dtype, pol, None)[1]
         return lse, jnp.sum(do.astype(jnp.float32) * residual.astype(jnp.float32), axis=-1)  # dtype -> f32, exact
 
-    return jax.jit(rows, compiler_options=CPU)(q, k, v, do, *_twin_segments(q, k, _segments_of(case, BWD_CASES)))
+    return jax.jit(rows, compiler_options=UNOPTIMIZED)(
+        q, k, v, do, *_twin_segments(q, k, _segments_of(case, BWD_CASES))
+    )
 
 
 @functools.cache
@@ -485,7 +484,7 @@ def _bwd_kernel(case: str, policy: str):
     lse, delta = _bwd_rows(case, policy)
     bwd = functools.partial(mg.backward, options=FlashOptions(interpret=True, **_bwd_kw(case)))
     segs = _segments_of(case, BWD_CASES) or (None, None)
-    return tuple(map(np.asarray, jax.jit(bwd, compiler_options=CPU)(q, k, v, *segs, lse, do, delta)))
+    return tuple(map(np.asarray, jax.jit(bwd, compiler_options=UNOPTIMIZED)(q, k, v, *segs, lse, do, delta)))
 
 
 def _bwd_twin(case: str, policy: str, segs="case", **overrides):
@@ -494,7 +493,7 @@ def _bwd_twin(case: str, policy: str, segs="case", **overrides):
     lse, delta = _bwd_rows(case, policy)
     segs = _twin_segments(q, k, _segments_of(case, BWD_CASES) if segs == "case" else segs)
     bwd = functools.partial(fr.reference_backward, options=FlashOptions(**_bwd_kw(case, **overrides)))
-    return tuple(map(np.asarray, jax.jit(bwd, compiler_options=CPU)(q, k, v, *segs, lse, do, delta)))
+    return tuple(map(np.asarray, jax.jit(bwd, compiler_options=UNOPTIMIZED)(q, k, v, *segs, lse, do, delta)))
 
 
 def _bwd_bounds(case: str, policy: str):
@@ -607,7 +606,7 @@ def test_backward_visits_only_the_blocks_in_range(bk, window, monkeypatch):
     q = jnp.ones((1, h, t, 64), jnp.bfloat16)
     rows = jnp.zeros((1, h, t), jnp.float32)
     options = FlashOptions(causal=True, scale=1.0, window=window, block_k=bk, interpret=True)
-    run = jax.jit(functools.partial(mg.backward, options=options), compiler_options=CPU)
+    run = jax.jit(functools.partial(mg.backward, options=options), compiler_options=UNOPTIMIZED)
     jax.block_until_ready(run(q, q[:, :hkv], q[:, :hkv], None, None, rows, q, rows))
     jax.effects_barrier()
     assert sorted(visits[False]) == sorted(_visible_blocks(t, mg.BLOCK_Q, bk, True, window) * h)  # dQ

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 from float_bounds import assert_within, gamma
 
 from lpt.attention import AttentionPolicy, dot_product_attention
@@ -27,10 +28,6 @@ def _inputs():
         k = k.at[:, t].set(k[:, 2]).at[:, t, :, 0].set(3.0)
     return q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
 
-
-# the interpreted kernels and the twin run here on the CPU, compiled without LLVM's backend optimizations: they
-# compile in about a third less time and the checks read only their values
-CPU = {"xla_backend_optimization_level": 0}
 
 POLICIES = {
     "standard": fm.standard_policy(),
@@ -62,7 +59,7 @@ def test_interpret_kernel_matches_reference(name):
             o, vjp = jax.vjp(f, q, k, v)
             return o, vjp(w)
 
-        return jax.jit(both, compiler_options=CPU)(q, k, v)
+        return jax.jit(both, compiler_options=UNOPTIMIZED)(q, k, v)
 
     (o_k, g_k), (o_r, g_r) = run("pallas"), run("xla")
     o_k, o_r = o_k.astype(jnp.float32), o_r.astype(jnp.float32)
@@ -102,8 +99,8 @@ def test_interpret_kernel_split_accumulation_matches_reference_f32():
     twin = lambda q, k, v: fr.reference_forward(q, k, v, seg, seg, options=options)
     for f in (kernel, twin):  # S = QKᵀ, (P̃ ∘ big) V, (P̃ ∘ ¬big) V
         assert str(jax.make_jaxpr(f)(q, k, v)).count("dot_general") == 3
-    o_k, lse_k = jax.jit(kernel, compiler_options=CPU)(q, k, v)
-    o_r, lse_r = jax.jit(twin, compiler_options=CPU)(q, k, v)
+    o_k, lse_k = jax.jit(kernel, compiler_options=UNOPTIMIZED)(q, k, v)
+    o_r, lse_r = jax.jit(twin, compiler_options=UNOPTIMIZED)(q, k, v)
     assert o_k.dtype == jnp.float32
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))  # bf16 -> f64, exact
     s = 0.25 * q64 @ k64.swapaxes(-1, -2)

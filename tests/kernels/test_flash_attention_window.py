@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 from test_flash_attention_kernel import BK, BQ, D, T, _assert_f32_order_close
 
 from lpt.kernels.flash_attention import kernel as fk
@@ -17,10 +18,6 @@ from lpt.kernels.flash_attention import reference as fr
 from lpt.kernels.flash_attention import tiles
 from lpt.kernels.flash_attention import tpu as tpu
 from lpt.kernels.flash_attention.options import FlashOptions
-
-# the interpreted kernels and the twin run here on the CPU, compiled without LLVM's backend optimizations: they
-# compile in about a third less time and the checks read only their values
-CPU = {"xla_backend_optimization_level": 0}
 
 
 def _visible_blocks(t: int, bq: int, bk: int, window: int) -> set[tuple[int, int]]:
@@ -81,18 +78,22 @@ def test_both_structures_match_reference_with_window(window):
     policy = fm.default_policy()
     q, k, v, do, q_seg, kv_seg = _inputs()
     twin = FlashOptions(causal=True, scale=0.25, policy=policy, window=window, block_q=BQ, block_k=BK)
-    o_r, lse_r = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, options=twin), compiler_options=CPU)()
+    o_r, lse_r = jax.jit(
+        lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, options=twin), compiler_options=UNOPTIMIZED
+    )()
     full = dataclasses.replace(twin, window=0)
-    o_full, _ = jax.jit(lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, options=full), compiler_options=CPU)()
+    o_full, _ = jax.jit(
+        lambda: fr.reference_forward(q, k, v, q_seg, kv_seg, options=full), compiler_options=UNOPTIMIZED
+    )()
     assert float(jnp.max(jnp.abs(o_full - o_r))) > 0.3
     delta = jnp.sum(do.astype(jnp.float32) * o_r, axis=-1)  # bf16 -> f32 (exact products)
     backward = lambda: fr.reference_backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options=twin)
-    g_r = jax.jit(backward, compiler_options=CPU)()
+    g_r = jax.jit(backward, compiler_options=UNOPTIMIZED)()
     for structure in ("grid", "loop"):
         run = dataclasses.replace(twin, interpret=True, structure=structure)
-        o, lse = jax.jit(lambda s=run: fk.forward(q, k, v, q_seg, kv_seg, options=s), compiler_options=CPU)()
+        o, lse = jax.jit(lambda s=run: fk.forward(q, k, v, q_seg, kv_seg, options=s), compiler_options=UNOPTIMIZED)()
         backward = lambda s=run: fk.backward(q, k, v, q_seg, kv_seg, lse_r, do, delta, options=s)
-        dq, dk, dv = jax.jit(backward, compiler_options=CPU)()
+        dq, dk, dv = jax.jit(backward, compiler_options=UNOPTIMIZED)()
         for x, ref in zip((o, lse, dq, dk, dv), (o_r, lse_r, *g_r), strict=True):
             _assert_f32_order_close(x, ref)
 
@@ -117,13 +118,13 @@ def test_kernels_visit_only_the_blocks_in_the_window(structure, bq, bk, window, 
     kw = dict(causal=True, scale=1.0, block_q=bq, block_k=bk, window=window, interpret=True, structure=structure)
     options = FlashOptions(policy=fm.default_policy(), **kw)
     expected = sorted(_visible_blocks(t, bq, bk, window))
-    o, lse = jax.jit(lambda: fk.forward(x, x, x, seg, seg, options=options), compiler_options=CPU)()
+    o, lse = jax.jit(lambda: fk.forward(x, x, x, seg, seg, options=options), compiler_options=UNOPTIMIZED)()
     jax.effects_barrier()
     assert sorted(visits) == expected
     causal_blocks = _visible_blocks(t, bq, bk, t)  # a window of T keys masks nothing beyond causal
     assert len(expected) < 0.6 * len(causal_blocks)  # the window leaves out blocks a causal kernel visits
     visits.clear()
-    jax.jit(lambda: fk.backward(x, x, x, seg, seg, lse, x, lse, options=options), compiler_options=CPU)()
+    jax.jit(lambda: fk.backward(x, x, x, seg, seg, lse, x, lse, options=options), compiler_options=UNOPTIMIZED)()
     jax.effects_barrier()
     assert sorted(visits) == sorted(expected * 2)  # dQ and dK/dV
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 import lpt.optim as O
 from lpt.kernels.adamw_kahan import math as K
@@ -16,13 +17,10 @@ from lpt.optim import moments8 as M8
 E4M3 = "float8_e4m3fn"
 
 
-_NO_LLVM_OPT = {"xla_backend_optimization_level": 0}
-
-
 def _o0(f, *args):
     """``f(*args)`` as one program compiled with LLVM's optimizations off: for the checks that are bounds or hold
     bitwise for any compile, on tiny inputs that run in no time."""
-    return jax.jit(f).lower(*args).compile(_NO_LLVM_OPT)(*args)
+    return jax.jit(f).lower(*args).compile(UNOPTIMIZED)(*args)
 
 
 def _decode(codes, scales):
@@ -77,7 +75,7 @@ def test_a_block_depends_only_on_its_own_elements():
     unchanged, so a row split into shards of whole blocks quantizes the same on each shard."""
     x = _x((3, 384), seed=2)
     y = x.at[1, :128].multiply(1000.0)
-    encode = jax.jit(lambda x: M8.encode(x, E4M3, 128, sqrt=False)).lower(x).compile(_NO_LLVM_OPT)
+    encode = jax.jit(lambda x: M8.encode(x, E4M3, 128, sqrt=False)).lower(x).compile(UNOPTIMIZED)
     (cx, sx), (cy, sy) = encode(x), encode(y)  # one executable for both
     same = np.ones((3, 3), bool)
     same[1, 0] = False

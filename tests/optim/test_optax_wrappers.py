@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 import lpt.optim as O
 
@@ -124,7 +125,7 @@ def trained():
 
             p0 = _params(dtype)
             # LLVM's optimizations off: they take a third of the compile, and 40 steps on 72 numbers run in no time
-            out = train_all.lower(p0).compile({"xla_backend_optimization_level": 0})(p0)
+            out = train_all.lower(p0).compile(UNOPTIMIZED)(p0)
             done[dtype.name] = {
                 key: (p, st, runs[key][0], update_dtypes[key], nan_step)
                 for key, (p, st, nan_step) in zip(runs, out, strict=True)

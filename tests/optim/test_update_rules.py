@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from cpu_compile import UNOPTIMIZED
 from flax import nnx
 from float_bounds import gamma
 
@@ -59,7 +60,7 @@ def floor_losses():
         return loss(w)
 
     train = jax.jit(lambda: {name: run(tx, dtype) for name, (tx, dtype) in runs.items()})
-    return {k: float(v) for k, v in train.lower().compile({"xla_backend_optimization_level": 0})().items()}
+    return {k: float(v) for k, v in train.lower().compile(UNOPTIMIZED)().items()}
 
 
 def test_nearest_rounding_stalls_above_f32(floor_losses):
