@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_bounds import assert_within, transformer_logits_sigma
+from numpy_models import numpy_init
 
-import lpt.models as M
 from lpt.models import decode
-from lpt.options import build
 
 PROMPTS = [[5, 9, 200, 17, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7]]  # lengths 5, 2, 7: rows 0 and 1 are left-padded
 NEW = 6
@@ -30,27 +29,6 @@ CFGS = {
 def _cfg(kind, scan):
     # init_std 0.3: peaked attention and well separated logits (a masking or position error shows up)
     return {**CFGS[kind], "scan_layers": scan, "init_std": 0.3}
-
-
-def numpy_init(cfg, precision, seed=1):
-    """build_model's model of ``cfg`` / ``precision`` (float32 storage) with its init recipe drawn by numpy instead
-    of its jitted init program (one compile per config): each parameter N(0, init_std²) from its ``init_std``
-    metadata, or its ``init_const``. A bad config raises build_model's error as build_model does (checked before
-    ``nnx.eval_shape``, which would append to the message)."""
-    spec, prec = M.model_spec(cfg), build(M.Precision, precision)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: M.build_model(spec, prec, rngs=nnx.Rngs(0))))
-    rng = np.random.RandomState(seed)
-
-    def draw(v):
-        assert v.dtype == jnp.float32, v
-        meta = v.get_metadata()
-        if "init_std" in meta:
-            w = meta["init_std"] * rng.standard_normal(v.shape)
-        else:
-            w = np.full(v.shape, meta["init_const"])
-        return v.replace(jnp.asarray(w.astype(np.float32)))  # f64 -> f32 by numpy: nothing compiled
-
-    return nnx.merge(graphdef, jax.tree.map(draw, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def _model(kind, scan, compute="float32"):

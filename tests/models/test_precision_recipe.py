@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_bounds import assert_within, transformer_logits_sigma
-from test_decode import numpy_init
+from numpy_models import numpy_init
 
 import lpt.models as M
 from lpt.models import layers

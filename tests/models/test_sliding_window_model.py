@@ -7,7 +7,8 @@ keys; bad values fail in one line."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decode import _cached_greedy, _full_forward_greedy, numpy_init
+from numpy_models import numpy_init
+from test_decode import _cached_greedy, _full_forward_greedy
 
 import lpt.models as M
 from lpt.models import decode

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_bounds import assert_within, attention_f32_bound, transformer_logits_sigma
-from test_decode import numpy_init
+from numpy_models import numpy_init
 
 import lpt.models as M
 from lpt.models.attention_block import attend
