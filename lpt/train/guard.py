@@ -78,9 +78,13 @@ def judge(g: Guard, loss: jax.Array, grad_norm: jax.Array, spike_sigmas: float) 
     )
 
 
-def select(good: jax.Array, new, old):
-    """``new`` where the step is good, else ``old``, leaf by leaf (exact: the old bits are kept)."""
-    return jax.tree.map(lambda n, o: jnp.where(good, n, o), new, old)
+def if_good(good: jax.Array, update, *operands):
+    """``update(*operands)`` when the step is good, else ``operands`` as they are (exact: the old bits are kept).
+
+    A conditional, not a select of the updated and the old state: a bad step runs no update, and a good one is the
+    update alone, with no extra pass over the state that reads both versions and writes a third (on XLA:CPU, which
+    has no multi-output fusion, that pass would also make each leaf's update compute its new moments twice)."""
+    return jax.lax.cond(good, update, lambda *same: same, *operands)
 
 
 def to_json(g: Guard) -> dict:

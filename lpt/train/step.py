@@ -162,11 +162,15 @@ def make_train_step(
                 ce, aux = ce_sum / m, aux_sum / m
             grad_norm = optax.tree.norm(grads).astype(jnp.float32)
             good, guard = guard_lib.judge(state.guard, ce, grad_norm, cfg.train.spike_sigmas)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = lpt.optim.apply_updates(state.params, updates)  # f32 add, cast back to each param's dtype
-            if skip:  # a bad step leaves params and optimizer state as they were (lpt.train.guard)
-                params = guard_lib.select(good, params, state.params)
-                opt_state = guard_lib.select(good, opt_state, state.opt_state)
+
+            def update(params, opt_state):
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return lpt.optim.apply_updates(params, updates), opt_state  # f32 add, cast back to each param's dtype
+
+            if skip:  # a bad step runs no update: params and optimizer state stay as they were (lpt.train.guard)
+                params, opt_state = guard_lib.if_good(good, update, state.params, state.opt_state)
+            else:
+                params, opt_state = update(state.params, state.opt_state)
             new_state = TrainState(
                 step=state.step + 1, params=params, rest=state.rest, opt_state=opt_state, guard=guard
             )

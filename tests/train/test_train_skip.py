@@ -98,6 +98,20 @@ def test_a_bad_step_leaves_params_and_optimizer_state_bit_for_bit(after_warmup, 
     assert not _same(later.params, after.params) and not _same(later.opt_state, after.opt_state)
 
 
+def test_the_update_is_a_conditional_a_bad_step_does_not_run(after_warmup):
+    """The skip program runs the optimizer update under a ``cond`` on the guard's verdict (lpt.train.guard.if_good)
+    whose outputs are the new params and optimizer state: a good step's state is the update's own output, not a select
+    of the new and the old state (a pass over both), and a bad step runs no update."""
+    cfg, state, step, batches = after_warmup("skip")
+    jaxpr = step.trace(state, next(batches)).jaxpr.jaxpr
+    while len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params:  # the jitted body
+        jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
+    avals = lambda xs: [(tuple(x.shape), x.dtype) for x in xs]
+    updated = avals(jax.tree.leaves((state.params, state.opt_state)))
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert [avals(v.aval for v in e.outvars) for e in conds] == [updated]
+
+
 def test_with_stop_the_same_bad_step_changes_the_state(after_warmup):
     """The comparison the skip test rests on: without skipping, the NaN batch's step does change the state."""
     cfg, state, step, batches = after_warmup("stop")
