@@ -15,11 +15,19 @@ import functools
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import slow_tier
+
+# Python's bytecode caches are written even where PYTHONDONTWRITEBYTECODE is set (some images set it): the run starts
+# many Python processes (the xdist workers, the trainer's subprocesses), and without the caches each one compiles
+# every module it imports again (jax, flax, orbax, torch...: ~30 CPU-s per process in a venv installed with pip's
+# --no-compile). Set before anything below imports them; the subprocesses inherit the environment.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: workers inherit its directory
     _cache = tempfile.mkdtemp(prefix="lpt-tests-jax-cache-")
