@@ -38,12 +38,12 @@ another tokenizer, other inputs or other settings (source, text field, validatio
 is an error.
 
 One prepare at a time per DIR: it holds an exclusive lock (:mod:`lpt.filelock`) on ``DIR/prepare.lock``, which names it
-(host, pid, start time) and is removed when it ends; a second prepare into the same DIR fails at once with a
-one-line error naming the directory and the holder (:class:`OutLock`). DIR must lie apart from the input: DIR equal
-to an input file's directory, DIR containing one, or DIR inside one where the ``--input`` glob would match the files
-prepare writes (``'in/**'``) is refused before anything is written (paths resolved, symlinks followed;
-:func:`_check_apart`). Each finished shard records a blake2b digest of each split's records (``digest``), taken as
-they are written, which :mod:`lpt.data.identity` combines into the directory's identity.
+(host, pid, start time) and is removed when it ends; a second prepare into the same DIR fails at once with a one-line
+error naming the directory and the holder (:class:`lpt.data.prepare_out.OutLock`). DIR must lie apart from the input:
+DIR equal to an input file's directory, DIR containing one, or DIR inside one where the ``--input`` glob would match the
+files prepare writes (``'in/**'``) is refused before anything is written (paths resolved, symlinks followed;
+:func:`lpt.data.prepare_out.check_apart`). Each finished shard records a blake2b digest of each split's records
+(``digest``), taken as they are written, which :mod:`lpt.data.identity` combines into the directory's identity.
 Progress: a tqdm bar over the input bytes, on stderr when it is a terminal.
 """
 
@@ -51,17 +51,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import multiprocessing
 import os
-import re
 import sys
 import time
 
 import numpy as np
 
-from lpt import filelock
-from lpt.data import cache, corpus, documents, prepared, records
+from lpt.data import cache, corpus, documents, prepare_out, prepared, records
 from lpt.data.tokenizer import load_tokenizer, token_dtype
 
 SOURCES = tuple(corpus._FILE_SOURCES)  # the file formats, shared with the trainer's on-the-fly path
@@ -183,112 +180,6 @@ def tokenize_shard(task: dict) -> dict:
     }
 
 
-_TEMPORARY = re.compile(
-    r"(train|validation)-\d{5}\.array_record\.tmp-\d+|(counts-\d{5}|counts)\.npy\.tmp\.npy|manifest\.json\.tmp"
-)
-
-
-def _read_manifest(path: str) -> dict:
-    """An existing ``manifest.json``; ValueError naming it when it is not a JSON object."""
-    try:
-        with open(path, "rb") as fh:
-            manifest = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a prepare manifest (not JSON: {e}); use another --out") from None
-    if not isinstance(manifest, dict):
-        raise ValueError(f"{path} is not a prepare manifest (not a JSON object); use another --out")
-    return manifest
-
-
-def _write_manifest(out: str, manifest: dict) -> None:
-    path = os.path.join(out, prepared.MANIFEST)
-    with open(path + ".tmp", "w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
-
-
-def _check_rerun(out: str, old: dict, new: dict) -> None:
-    if old.get("format") != prepared.FORMAT:
-        raise ValueError(f"{out!r} holds a manifest of format {old.get('format')!r}, not {prepared.FORMAT}")
-    if old["tokenizer"]["identity"] != new["tokenizer"]["identity"]:
-        raise ValueError(
-            f"--out {out!r} was prepared with tokenizer {old['tokenizer']['spec']!r} ({old['tokenizer']['identity']}),"
-            f" not --tokenizer {new['tokenizer']['spec']!r} ({new['tokenizer']['identity']}); use another --out"
-        )
-    written_without = {"validation_split": "tail", "text_field": None}  # what a manifest without these keys holds
-    for key in ("source", "text_field", "validation_split", "validation_fraction", "record_tokens", "dtype", "shards"):
-        was = old[key] if key in old else written_without[key]
-        if was != new[key]:
-            what = "inputs (files, sizes or mtimes)" if key == "shards" else f"{key} ({was!r} vs {new[key]!r})"
-            raise ValueError(f"--out {out!r} was prepared with other {what}; use another --out or delete it")
-
-
-LOCK = "prepare.lock"  # held (flock) by the one prepare writing into a directory; removed when it ends
-_WRITTEN = (prepared.MANIFEST, prepared.TOTAL_COUNTS, prepared.counts_file(0), LOCK) + tuple(
-    prepared.shard_file(s, 0) for s in documents.SPLITS
-)  # the names prepare writes into --out (shard 0 for each shard)
-
-
-def _check_apart(out: str, files: list[str], input: str) -> None:
-    """ValueError (one line) when ``out`` is an input file's directory, contains one, or lies inside one where the
-    ``input`` glob would match what prepare writes (resolved paths: symlinks followed). Before anything is
-    written."""
-    real = os.path.realpath(out)
-    apart = "give a directory apart from the input"
-    for d in sorted({os.path.realpath(os.path.dirname(f)) for f in files}):
-        if d == real:
-            raise ValueError(f"--out {out!r} is the directory of --input files ({d}); {apart}")
-        if d.startswith(real.rstrip(os.sep) + os.sep):
-            raise ValueError(f"--out {out!r} contains the directory of --input files {d}; {apart}")
-    for name in _WRITTEN:
-        if corpus.glob_matches(input, os.path.join(real, name)):
-            raise ValueError(
-                f"--out {out!r} lies where --input {input!r} reads: it would match the {name} prepare writes there; "
-                "give an --out outside the input"
-            )
-
-
-class OutLock:
-    """Exclusive lock (``fcntl.flock``) on ``<out>/prepare.lock`` for one prepare; the file names the holder (host,
-    pid, start time). A second prepare into the same directory fails at once with a one-line ValueError naming the
-    directory and the holder. The file is removed when the holder ends (after a crash the next prepare takes it
-    over: the OS drops the lock with its process)."""
-
-    def __init__(self, out: str):
-        self.out, self.path = out, os.path.join(out, LOCK)
-        self._fd: int | None = None
-
-    def __enter__(self) -> OutLock:
-        while True:
-            try:
-                fd = filelock.lock(self.path)
-            except filelock.HeldError as e:
-                raise ValueError(
-                    f"--out {self.out!r} is in use by another prepare ({e}); wait for it to finish or choose "
-                    "another --out"
-                ) from None
-            except OSError as e:  # cannot create it, or a file system without flock
-                raise ValueError(f"--out {self.out!r}: cannot lock {LOCK}: {e.strerror}") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            filelock.unlock(fd)  # the holder removed this file as it ended: lock the one at the path now
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            try:
-                os.remove(self.path)  # while still holding it: a waiter that opened it locks the new file instead
-            except FileNotFoundError:
-                pass
-            filelock.unlock(self._fd)
-            self._fd = None
-
-
 def _first_bad(manifest: dict) -> str | None:
     return next((e for f in manifest["finished"].values() for e in f.get("bad_examples", [])), None)
 
@@ -389,12 +280,12 @@ def prepare(
         "finished": {},
         "complete": False,
     }
-    _check_apart(out, files, input)
+    prepare_out.check_apart(out, files, input)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {out!r} cannot be created: {e.strerror}") from None
-    with OutLock(out):
+    with prepare_out.OutLock(out):
         return _prepare_locked(out, manifest, tok, max_bad_records, workers, tokenizer, progress)
 
 
@@ -406,8 +297,8 @@ def _prepare_locked(
 
     path = os.path.join(out, prepared.MANIFEST)
     if os.path.exists(path):
-        old = _read_manifest(path)
-        _check_rerun(out, old, manifest)
+        old = prepare_out.read_manifest(path)
+        prepare_out.check_rerun(out, old, manifest)
         manifest["finished"] = {
             k: v
             for k, v in old["finished"].items()
@@ -417,9 +308,9 @@ def _prepare_locked(
             )
         }
     for f in os.listdir(out):  # files an interrupted run left half-written
-        if _TEMPORARY.fullmatch(f):
+        if prepare_out.TEMPORARY.fullmatch(f):
             os.remove(os.path.join(out, f))
-    _write_manifest(out, manifest)
+    prepare_out.write_manifest(out, manifest)
     settings = {
         "out": out,
         "source": manifest["source"],
@@ -439,7 +330,7 @@ def _prepare_locked(
         i = result.pop("index")
         manifest["finished"][str(i)] = result
         manifest["finished"] = dict(sorted(manifest["finished"].items(), key=lambda kv: int(kv[0])))
-        _write_manifest(out, manifest)
+        prepare_out.write_manifest(out, manifest)
         tokenized.append(i)
         bar.update(sizes[i])
         _check_bad_records(manifest, max_bad_records)
@@ -468,7 +359,7 @@ def _prepare_locked(
     np.save(os.path.join(out, prepared.TOTAL_COUNTS + ".tmp.npy"), total)
     os.replace(os.path.join(out, prepared.TOTAL_COUNTS + ".tmp.npy"), os.path.join(out, prepared.TOTAL_COUNTS))
     manifest["complete"] = True
-    _write_manifest(out, manifest)
+    prepare_out.write_manifest(out, manifest)
     return {**manifest, "tokenized": sorted(tokenized)}
 
 

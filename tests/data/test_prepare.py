@@ -11,7 +11,7 @@ import pytest
 from cli_errors import one_error
 
 import lpt.data as D
-from lpt.data import prepare, prepared
+from lpt.data import prepare, prepare_out, prepared
 
 
 def _write_docs(directory, n=24):
@@ -168,13 +168,13 @@ def test_a_second_prepare_into_the_same_out_is_refused_at_once(tmp_path, capsys)
     args = ["--tokenizer", "bytes", "--input", glob, "--out", str(out), "--workers", "1", "--shard-mb", "0.01"]
     assert prepare.main(args) == 0
     before = _tree(out)
-    assert prepare.LOCK not in before  # removed when the prepare ended
+    assert prepare_out.LOCK not in before  # removed when the prepare ended
     capsys.readouterr()
-    with prepare.OutLock(str(out)):  # another prepare holds the directory (its own open file: flock conflicts)
+    with prepare_out.OutLock(str(out)):  # another prepare holds the directory (its own open file: flock conflicts)
         assert prepare.main(args) == 2
         one_error(capsys.readouterr().err, str(out), "in use by another prepare", f"pid {os.getpid()}")
     assert _tree(out) == before  # byte-identical: the refused prepare wrote and deleted nothing
-    (out / prepare.LOCK).write_text('{"host": "gone", "pid": 1, "started": "yesterday"}')  # a crashed holder's file
+    (out / prepare_out.LOCK).write_text('{"host": "gone", "pid": 1, "started": "yesterday"}')  # a crashed holder's file
     assert prepare.main(args) == 0 and _tree(out) == before  # taken over, finished, removed
 
 
