@@ -59,7 +59,7 @@ def check_rerun(out: str, old: dict, new: dict) -> None:
 
 
 LOCK = "prepare.lock"  # held (flock) by the one prepare writing into a directory; removed when it ends
-WRITTEN = (prepared.MANIFEST, prepared.TOTAL_COUNTS, prepared.counts_file(0), LOCK) + tuple(
+_WRITTEN = (prepared.MANIFEST, prepared.TOTAL_COUNTS, prepared.counts_file(0), LOCK) + tuple(
     prepared.shard_file(s, 0) for s in documents.SPLITS
 )  # the names prepare writes into --out (shard 0 for each shard)
 
@@ -75,7 +75,7 @@ def check_apart(out: str, files: list[str], input: str) -> None:
             raise ValueError(f"--out {out!r} is the directory of --input files ({d}); {apart}")
         if d.startswith(real.rstrip(os.sep) + os.sep):
             raise ValueError(f"--out {out!r} contains the directory of --input files {d}; {apart}")
-    for name in WRITTEN:
+    for name in _WRITTEN:
         if corpus.glob_matches(input, os.path.join(real, name)):
             raise ValueError(
                 f"--out {out!r} lies where --input {input!r} reads: it would match the {name} prepare writes there; "
