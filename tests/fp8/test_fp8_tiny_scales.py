@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 from float_bounds import assert_within, gamma
 
 from lpt.fp8 import blockwise_dot, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
@@ -21,6 +22,13 @@ E5M2 = jnp.float8_e5m2
 TINY = np.float32(2.0**-126)  # smallest normal f32
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
 HALF_ULP = {E4M3: 2.0**-4, E5M2: 2.0**-3}  # relative, normal range
+
+
+def _jit(f, **kw):
+    """``jax.jit`` with LLVM's optimizations off. The scales, quantizers and dequantizers are max, quotients, one
+    product and bit operations, each correctly rounded where it is written (the same bits under any compile); the
+    GEMMs are checked against error bounds far above f32 round-off."""
+    return jax.jit(f, compiler_options=UNOPTIMIZED, **kw)
 
 
 def _threshold(dtype) -> np.float32:
@@ -60,7 +68,7 @@ def test_tiny_tiles_get_scale_2pow_minus126_and_exact_codes(dtype, scale_format)
     thr = _threshold(dtype)
     amaxes = [1e-37, 2.0**-120, _below(thr), thr / 3, _below(448 * 2.0**-126), 2.0**-126]
     x = np.stack([_tile(a, seed=i) for i, a in enumerate(amaxes)])
-    q, s = jax.jit(functools.partial(quantize_tiles, dtype=dtype, scale_format=scale_format))(x)
+    q, s = _jit(functools.partial(quantize_tiles, dtype=dtype, scale_format=scale_format))(x)
     np.testing.assert_array_equal(np.asarray(s), np.full((len(amaxes), 1), TINY))
     qf = np.asarray(q, np.float32)
     assert np.all(np.isfinite(qf))
@@ -68,7 +76,7 @@ def test_tiny_tiles_get_scale_2pow_minus126_and_exact_codes(dtype, scale_format)
     ref = (x * np.float32(2.0**126)).astype(np.dtype(dtype))  # f32 -> fp8, RNE
     np.testing.assert_array_equal(qf, ref.astype(np.float32))
     assert np.all(np.abs(qf) >= 1.0)  # every code is a normal FP8 value: the format's full relative precision
-    xd = np.asarray(jax.jit(dequantize_tiles)(q, s))
+    xd = np.asarray(_jit(dequantize_tiles)(q, s))
     rel = np.abs(xd - x) / np.abs(x)
     assert rel.max() <= HALF_ULP[dtype]
 
@@ -78,9 +86,9 @@ def test_tiny_tiles_get_scale_2pow_minus126_and_exact_codes(dtype, scale_format)
 def test_tiny_weight_block_next_to_normal_ones(dtype, scale_format):
     w = np.random.default_rng(3).standard_normal((256, 256)).astype(np.float32)
     w[:128, 128:] = _tile(1e-37, seed=4, n=128 * 128).reshape(128, 128)
-    q, s = jax.jit(functools.partial(quantize_blocks, dtype=dtype, scale_format=scale_format))(w)
+    q, s = _jit(functools.partial(quantize_blocks, dtype=dtype, scale_format=scale_format))(w)
     assert float(s[0, 1]) == TINY and float(s[0, 0]) > 1e-6
-    wd = np.asarray(jax.jit(dequantize_blocks)(q, s))
+    wd = np.asarray(_jit(dequantize_blocks)(q, s))
     assert np.all(np.isfinite(wd))
     rel = np.abs(wd[:128, 128:] - w[:128, 128:]) / np.abs(w[:128, 128:])
     assert rel.max() <= HALF_ULP[dtype]
@@ -92,9 +100,9 @@ def test_f32_subnormal_elements_are_finite_and_lose_at_most_themselves(dtype, sc
     sub = np.float32(2.0**-126) * np.linspace(0.01, 0.99, 128).astype(np.float32)  # f32 subnormals
     x = np.stack([sub, _tile(3e-38, seed=5)])
     x[1, :64] = sub[:64]  # a tiny-normal tile with subnormal elements in it
-    q, s = jax.jit(functools.partial(quantize_tiles, dtype=dtype, scale_format=scale_format))(x)
+    q, s = _jit(functools.partial(quantize_tiles, dtype=dtype, scale_format=scale_format))(x)
     assert np.all(np.isfinite(np.asarray(q, np.float32))) and np.all(np.isfinite(np.asarray(s)))
-    xd = np.asarray(jax.jit(dequantize_tiles)(q, s))
+    xd = np.asarray(_jit(dequantize_tiles)(q, s))
     assert np.all(np.abs(xd[:, :64] - x[:, :64]) <= TINY)  # dequantized to 0 or a nearby value
     rel = np.abs(xd[1, 64:] - x[1, 64:]) / np.abs(x[1, 64:])
     assert rel.max() <= HALF_ULP[dtype]
@@ -106,9 +114,9 @@ def test_tiles_at_and_above_the_threshold_are_bitwise_unchanged(dtype, scale_for
     thr = _threshold(dtype)
     amaxes = [thr, _above(thr), _above(_above(thr)), thr * 1.5, 1e-30, 1e-3, 1.0, 3e4]
     x = np.stack([_tile(a, seed=10 + i) for i, a in enumerate(amaxes)])
-    q, s = jax.jit(functools.partial(quantize_tiles, dtype=dtype, scale_format=scale_format))(x)
+    q, s = _jit(functools.partial(quantize_tiles, dtype=dtype, scale_format=scale_format))(x)
 
-    @jax.jit
+    @_jit
     def old(x):
         s_old = _old_scale(jnp.max(jnp.abs(x), axis=-1, keepdims=True), dtype, scale_format)
         return round_nearest(x / s_old, dtype, saturate=True), s_old  # f32 -> fp8, RNE, saturating
@@ -123,12 +131,12 @@ def test_pow2_scales_match_the_unfloored_formula_everywhere():
     """pow2 scales already rounded subnormal ratios up to 2^-126: the floor changes no pow2 scale."""
     amax = np.float32([0.0, 1e-45, 1e-40, 1e-37, 2.0**-126, 1e-35, 1e-30, 1.0, 1e30])
     for dtype in (E4M3, E5M2):
-        new = np.asarray(jax.jit(lambda a, d=dtype: block_scale(a, d, "pow2"))(amax))
-        old = np.asarray(jax.jit(lambda a, d=dtype: _old_scale(a, d, "pow2"))(amax))
+        new = np.asarray(_jit(lambda a, d=dtype: block_scale(a, d, "pow2"))(amax))
+        old = np.asarray(_jit(lambda a, d=dtype: _old_scale(a, d, "pow2"))(amax))
         np.testing.assert_array_equal(new.view(np.uint32), old.view(np.uint32))
 
 
-@functools.partial(jax.jit, static_argnames=("grad_dtype", "scale_format", "impl"))
+@functools.partial(_jit, static_argnames=("grad_dtype", "scale_format", "impl"))
 def _y_dx_dw(x, w, g, grad_dtype, scale_format, impl="xla"):
     kw = dict(grad_dtype=grad_dtype, scale_format=scale_format, impl=impl)
     y, vjp = jax.vjp(lambda x, w: blockwise_dot(x, w, **kw), x, w)
@@ -147,7 +155,7 @@ def _tiny_case():
     return x, w, g
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "grad", "sf"))
+@functools.partial(_jit, static_argnames=("fwd", "grad", "sf"))
 def _dequantized_operands(x, w, g, fwd, grad, sf):
     """The quantized-then-dequantized f32 operands of each GEMM of blockwise_dot (one program, not one per op)."""
     pad = lambda a: jnp.pad(a, ((0, 128 - a.shape[0]), (0, 0)))  # noqa: E731 - dW pads tokens to the block
