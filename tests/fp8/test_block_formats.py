@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 from lpt.fp8 import mx_dequantize, mx_quantize, nvfp4_dequantize, nvfp4_quantize
 
@@ -24,6 +25,13 @@ MX_ELEMS = {
 }
 ELEM_NAMES = list(MX_ELEMS)
 F32_TINY = np.float32(2.0**-126)
+
+
+def _jit(f):
+    """``jax.jit`` with LLVM's optimizations off: the quantizers and dequantizers are products, quotients, roundings
+    and bit operations, each correctly rounded where it is written (no sums), so their bits are the same under any
+    compile, as the agreement with numpy shows."""
+    return jax.jit(f, compiler_options=UNOPTIMIZED)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,7 +170,7 @@ def _random_mx_input(seed, shape, axis=-1):
 @pytest.mark.parametrize("shape,axis", [((16, 128), -1), ((64, 3, 4), 0), ((2, 96, 5), 1)])
 def test_mx_matches_reference_on_random_tensors(name, shape, axis):
     x = _random_mx_input(hash((name, shape)) % 1000, shape, axis)
-    codes, scales = jax.jit(lambda v: mx_quantize(v, name, axis=axis))(x)
+    codes, scales = _jit(lambda v: mx_quantize(v, name, axis=axis))(x)
     rc, rs = ref_mx(x, name, axis=axis)
     assert codes.dtype == MX_ELEMS[name][0] and scales.dtype == jnp.float8_e8m0fnu
     exp_scale_shape = list(shape)
@@ -202,7 +210,7 @@ def _mx_edge_blocks(name):
 def test_mx_edge_cases_match_reference_and_spec(name):
     dt, emax, fmax, _, _ = MX_ELEMS[name]
     labels, x = _mx_edge_blocks(name)
-    codes, scales = jax.jit(lambda v: mx_quantize(v, name))(x)
+    codes, scales = _jit(lambda v: mx_quantize(v, name))(x)
     rc, rs = ref_mx(x, name)
     np.testing.assert_array_equal(_u8(codes), _u8(rc))
     np.testing.assert_array_equal(_u8(scales), rs)
@@ -236,13 +244,13 @@ def test_mx_dequantize_is_exact(name):
     labels, edge = _mx_edge_blocks(name)
     x = np.concatenate([_random_mx_input(3, (12, 32 * 4)).reshape(-1, 32), edge]).reshape(-1, 64)
     codes, scales = mx_quantize(x, name)
-    out = jax.jit(mx_dequantize)(codes, scales)
+    out = _jit(mx_dequantize)(codes, scales)
     assert out.dtype == jnp.float32
     ref = ref_mx_dequantize(codes, np.repeat(_u8(scales), 32, axis=-1))
     np.testing.assert_array_equal(_u32(out), _u32(ref))  # bit for bit, subnormal results and NaN blocks included
     sub = (np.abs(ref) < F32_TINY) & (ref != 0)
     assert sub.any()  # some results are f32 subnormals, and they came back exactly
-    bf = jax.jit(lambda c, s: mx_dequantize(c, s, dtype=jnp.bfloat16))(codes, scales)
+    bf = _jit(lambda c, s: mx_dequantize(c, s, dtype=jnp.bfloat16))(codes, scales)
     assert bf.dtype == jnp.bfloat16
     fin = np.isfinite(ref) & (np.abs(ref) >= F32_TINY)
     np.testing.assert_array_equal(
@@ -254,8 +262,8 @@ def test_mx_dequantize_is_exact(name):
 def test_mx_roundtrip_error_is_half_an_element_ulp_of_the_block_scale(name):
     dt, emax, fmax, p, emin = MX_ELEMS[name]
     x = _random_mx_input(11, (32, 256))
-    codes, scales = jax.jit(lambda v: mx_quantize(v, name))(x)
-    xd = np.asarray(jax.jit(mx_dequantize)(codes, scales), np.float64)
+    codes, scales = _jit(lambda v: mx_quantize(v, name))(x)
+    xd = np.asarray(_jit(mx_dequantize)(codes, scales), np.float64)
     scale = np.ldexp(1.0, np.repeat(_u8(scales).astype(np.int64) - 127, 32, axis=-1))
     y = np.abs(x.astype(np.float64)) / scale
     ulp = np.ldexp(1.0, np.maximum(np.floor(np.log2(np.maximum(y, 2.0**-300))), emin).astype(np.int64) - p)
@@ -269,7 +277,7 @@ def test_mx_roundtrip_error_is_half_an_element_ulp_of_the_block_scale(name):
 @pytest.mark.parametrize("name", ELEM_NAMES)
 def test_mx_2d_tiles(name):
     w = _random_mx_input(5, (64, 96))
-    codes, scales = jax.jit(lambda v: mx_quantize(v, name, block_shape=(32, 32)))(w)
+    codes, scales = _jit(lambda v: mx_quantize(v, name, block_shape=(32, 32)))(w)
     rc, rs = ref_mx_2d(w, name, 32, 32)
     assert scales.shape == (2, 3)
     np.testing.assert_array_equal(_u8(codes), _u8(rc))
@@ -278,7 +286,7 @@ def test_mx_2d_tiles(name):
     ct, st = mx_quantize(w.T, name, block_shape=(32, 32))
     np.testing.assert_array_equal(_u8(ct), _u8(codes).T)
     np.testing.assert_array_equal(_u8(st), _u8(scales).T)
-    xd = jax.jit(lambda c, s: mx_dequantize(c, s, block_shape=(32, 32)))(codes, scales)
+    xd = _jit(lambda c, s: mx_dequantize(c, s, block_shape=(32, 32)))(codes, scales)
     full = np.repeat(np.repeat(_u8(scales), 32, axis=0), 32, axis=1)
     np.testing.assert_array_equal(_u32(xd), _u32(ref_mx_dequantize(codes, full)))
 
@@ -300,7 +308,7 @@ def test_mx_stochastic_rounding_is_unbiased_and_picks_a_neighbour(name):
     x = (rng.uniform(-1, 1, (2, 64)) * np.array([[3.0], [2.0**-70]])).astype(np.float32)
     n = 512
     keys = jax.random.split(jax.random.key(42), n)
-    q = jax.jit(jax.vmap(lambda k: mx_quantize(x, name, rounding="stochastic", key=k)))
+    q = _jit(jax.vmap(lambda k: mx_quantize(x, name, rounding="stochastic", key=k)))
     codes, scales = q(keys)
     _, s_near = mx_quantize(x, name)
     np.testing.assert_array_equal(_u8(scales), np.broadcast_to(_u8(s_near), _u8(scales).shape))  # scales: no SR
@@ -346,7 +354,7 @@ def _check_nvfp4(out, ref):
 @pytest.mark.parametrize("shape,axis", [((32, 128), -1), ((64, 3, 2), 0)])
 def test_nvfp4_matches_reference_on_random_tensors(seed, shape, axis):
     x = _random_nvfp4_input(seed, shape, axis, spread=4 + 4 * seed)  # wide spreads give e4m3-subnormal and 0 scales
-    out = jax.jit(lambda v: nvfp4_quantize(v, axis=axis))(x)
+    out = _jit(lambda v: nvfp4_quantize(v, axis=axis))(x)
     ref = ref_nvfp4(x, axis)
     _check_nvfp4(out, ref)
     assert np.count_nonzero(_u8(ref[0]) & 0x7) > x.size // 3
@@ -355,7 +363,7 @@ def test_nvfp4_matches_reference_on_random_tensors(seed, shape, axis):
 def test_nvfp4_edge_cases():
     rng = np.random.default_rng(9)
     base = rng.standard_normal(16).astype(np.float32)
-    q = jax.jit(nvfp4_quantize)
+    q = _jit(nvfp4_quantize)
 
     # zero tensor: tensor scale 1, block scales 0, codes 0
     z = np.zeros((2, 32), np.float32)
@@ -408,7 +416,7 @@ def test_nvfp4_follows_the_recipe_order_of_operations():
     mids = (g[:-1] + g[1:]) / 2  # e4m3 rounding ties
     e2m1_ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     rng = np.random.default_rng(5)
-    q = jax.jit(nvfp4_quantize)
+    q = _jit(nvfp4_quantize)
     moved_scales = moved_codes = 0
     for _ in range(4):
         amax = f32(rng.uniform(1, 2) * 2.0 ** rng.integers(-20, 20))
@@ -435,7 +443,7 @@ def test_nvfp4_follows_the_recipe_order_of_operations():
 def test_nvfp4_dequantize_is_one_rounding_of_the_exact_product():
     x = _random_nvfp4_input(4, (64, 64))
     codes, bs, ts = nvfp4_quantize(x)
-    out = np.asarray(jax.jit(nvfp4_dequantize)(codes, bs, ts))
+    out = np.asarray(_jit(nvfp4_dequantize)(codes, bs, ts))
     c = np.asarray(codes).astype(np.float64)
     s = np.repeat(np.asarray(bs).astype(np.float64), 16, axis=-1)
     exact = c * s * np.float64(ts)  # exact in f64 (2 + 4 + 24 significant bits)
@@ -444,7 +452,7 @@ def test_nvfp4_dequantize_is_one_rounding_of_the_exact_product():
 
 def test_nvfp4_roundtrip_error_bound():
     x = _random_nvfp4_input(8, (64, 256), spread=3)
-    codes, bs, ts = jax.jit(nvfp4_quantize)(x)
+    codes, bs, ts = _jit(nvfp4_quantize)(x)
     xd = np.asarray(nvfp4_dequantize(codes, bs, ts), np.float64)
     eff = np.repeat(np.asarray(bs, np.float64), 16, axis=-1) * np.float64(ts)  # block scale · tensor scale
     assert np.all(np.repeat(np.asarray(bs, np.float64), 16, axis=-1) >= 2.0**-6)  # normal e4m3 block scales
@@ -460,14 +468,14 @@ def test_nvfp4_roundtrip_error_bound():
 
 def test_nvfp4_2d_tiles():
     w = _random_nvfp4_input(6, (64, 48))
-    out = jax.jit(lambda v: nvfp4_quantize(v, block_shape=(16, 16)))(w)
+    out = _jit(lambda v: nvfp4_quantize(v, block_shape=(16, 16)))(w)
     _check_nvfp4(out, ref_nvfp4_2d(w))
     codes, bs, ts = out
     assert bs.shape == (4, 3)
     ct, bst, tst = nvfp4_quantize(w.T, block_shape=(16, 16))
     np.testing.assert_array_equal(_u8(ct), _u8(codes).T)
     np.testing.assert_array_equal(_u8(bst), _u8(bs).T)
-    xd = jax.jit(lambda c, s, t: nvfp4_dequantize(c, s, t, block_shape=(16, 16)))(codes, bs, ts)
+    xd = _jit(lambda c, s, t: nvfp4_dequantize(c, s, t, block_shape=(16, 16)))(codes, bs, ts)
     s = np.repeat(np.repeat(np.asarray(bs).astype(np.float64), 16, axis=0), 16, axis=1)
     exact = np.asarray(codes).astype(np.float64) * s * np.float64(ts)
     np.testing.assert_array_equal(_u32(xd), _u32(exact.astype(np.float32)))
@@ -478,7 +486,7 @@ def test_nvfp4_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     x = (rng.uniform(-1, 1, (4, 32)) * 5.0).astype(np.float32)
     n = 512
     keys = jax.random.split(jax.random.key(3), n)
-    codes, bs, ts = jax.jit(jax.vmap(lambda k: nvfp4_quantize(x, rounding="stochastic", key=k)))(keys)
+    codes, bs, ts = _jit(jax.vmap(lambda k: nvfp4_quantize(x, rounding="stochastic", key=k)))(keys)
     _, bs_n, ts_n = nvfp4_quantize(x)
     np.testing.assert_array_equal(_u8(bs), np.broadcast_to(_u8(bs_n), _u8(bs).shape))
     np.testing.assert_array_equal(_u32(ts), np.broadcast_to(_u32(ts_n), (n,)))
@@ -511,11 +519,11 @@ def test_jit_and_eager_agree():
     x = _random_mx_input(21, (4, 64))
     for name in ELEM_NAMES:
         a = mx_quantize(x, name)
-        b = jax.jit(lambda v, n=name: mx_quantize(v, n))(x)
+        b = _jit(lambda v, n=name: mx_quantize(v, n))(x)  # unoptimized: the same bits under any compile
         for u, v in zip(a, b, strict=True):
             np.testing.assert_array_equal(_u8(u), _u8(v))
     y = _random_nvfp4_input(21, (4, 64))
-    for u, v in zip(nvfp4_quantize(y), jax.jit(nvfp4_quantize)(y), strict=True):
+    for u, v in zip(nvfp4_quantize(y), _jit(nvfp4_quantize)(y), strict=True):
         assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
 
 
