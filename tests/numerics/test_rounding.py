@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 from lpt import numerics as N
 
@@ -163,16 +164,23 @@ def test_formats_and_ulp():
 
 
 def test_hash_bits_statistics():
-    b = np.asarray(N.hash_bits(jax.random.key(0), (1 << 20,)))
+    def draws():
+        b = N.hash_bits(jax.random.key(0), (1 << 20,))
+        v = N.hash_bits(jax.random.fold_in(jax.random.key(0), 1), (1 << 20,))
+        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1), s))(jnp.arange(4096))
+        return b, v, jax.vmap(lambda k: N.hash_bits(k, (4,)))(keys)
+
+    # one program of integer operations, compiled with LLVM's optimizations off: the bits are the same under any
+    # compile, and the checks are statistical
+    b, v, w = (np.asarray(x) for x in jax.jit(draws).lower().compile(UNOPTIMIZED)())
     frac = np.mean((b[:, None] >> np.arange(32, dtype=np.uint32)) & 1, axis=0)
     assert np.max(np.abs(frac - 0.5)) < 0.003  # 5 sigma for 2^20 fair bits is 0.0024
     u = b / 2.0**32
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.005  # neighbours look independent (sigma 0.001)
-    v = np.asarray(N.hash_bits(jax.random.fold_in(jax.random.key(0), 1), (1 << 20,))) / 2.0**32
+    v = v / 2.0**32
     assert abs(np.corrcoef(u, v)[0, 1]) < 0.005  # and so do different keys
     # one element over many steps (a fresh key per step, as the update rules fold in the step): uniform, independent
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(1), s))(jnp.arange(4096))
-    w = np.asarray(jax.vmap(lambda k: N.hash_bits(k, (4,)))(keys)) / 2.0**32  # [steps, element]
+    w = w / 2.0**32  # [steps, element]
     assert np.max(np.abs(w.mean(0) - 0.5)) < 5 / np.sqrt(12 * 4096)  # 5 sigma
     assert max(abs(np.corrcoef(w[:-1, i], w[1:, i])[0, 1]) for i in range(4)) < 5 / np.sqrt(4096)
     np.testing.assert_array_equal(

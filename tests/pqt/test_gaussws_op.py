@@ -1,6 +1,8 @@
 """gaussws / diffq: forward of Eq. 3, gradients of Eq. 4, same R in forward and backward, Lemma 1, keys.
 
-Each test runs its JAX work inside one or two jitted functions: compiles dominate the wall time on CPU.
+Each test runs its JAX work inside one or two jitted functions: compiles dominate the wall time on CPU. Those whose
+checks hold under any compile (noise made of bit operations, sums of exact products within rigorous bounds, counts
+and bit patterns of correctly rounded results, statistics) compile with LLVM's optimizations off (:func:`_run`).
 """
 
 import functools
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from cpu_compile import UNOPTIMIZED
 from float_bounds import assert_within, gamma
 
 import lpt.pqt as pqt
@@ -21,6 +24,11 @@ BF16 = jnp.bfloat16
 
 def f64(x):
     return np.asarray(x, np.float32).astype(np.float64)  # bf16/f32 -> f32 -> f64, exact
+
+
+def _run(f, *args):
+    """f(*args) as one jitted program compiled with LLVM's optimizations off (tests/cpu_compile.py)."""
+    return jax.jit(f).lower(*args).compile(UNOPTIMIZED)(*args)
 
 
 def tile_max(w, block=32):
@@ -54,7 +62,6 @@ def test_forward_and_gradients_match_reference(method):
     amax = tile_max(w)
     key = jax.random.key(0)
 
-    @jax.jit
     def run(w, bt, c, amax):
         r = pqn_noise(key, (2, 64, 96), method)[..., :40, :70]  # R as drawn: at the padded shape
 
@@ -67,7 +74,7 @@ def test_forward_and_gradients_match_reference(method):
         w_hat = pqn_sample(w, bt, key, method=method)
         return w_hat, reference(w, bt, r, amax), r, jax.grad(loss_op, (0, 1))(w, bt), jax.grad(loss_ref, (0, 1))(w, bt)
 
-    w_hat, ref, r, (gw, gb), (gw_ref, gb_ref) = run(w, bt, c, amax)
+    w_hat, ref, r, (gw, gb), (gw_ref, gb_ref) = _run(run, w, bt, c, amax)
     assert w_hat.dtype == BF16 and w_hat.shape == shape
     ref, pqn = f64(ref), f64(ref) - w
     # ŵ is the reference up to bf16 roundings (of ŵ, of the tile step and, for DiffQ, of the noise)
@@ -115,14 +122,13 @@ def test_forward_and_backward_see_the_same_r():
     g = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
     bt = np.full((2, 3), 4.0, np.float32)  # step = 1 · 2^(1−4) = 1/8
 
-    @jax.jit
     def run(w, bt, g):
         key = pqt.pqt_key(jax.random.key(0), "blocks/0/mlp/down", 17)
         w_hat, vjp = jax.vjp(lambda w, bt: pqt.gaussws(w, bt, key), w, bt)
         r_other = pqt.rounded_normal(jax.random.fold_in(key, 1), shape)
         return w_hat, vjp(g)[1], pqt.rounded_normal(key, shape), r_other
 
-    w_hat, g_bt, r_key, r_other = run(w, bt, g)
+    w_hat, g_bt, r_key, r_other = _run(run, w, bt, g)
     r_fwd = (f64(w_hat) - w) * 8
     np.testing.assert_array_equal(r_fwd, np.round(r_fwd))
     np.testing.assert_array_equal(r_fwd, f64(r_key))
@@ -140,7 +146,6 @@ def test_forward_and_backward_see_the_same_r():
 def test_keys_layers_and_steps_independent_and_reproducible():
     n = 1 << 20
 
-    @jax.jit
     def run():
         root = jax.random.key(0)
         draw = functools.partial(pqt.rounded_normal, shape=(n,))
@@ -151,7 +156,7 @@ def test_keys_layers_and_steps_independent_and_reproducible():
             draw(pqt.layer_key(pqt.step_key(root, 5), ("blocks", 0, "attn", "out"))),
         )
 
-    r_a5, r_b5, r_a6, again = (f64(r) for r in run())
+    r_a5, r_b5, r_a6, again = (f64(r) for r in _run(run))
     np.testing.assert_array_equal(r_a5, again)  # a function of (seed, step, path) only
     p_equal = sum(p * p for p in pqt.ROUNDED_NORMAL_PMF.values())  # ≈ 0.553 for independent draws
     sd = math.sqrt(p_equal * (1 - p_equal) / n)
@@ -174,7 +179,6 @@ def test_lemma1_no_underflow_for_bt_le_8_in_bf16():
     bt = np.where(np.arange(grid[0])[:, None] % 2 == 0, 8.0, np.linspace(1.0, 8.0, grid[0] * grid[1]).reshape(grid))
     key = jax.random.key(9)
 
-    @jax.jit
     def run(w, bt):
         def count(bt, method):  # (# non-zero R whose noise vanished in ŵ, # non-zero R)
             w_hat = pqn_sample(w, bt, key, method=method)
@@ -183,7 +187,7 @@ def test_lemma1_no_underflow_for_bt_le_8_in_bf16():
 
         return count(bt, "gaussws"), count(jnp.full(grid, 10.0), "gaussws"), count(jnp.full(grid, 4.0), "diffq")
 
-    (lost, nonzero), (lost_hi, _), (lost_u, _) = run(w, bt.astype(np.float32))
+    (lost, nonzero), (lost_hi, _), (lost_u, _) = _run(run, w, bt.astype(np.float32))
     assert int(nonzero) > 15_000 and int(lost) == 0
     assert int(lost_hi) > 100  # the bound is real: beyond m + 2 + τ = 9 noise vanishes
     assert int(lost_u) > 100  # DiffQ's small |R| underflows already at b_t = 4
