@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cpu_compile import UNOPTIMIZED
 from lowering import lowering
 
 import lpt.optim as O
@@ -35,8 +36,10 @@ def test_interpret_matches_xla_twin(stochastic):
     scalars = jnp.asarray([1 / 0.19, 1 / 0.002, -1e-2, 0.0], jnp.float32)
     words = jnp.asarray([1, 2], jnp.uint32)
     options = StepOptions(**HP, stochastic=stochastic, block_rows=16, interpret=True)
-    kernel = jax.jit(functools.partial(adamw_kahan, options=options))
-    ref = jax.jit(functools.partial(adamw_kahan_reference, options=options))
+    # LLVM's optimizations off: the kernel's math and its twin's are the same element-wise ops, each rounded where it
+    # is written, products kept out of FMAs by a runtime zero (lpt.kernels.adamw_kahan.math): equal under any compile
+    kernel = jax.jit(functools.partial(adamw_kahan, options=options), compiler_options=UNOPTIMIZED)
+    ref = jax.jit(functools.partial(adamw_kahan_reference, options=options), compiler_options=UNOPTIMIZED)
     # the twin's stochastic rounding is lpt.numerics.round_stochastic on the whole leaf: the kernel must draw the
     # same hash bits from each block's global indices
     for out, expect in zip(kernel(g, p, c, mv, scalars, words), ref(g, p, c, mv, scalars, words), strict=True):
@@ -47,10 +50,12 @@ def test_interpret_matches_xla_twin(stochastic):
 
 def kahan_adamw_steps(impl: str, params, steps: int, **kw):
     """(params, state) after ``steps`` jitted steps of ``kahan_adamw(impl=...)`` (weight decay 0.1, stochastic moments
-    seeded 3, a decaying lr) on sin gradients that change every step."""
+    seeded 3, a decaying lr) on sin gradients that change every step. Compiled with LLVM's optimizations off: both
+    impls run the same element-wise math, rounded where it is written and kept out of FMAs (lpt.kernels.adamw_kahan.
+    math), and the same scalar code, so they agree under any compile."""
     tx = O.kahan_adamw(optax.linear_schedule(1e-2, 1e-3, 4), impl=impl, weight_decay=0.1, seed=3, **kw)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=UNOPTIMIZED)
     def step(g, st, q):
         d, st = tx.update(g, st, q)
         return optax.apply_updates(q, d), st
@@ -107,8 +112,10 @@ def test_wide_leaves_run_on_a_2d_grid_and_equal_the_twin(shape, stochastic):
     (eqn,) = [e for e in jax.make_jaxpr(kernel)(g, p, c, mv, scalars, words).eqns if e.primitive.name == "pallas_call"]
     m = int(np.prod(shape[:-1]))
     assert tuple(eqn.params["grid_mapping"].grid) == (m // 16, shape[-1] // 128)
-    ref = jax.jit(functools.partial(adamw_kahan_reference, options=options))
-    for out, expect in zip(jax.jit(kernel)(g, p, c, mv, scalars, words), ref(g, p, c, mv, scalars, words), strict=True):
+    # LLVM's optimizations off: the same element-wise math as the twin, rounded where it is written, no FMAs
+    ref = jax.jit(functools.partial(adamw_kahan_reference, options=options), compiler_options=UNOPTIMIZED)
+    run = jax.jit(kernel, compiler_options=UNOPTIMIZED)
+    for out, expect in zip(run(g, p, c, mv, scalars, words), ref(g, p, c, mv, scalars, words), strict=True):
         assert out.shape == expect.shape == shape
         np.testing.assert_array_equal(np.asarray(out), np.asarray(expect))
 

@@ -1,5 +1,6 @@
 """lpt.optim.scale_by_adam has optax.scale_by_adam's signature and, on f32 params, its numbers."""
 
+import functools
 import inspect
 
 import jax
@@ -7,8 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cpu_compile import UNOPTIMIZED
 
 import lpt.optim as O
+
+# LLVM's optimizations off where the checks are error bounds far above f32 round-off, large differences, or equal
+# results of one traced program
+jit = functools.partial(jax.jit, compiler_options=UNOPTIMIZED)
 
 
 def test_signature_starts_like_optax():
@@ -33,14 +39,14 @@ def test_f32_params_follow_optax(kw):
     s1, s2 = ours.init(p), theirs.init(p)
     for _ in range(20):
         g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), p)
-        u1, s1 = jax.jit(ours.update)(g, s1, p)
-        u2, s2 = jax.jit(theirs.update)(g, s2, p)
+        u1, s1 = jit(ours.update)(g, s1, p)
+        u2, s2 = jit(theirs.update)(g, s2, p)
         for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
     # the options change the result (the test could fail)
     if kw:
-        u0, _ = O.scale_by_adam().update(g, O.scale_by_adam().init(p), p)
-        u_kw, _ = O.scale_by_adam(**kw).update(g, O.scale_by_adam(**kw).init(p), p)
+        u0, _ = jit(O.scale_by_adam().update)(g, O.scale_by_adam().init(p), p)
+        u_kw, _ = jit(O.scale_by_adam(**kw).update)(g, O.scale_by_adam(**kw).init(p), p)
         assert not np.allclose(np.asarray(u0["w"]), np.asarray(u_kw["w"]))
 
 
@@ -84,8 +90,7 @@ def test_mask_is_optax_name_and_weight_decay_mask_its_alias(make):
     mask = {"w": True, "b": False}
     a = make(1e-1, weight_decay=0.5, mask=mask)
     b = make(1e-1, weight_decay=0.5, weight_decay_mask=mask)
-    ua, _ = a.update(g, a.init(p), p)
-    ub, _ = b.update(g, b.init(p), p)
+    ua, ub = jit(lambda g, p: (a.update(g, a.init(p), p)[0], b.update(g, b.init(p), p)[0]))(g, p)
     for x, y in zip(jax.tree.leaves(ua), jax.tree.leaves(ub), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert float(ua["b"][0]) == 0.0 and float(ua["w"][0, 0]) < 0.0  # only the masked-in leaf decays
@@ -109,8 +114,8 @@ def test_adamw_f32_master_follows_optax_with_its_options():
     p1 = p2 = p
     for _ in range(10):
         g = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
-        u1, s1 = jax.jit(ours.update)(g, s1, p1)
-        u2, s2 = jax.jit(theirs.update)(g, s2, p2)
+        u1, s1 = jit(ours.update)(g, s1, p1)
+        u2, s2 = jit(theirs.update)(g, s2, p2)
         p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
     np.testing.assert_allclose(np.asarray(p1["w"]), np.asarray(p2["w"]), rtol=1e-5, atol=1e-6)
     plain = O.adamw(1e-2, 0.8, 0.99, 1e-6, weight_decay=0.1, update="nearest")  # without eps_root / nesterov
@@ -119,6 +124,6 @@ def test_adamw_f32_master_follows_optax_with_its_options():
     rng.standard_normal((32, 16))
     for _ in range(10):
         g = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
-        u0, s0 = jax.jit(plain.update)(g, s0, p0)
+        u0, s0 = jit(plain.update)(g, s0, p0)
         p0 = optax.apply_updates(p0, u0)
     assert float(jnp.max(jnp.abs(p0["w"] - p2["w"]))) > 1e-3  # the options change the result
