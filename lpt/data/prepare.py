@@ -307,9 +307,7 @@ def _prepare_locked(
                 for f in (*(prepared.shard_file(s, int(k)) for s in documents.SPLITS), prepared.counts_file(int(k)))
             )
         }
-    for f in os.listdir(out):  # files an interrupted run left half-written
-        if prepare_out.TEMPORARY.fullmatch(f):
-            os.remove(os.path.join(out, f))
+    prepare_out.remove_temporary(out)  # files an interrupted run left half-written
     prepare_out.write_manifest(out, manifest)
     settings = {
         "out": out,

@@ -2,8 +2,8 @@
 
 * The manifest (``DIR/manifest.json``, :data:`lpt.data.prepared.MANIFEST`): :func:`read_manifest`,
   :func:`write_manifest` (through a temporary file and a rename), :func:`check_rerun` (a rerun into the same DIR must
-  have the same tokenizer, inputs and settings) and :data:`TEMPORARY`, the names of the half-written files an
-  interrupted run leaves.
+  have the same tokenizer, inputs and settings) and :func:`remove_temporary` (the half-written files an
+  interrupted run leaves).
 * :class:`OutLock`: one prepare at a time per DIR (an exclusive lock on ``DIR/prepare.lock`` that names the holder).
 * :func:`check_apart`: DIR must not be, contain, or lie inside an input directory where the ``--input`` glob would
   match the files prepare writes.
@@ -18,9 +18,16 @@ import re
 from lpt import filelock
 from lpt.data import corpus, documents, prepared
 
-TEMPORARY = re.compile(
+_TEMPORARY = re.compile(
     r"(train|validation)-\d{5}\.array_record\.tmp-\d+|(counts-\d{5}|counts)\.npy\.tmp\.npy|manifest\.json\.tmp"
 )
+
+
+def remove_temporary(out: str) -> None:
+    """Delete the half-written files (temporary names) that an interrupted prepare left in ``out``."""
+    for f in os.listdir(out):
+        if _TEMPORARY.fullmatch(f):
+            os.remove(os.path.join(out, f))
 
 
 def read_manifest(path: str) -> dict:
